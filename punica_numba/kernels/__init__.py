@@ -1,0 +1,12 @@
+"""The ``@cuda.jit`` kernels, one file per op, plus the pieces they share.
+
+* :mod:`.dtypes`   fp16 / bf16 / fp32 loads and stores through fp32;
+* :mod:`.segments` from a block index to a tile of one slot's tokens;
+* :mod:`.shrink`   ``x @ A^T`` into the fp32 buffer;
+* :mod:`.expand`   ``buffer @ B^T`` into the layer output.
+"""
+
+from .expand import build_expand_kernel
+from .shrink import MAX_SLICES, build_shrink_kernel
+
+__all__ = ["MAX_SLICES", "build_expand_kernel", "build_shrink_kernel"]

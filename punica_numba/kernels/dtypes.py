@@ -1,0 +1,66 @@
+"""Reading and writing fp16, bf16 and fp32 elements as fp32, the same way on both machines.
+
+Every kernel computes in fp32. It reads its operands through a *loader* (storage
+element -> fp32) and writes through a *storer* (fp32 -> storage element), chosen
+per tensor dtype when the kernel is built (:func:`loader`, :func:`storer`).
+
+bfloat16 is stored as ``int16`` bits (see ``punica_numba._cuda.kernel_array``)
+because the CUDA simulator has no bfloat16 type. A bf16 number is the top half of
+an fp32 number, so the conversions are shifts:
+
+* bf16 -> fp32: put the 16 bits in the top of a 32-bit word (exact);
+* fp32 -> bf16: round to nearest even on the 16 bits that are dropped.
+
+Every shift operand is cast to a 32-bit type explicitly: on the GPU Numba would
+promote ``int16 << 16`` to int64, while on the simulator numpy keeps int16 and
+the result would be 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._cuda import cuda
+
+__all__ = ["loader", "storer", "bf16_bits_to_f32", "f32_to_bf16_bits"]
+
+_BF16_QUIET_NAN = np.int16(0x7FC0)
+
+
+@cuda.jit(device=True)
+def bf16_bits_to_f32(bits):
+    """int16 holding bf16 bits -> float32 (exact)."""
+    return np.int32(np.int32(bits) << np.int32(16)).view(np.float32)
+
+
+@cuda.jit(device=True)
+def f32_to_bf16_bits(value):
+    """float32 -> int16 holding the bf16 bits, rounded to nearest, ties to even."""
+    if value != value:  # NaN: keep it a NaN whatever its low bits were
+        return _BF16_QUIET_NAN
+    word = np.float32(value).view(np.uint32)
+    word = word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(word >> np.uint32(16)).view(np.int16)
+
+
+@cuda.jit(device=True)
+def to_f32(value):
+    """fp16 or fp32 element -> float32 (exact)."""
+    return np.float32(value)
+
+
+@cuda.jit(device=True)
+def as_stored(value):
+    """float32 -> fp16 / fp32 element: the array store itself rounds (to nearest even)."""
+    return value
+
+
+def loader(dtype: torch.dtype):
+    """The device function that reads one element of a ``dtype`` tensor as fp32."""
+    return bf16_bits_to_f32 if dtype == torch.bfloat16 else to_f32
+
+
+def storer(dtype: torch.dtype):
+    """The device function that turns an fp32 value into one element of a ``dtype`` tensor."""
+    return f32_to_bf16_bits if dtype == torch.bfloat16 else as_stored

@@ -1,0 +1,241 @@
+"""Sort and segment: ``LoRAKernelMeta``, the metadata every kernel launch reads.
+
+The kernels do not walk tokens in their original order. They walk *segments*:
+the tokens sorted (stably) by their slot, so that every slot's tokens sit next
+to each other and one block can reuse a slot's weights across them.
+
+Example: the token slots ``[1, -1, 0, 1, -1]`` give
+
+=====================================  =========================
+``token_indices_sorted_by_lora_ids``   ``[1, 4, 2, 0, 3]``
+``active_lora_ids``                    ``[-1, 0, 1, -1, ...]``
+``num_tokens_per_lora``                ``[2, 1, 2, 0, ...]``
+``lora_token_start_loc``               ``[0, 2, 3, 5, 0, ...]``
+=====================================  =========================
+
+so segment i, ``sorted[start[i] : start[i] + count[i]]``, holds exactly the tokens
+of slot ``active_lora_ids[i]`` in their original order. The field names, shapes and
+dtypes are vLLM's (../shared/SPEC.md §3); unlike vLLM's, every buffer is
+initialised, bad slots and oversize batches raise ``ValueError``, and the largest
+slot in use is kept on the host so that later checks need no device sync.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["LoRAKernelMeta", "Segment", "host_meta_of"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One run of sorted tokens that share a slot (read back to the host)."""
+
+    slot: int
+    start: int
+    count: int
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class LoRAKernelMeta:
+    """Token-to-slot metadata in fixed-size buffers, ready for kernel launches.
+
+    Attributes:
+        token_lora_mapping: ``[M_max]`` int32, slot of each token, -1 = none (and past
+            the prepared tokens).
+        token_indices_sorted_by_lora_ids: ``[M_max]`` int32, a stable sort of the
+            tokens by slot; past the prepared tokens, the identity.
+        active_lora_ids: ``[L+1]`` int32, the distinct slots present, ascending, -1
+            first if present; unused entries -1.
+        num_tokens_per_lora: ``[L+1]`` int32, tokens of ``active_lora_ids[i]``; unused 0.
+        lora_token_start_loc: ``[L+2]`` int32, ``[0, cumsum(counts)]``; unused 0.
+        no_lora_flag_cpu: ``[1]`` bool on the CPU, True iff no token has a LoRA.
+        max_loras: L, the number of slots.
+        max_num_tokens: M_max, the most tokens a mapping may hold.
+        num_tokens: tokens in the last prepared mapping (host).
+        max_slot_in_use: the largest slot in the last prepared mapping, -1 if none (host).
+    """
+
+    token_lora_mapping: torch.Tensor
+    token_indices_sorted_by_lora_ids: torch.Tensor
+    active_lora_ids: torch.Tensor
+    num_tokens_per_lora: torch.Tensor
+    lora_token_start_loc: torch.Tensor
+    no_lora_flag_cpu: torch.Tensor
+    max_loras: int
+    max_num_tokens: int
+    num_tokens: int = 0
+    max_slot_in_use: int = -1
+    _positions: torch.Tensor = field(repr=False, default=None)  # [M_max] int32 arange
+
+    @staticmethod
+    def make(max_loras: int, max_num_tokens: int, device: torch.device | str) -> LoRAKernelMeta:
+        """Allocate and initialise the buffers for L slots and up to M_max tokens."""
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        if max_num_tokens < 0:
+            raise ValueError(f"max_num_tokens must be >= 0, got {max_num_tokens}")
+        i32 = dict(dtype=torch.int32, device=device)
+        positions = torch.arange(max_num_tokens, **i32)  # [M_max]
+        meta = LoRAKernelMeta(
+            token_lora_mapping=torch.full((max_num_tokens,), -1, **i32),
+            token_indices_sorted_by_lora_ids=positions.clone(),
+            active_lora_ids=torch.full((max_loras + 1,), -1, **i32),
+            num_tokens_per_lora=torch.zeros(max_loras + 1, **i32),
+            lora_token_start_loc=torch.zeros(max_loras + 2, **i32),
+            no_lora_flag_cpu=torch.ones(1, dtype=torch.bool, device="cpu"),
+            max_loras=max_loras,
+            max_num_tokens=max_num_tokens,
+            _positions=positions,
+        )
+        # Let the ops find the host-side facts from the tensors they are handed.
+        meta.active_lora_ids._punica_meta = weakref.ref(meta)
+        return meta
+
+    def _reset(self, num_tokens: int) -> None:
+        self.token_lora_mapping.fill_(-1)
+        self.token_indices_sorted_by_lora_ids.copy_(self._positions)
+        self.active_lora_ids.fill_(-1)
+        self.num_tokens_per_lora.fill_(0)
+        self.lora_token_start_loc.fill_(0)
+        self.no_lora_flag_cpu.fill_(True)
+        self.num_tokens = num_tokens
+        self.max_slot_in_use = -1
+
+    def prepare_tensors(self, token_lora_mapping: torch.Tensor) -> None:
+        """Sort and segment the tokens of one step.
+
+        Semantics:
+            mapping: [n] integer slots in [-1, L), n <= M_max (any device; copied).
+            token_lora_mapping[:n] = mapping;        rest -1
+            sorted[:n] = stable argsort(mapping);    rest = identity
+            active ids, counts, starts as in the module docstring;
+            no_lora_flag_cpu = all(mapping == -1)
+        Reads one pair of numbers back to the host (min and max) to validate.
+
+        Raises:
+            ValueError: more than ``max_num_tokens`` tokens, a slot outside
+                ``[-1, max_loras)``, or a mapping that is not a 1-D integer tensor.
+            TypeError: a mapping that is not a tensor.
+        """
+        mapping = token_lora_mapping
+        if not isinstance(mapping, torch.Tensor):
+            raise TypeError(
+                f"token_lora_mapping must be a torch.Tensor, got {type(mapping).__name__}"
+            )
+        if mapping.ndim != 1 or mapping.dtype.is_floating_point or mapping.dtype == torch.bool:
+            raise ValueError(
+                "token_lora_mapping must be a 1-D integer tensor, got "
+                f"{mapping.dtype} of shape {tuple(mapping.shape)}"
+            )
+        n = mapping.numel()
+        if n > self.max_num_tokens:
+            raise ValueError(
+                f"token_lora_mapping holds {n} tokens but this metadata was made for at most "
+                f"max_num_tokens={self.max_num_tokens}"
+            )
+        device = self.token_lora_mapping.device
+        mapping = mapping.to(device=device, dtype=torch.int64)
+        if n:
+            lowest, highest = torch.stack(torch.aminmax(mapping)).tolist()  # one sync
+            if lowest < -1 or highest >= self.max_loras:
+                raise ValueError(
+                    f"token_lora_mapping holds slots from {lowest} to {highest}; slots must lie "
+                    f"in [-1, max_loras={self.max_loras})"
+                )
+        else:
+            highest = -1
+
+        self._reset(n)
+        self.token_lora_mapping[:n].copy_(mapping)
+        self.max_slot_in_use = highest
+        if highest == -1:  # no token has a LoRA: every segment stays empty
+            return
+        self.no_lora_flag_cpu.fill_(False)
+
+        order = torch.sort(mapping, stable=True).indices  # [n], -1 tokens first
+        self.token_indices_sorted_by_lora_ids[:n].copy_(order)
+
+        # counts[j] = tokens of slot j - 1, for slots -1 .. L-1  -> [L+1]
+        counts = torch.bincount(mapping + 1, minlength=self.max_loras + 1)
+        present = counts > 0
+        # The present slots first (ascending), then the absent ones: no sync needed.
+        order_present = torch.sort((~present).to(torch.int8), stable=True).indices  # [L+1]
+        used = torch.arange(self.max_loras + 1, device=device) < present.sum()  # [L+1]
+        self.active_lora_ids.copy_(torch.where(used, order_present - 1, -1))
+        compact_counts = torch.where(used, counts[order_present], 0)  # [L+1]
+        self.num_tokens_per_lora.copy_(compact_counts)
+        self.lora_token_start_loc[1:].copy_(torch.where(used, compact_counts.cumsum(0), 0))
+
+    def meta_args(self, token_nums: int):
+        """The six metadata arguments of ``lora_shrink`` / ``lora_expand``, for ``token_nums`` rows.
+
+        ``token_nums`` is the row count of the activation, which may exceed the prepared
+        token count (CUDA-graph padding); rows past the prepared tokens are in no segment.
+        No device sync.
+        """
+        if token_nums > self.max_num_tokens:
+            raise ValueError(
+                f"token_nums={token_nums} exceeds this metadata's max_num_tokens="
+                f"{self.max_num_tokens}"
+            )
+        return (
+            self.token_lora_mapping[:token_nums],
+            self.token_indices_sorted_by_lora_ids[:token_nums],
+            self.num_tokens_per_lora,
+            self.lora_token_start_loc,
+            self.active_lora_ids,
+            self.no_lora_flag_cpu,
+        )
+
+    # -- reading it back, for people ------------------------------------------------
+
+    def segments(self) -> list[Segment]:
+        """The non-empty segments, read back to the host (syncs; for notebooks and tests)."""
+        ids = self.active_lora_ids.tolist()
+        counts = self.num_tokens_per_lora.tolist()
+        starts = self.lora_token_start_loc.tolist()
+        order = self.token_indices_sorted_by_lora_ids.tolist()
+        return [
+            Segment(slot, start, count, tuple(order[start : start + count]))
+            for slot, start, count in zip(ids, starts, counts)
+            if count > 0
+        ]
+
+    def _table_rows(self, max_tokens_shown: int = 12):
+        for seg in self.segments():
+            shown = ", ".join(str(t) for t in seg.tokens[:max_tokens_shown])
+            if seg.count > max_tokens_shown:
+                shown += ", …"
+            slot = "-1 (no LoRA)" if seg.slot == -1 else str(seg.slot)
+            yield slot, seg.start, seg.count, shown
+
+    def _repr_markdown_(self) -> str:
+        head = (
+            f"**LoRAKernelMeta**: {self.num_tokens} tokens, {self.max_loras} slots, "
+            f"no_lora={bool(self.no_lora_flag_cpu.item())}\n\n"
+            "| slot | start | tokens | token indices |\n|---:|---:|---:|:---|\n"
+        )
+        return head + "".join(f"| {a} | {b} | {c} | {d} |\n" for a, b, c, d in self._table_rows())
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{a}</td><td>{b}</td><td>{c}</td><td>{d}</td></tr>"
+            for a, b, c, d in self._table_rows()
+        )
+        return (
+            f"<p><b>LoRAKernelMeta</b>: {self.num_tokens} tokens, {self.max_loras} slots, "
+            f"no_lora={bool(self.no_lora_flag_cpu.item())}</p>"
+            "<table><tr><th>slot</th><th>start</th><th>tokens</th><th>token indices</th></tr>"
+            f"{rows}</table>"
+        )
+
+
+def host_meta_of(lora_ids: torch.Tensor) -> LoRAKernelMeta | None:
+    """The ``LoRAKernelMeta`` whose ``active_lora_ids`` this is, if it is one of ours."""
+    ref = getattr(lora_ids, "_punica_meta", None)
+    return ref() if ref is not None else None

@@ -1,0 +1,356 @@
+"""``lora_shrink`` and ``lora_expand`` with vLLM v0.9's signatures: check, choose, launch.
+
+The six metadata arguments are what ``LoRAKernelMeta.meta_args(T)`` returns, so
+vLLM-style code reads the same::
+
+    lora_shrink(x, [A], buffer, *meta.meta_args(T), scale)
+    lora_expand(buffer, [B], y, *meta.meta_args(T), offset_start=0, add_inputs=True)
+
+Every argument is checked before anything is launched; a rejected call changes
+nothing. Kernels run on torch's current stream, on the GPU or, without one, on
+Numba's CUDA simulator (the same kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_int, check_real, check_same_device, check_sequence, check_tensor
+from ._cuda import KERNEL_DTYPES, SIMULATOR, kernel_array, launch_stream
+from .kernels import MAX_SLICES, build_expand_kernel, build_shrink_kernel
+from .kernels.segments import tile_grid_bound
+from .meta import host_meta_of
+from .reference import squeeze_weight
+
+__all__ = ["lora_shrink", "lora_expand", "LaunchConfig", "launch_config"]
+
+_INDEX_DTYPES = (torch.int32,)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a kernel is launched. Part of it is compiled in (threads, tiles)."""
+
+    threads: int  # threads per block (a power of two)
+    tile_m: int  # tokens of one slot per block
+    tile_n: int  # ranks per group (shrink only)
+    spread: bool  # spread rank groups / column groups over grid.z (True) or loop in-block
+
+
+def launch_config(op: str) -> LaunchConfig:
+    """The configuration for ``op`` on this machine.
+
+    The simulator runs every thread as a Python thread, so it gets small blocks and
+    loops inside the block instead of more blocks; the arithmetic is the same.
+    """
+    if op not in ("shrink", "expand"):
+        raise ValueError(f"op must be 'shrink' or 'expand', got {op!r}")
+    if SIMULATOR:
+        return LaunchConfig(threads=16, tile_m=4, tile_n=4, spread=False)
+    return LaunchConfig(threads=128, tile_m=4, tile_n=4, spread=True)
+
+
+def _weights(name: str, weights, dtypes) -> list[torch.Tensor]:
+    """Check a list of stacked LoRA weights; return them as ``[L, N, K]`` views."""
+    check_sequence(name, weights)
+    squeezed = []
+    for s, w in enumerate(weights):
+        check_tensor(f"{name}[{s}]", w, ndim=(3, 4), dtypes=dtypes, contiguous=True)
+        if w.ndim == 4 and w.shape[1] != 1:
+            raise ValueError(f"{name}[{s}] must be [L, N, K] or [L, 1, N, K], got {tuple(w.shape)}")
+        if w.dtype != weights[0].dtype:
+            raise TypeError(f"{name}[{s}] is {w.dtype} but {name}[0] is {weights[0].dtype}")
+        squeezed.append(squeeze_weight(w))
+    return squeezed
+
+
+def _check_metadata(
+    num_rows: int,
+    num_loras: int,
+    token_lora_mapping,
+    token_indices_sorted_by_lora_ids,
+    num_tokens_per_lora,
+    lora_token_start_loc,
+    lora_ids,
+    no_lora_flag_cpu,
+) -> bool:
+    """Check the six metadata arguments for ``num_rows`` activation rows and weights of
+    ``num_loras`` slots. Return True when no token has a LoRA (nothing to launch)."""
+    named = {
+        "token_lora_mapping": token_lora_mapping,
+        "token_indices_sorted_by_lora_ids": token_indices_sorted_by_lora_ids,
+        "num_tokens_per_lora": num_tokens_per_lora,
+        "lora_token_start_loc": lora_token_start_loc,
+        "lora_ids": lora_ids,
+    }
+    for name, t in named.items():
+        check_tensor(name, t, ndim=1, dtypes=_INDEX_DTYPES)
+    check_same_device(named)
+    check_tensor("no_lora_flag_cpu", no_lora_flag_cpu, dtypes=(torch.bool,), on_kernel_device=False)
+    if no_lora_flag_cpu.device.type != "cpu" or no_lora_flag_cpu.numel() != 1:
+        raise ValueError(
+            "no_lora_flag_cpu must be a one-element bool tensor on the CPU, got "
+            f"{no_lora_flag_cpu.numel()} element(s) on {no_lora_flag_cpu.device}"
+        )
+    for name in ("token_lora_mapping", "token_indices_sorted_by_lora_ids"):
+        if named[name].shape[0] < num_rows:
+            raise ValueError(
+                f"{name} holds {named[name].shape[0]} entries, fewer than the {num_rows} "
+                "token rows of the activation (the metadata was made for fewer tokens)"
+            )
+    if num_tokens_per_lora.shape[0] != lora_ids.shape[0]:
+        raise ValueError(
+            f"num_tokens_per_lora has {num_tokens_per_lora.shape[0]} entries but lora_ids has "
+            f"{lora_ids.shape[0]}; they must match"
+        )
+    if lora_token_start_loc.shape[0] != lora_ids.shape[0] + 1:
+        raise ValueError(
+            f"lora_token_start_loc must have len(lora_ids) + 1 = {lora_ids.shape[0] + 1} "
+            f"entries, got {lora_token_start_loc.shape[0]}"
+        )
+    meta = host_meta_of(lora_ids)  # ours: host-side facts, no device sync
+    if meta is not None:
+        if meta.max_slot_in_use >= num_loras:
+            raise ValueError(
+                f"the metadata uses slot {meta.max_slot_in_use}, but the LoRA weights hold only "
+                f"{num_loras} slot(s)"
+            )
+        if meta.num_tokens > num_rows:
+            raise ValueError(
+                f"the metadata was prepared for {meta.num_tokens} tokens, more than the "
+                f"{num_rows} token rows of the activation"
+            )
+    return bool(no_lora_flag_cpu.item())
+
+
+def _metadata_arrays(sorted_tokens, counts, starts, lora_ids):
+    return tuple(kernel_array(t) for t in (sorted_tokens, counts, starts, lora_ids))
+
+
+def _tile_blocks(num_tokens: int, counts: torch.Tensor, lora_ids: torch.Tensor, tile_m: int) -> int:
+    """Blocks along the tile axis.
+
+    On the GPU: the bound of :func:`tile_grid_bound`, which needs no look at the
+    device (no sync, and the launch can be captured in a CUDA graph); surplus blocks
+    exit at once. On the simulator the metadata sits in host memory and every idle
+    block would still cost a Python thread per CUDA thread, so the grid is exact.
+    """
+    if not SIMULATOR:
+        return tile_grid_bound(num_tokens, lora_ids.shape[0], tile_m)
+    used = lora_ids != -1
+    return int(((counts.to(torch.int64) + tile_m - 1) // tile_m)[used].sum())
+
+
+@torch.no_grad()
+def lora_shrink(
+    inputs: torch.Tensor,
+    lora_a_weights: Sequence[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_mapping: torch.Tensor,
+    token_indices_sorted_by_lora_ids: torch.Tensor,
+    num_tokens_per_lora: torch.Tensor,
+    lora_token_start_loc: torch.Tensor,
+    lora_ids: torch.Tensor,
+    no_lora_flag_cpu: torch.Tensor,
+    scaling: float,
+) -> None:
+    """Shrink: ``output[s, t] += scaling * inputs[t] @ A_s[slot(t)]^T`` for every token with a LoRA.
+
+    Semantics:
+        inputs: [T, H] fp16 / bf16 / fp32, contiguous
+        lora_a_weights[s]: [L, r, H] or [L, 1, r, H], the dtype of inputs, contiguous
+        output_tensor: [>= S, T, r] floating (fp32 in practice), contiguous; modified in place
+        for s, t with l = slot(t) != -1:
+            output[s, t, :] += scaling * sum_k inputs[t, k] * A_s[l, :, k]   (fp32 accumulation)
+        Rows of tokens without a LoRA, and slices past S, are untouched. Deterministic:
+        no atomics, so the same inputs give the same bits on every run.
+
+    Memory traffic: reads T*H + (active slots)*S*r*H elements; reads and writes S*T*r.
+
+    Raises:
+        TypeError: a dtype the kernels do not take, or mismatched dtypes.
+        ValueError: a wrong shape, size, layout or device, or metadata that does not fit.
+    """
+    check_tensor("inputs", inputs, ndim=2, dtypes=KERNEL_DTYPES, contiguous=True)
+    weights = _weights("lora_a_weights", lora_a_weights, KERNEL_DTYPES)
+    check_tensor("output_tensor", output_tensor, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
+    scaling = check_real("scaling", scaling)
+    if weights[0].dtype != inputs.dtype:
+        raise TypeError(
+            f"lora_a_weights are {weights[0].dtype} but inputs are {inputs.dtype}; they must match"
+        )
+    num_tokens, hidden = inputs.shape
+    num_loras, rank, _ = weights[0].shape
+    for s, w in enumerate(weights):
+        if w.shape[2] != hidden:
+            raise ValueError(
+                f"lora_a_weights[{s}] has K={w.shape[2]} but inputs have hidden size {hidden}"
+            )
+        if w.shape[:2] != (num_loras, rank):
+            raise ValueError(
+                f"lora_a_weights[{s}] is {tuple(w.shape)} but lora_a_weights[0] is "
+                f"{tuple(weights[0].shape)}; all slices need the same L and rank"
+            )
+    if output_tensor.shape[0] < len(weights):
+        raise ValueError(
+            f"output_tensor has {output_tensor.shape[0]} slice(s), fewer than the "
+            f"{len(weights)} weight slice(s)"
+        )
+    if output_tensor.shape[1:] != (num_tokens, rank):
+        raise ValueError(
+            f"output_tensor must be [S, T={num_tokens}, r={rank}], got {tuple(output_tensor.shape)}"
+        )
+    check_same_device(
+        {
+            "inputs": inputs,
+            "output_tensor": output_tensor,
+            **{f"lora_a_weights[{s}]": w for s, w in enumerate(weights)},
+            "lora_ids": lora_ids,
+        }
+    )
+    no_lora = _check_metadata(
+        num_tokens,
+        num_loras,
+        token_lora_mapping,
+        token_indices_sorted_by_lora_ids,
+        num_tokens_per_lora,
+        lora_token_start_loc,
+        lora_ids,
+        no_lora_flag_cpu,
+    )
+    if no_lora or num_tokens == 0 or rank == 0:
+        return
+
+    config = launch_config("shrink")
+    kernel = build_shrink_kernel(
+        inputs.dtype, weights[0].dtype, config.threads, config.tile_m, config.tile_n
+    )
+    rank_groups = -(-rank // config.tile_n) if config.spread else 1
+    tiles = _tile_blocks(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m)
+    meta = _metadata_arrays(
+        token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
+    )
+    x, out = kernel_array(inputs), kernel_array(output_tensor)
+    stream = launch_stream()
+    for base in range(0, len(weights), MAX_SLICES):
+        chunk = [kernel_array(w) for w in weights[base : base + MAX_SLICES]]
+        grid = (tiles, len(chunk), rank_groups)
+        chunk += [chunk[0]] * (MAX_SLICES - len(chunk))  # unused slots: never read
+        kernel[grid, config.threads, stream](x, *chunk, out, base, *meta, scaling)
+
+
+@torch.no_grad()
+def lora_expand(
+    inputs: torch.Tensor,
+    lora_b_weights: Sequence[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_mapping: torch.Tensor,
+    token_indices_sorted_by_lora_ids: torch.Tensor,
+    num_tokens_per_lora: torch.Tensor,
+    lora_token_start_loc: torch.Tensor,
+    lora_ids: torch.Tensor,
+    no_lora_flag_cpu: torch.Tensor,
+    offset_start: int = 0,
+    add_inputs: bool = False,
+) -> None:
+    """Expand: ``output[t, c_s:c_s+N_s] (+)= inputs[s, t] @ B_s[slot(t)]^T`` per token with a LoRA.
+
+    Semantics:
+        inputs: [>= S, T, r] fp16 / bf16, or fp32 (the shrink buffer); any strides
+        lora_b_weights[s]: [L, N_s, r] or [L, 1, N_s, r], fp16 / bf16 / fp32, contiguous;
+            inputs must have the weights' dtype or be fp32
+        output_tensor: [T, >= offset_start + sum(N_s)] floating, contiguous; modified in place
+        c_s = offset_start + N_0 + ... + N_{s-1}
+        for s, t with l = slot(t) != -1, n < N_s:
+            output[t, c_s + n] = (output[t, c_s + n] if add_inputs else 0)
+                                 + sum_k inputs[s, t, k] * B_s[l, n, k]   (fp32, one rounding)
+        Rows of tokens without a LoRA and columns outside the slices are untouched.
+
+    Memory traffic: reads S*T*r + (active slots)*sum(N_s)*r elements; writes T*sum(N_s)
+    (and reads them too when add_inputs).
+
+    Raises:
+        TypeError: a dtype the kernels do not take, or mismatched dtypes.
+        ValueError: a wrong shape, size, layout, device or offset, or metadata that does not fit.
+    """
+    check_tensor("inputs", inputs, ndim=3, dtypes=KERNEL_DTYPES)
+    weights = _weights("lora_b_weights", lora_b_weights, KERNEL_DTYPES)
+    check_tensor("output_tensor", output_tensor, ndim=2, dtypes=KERNEL_DTYPES, contiguous=True)
+    offset_start = check_int("offset_start", offset_start, minimum=0)
+    if not isinstance(add_inputs, bool):
+        raise TypeError(f"add_inputs must be a bool, got {type(add_inputs).__name__}")
+    if inputs.dtype not in (weights[0].dtype, torch.float32):
+        raise TypeError(
+            f"inputs are {inputs.dtype} but lora_b_weights are {weights[0].dtype}; inputs must "
+            "have the weights' dtype or be float32"
+        )
+    _, num_tokens, rank = inputs.shape
+    num_loras = weights[0].shape[0]
+    for s, w in enumerate(weights):
+        if w.shape[0] != num_loras:
+            raise ValueError(
+                f"lora_b_weights[{s}] holds {w.shape[0]} slots but lora_b_weights[0] holds "
+                f"{num_loras}"
+            )
+        if w.shape[2] != rank:
+            raise ValueError(
+                f"lora_b_weights[{s}] has rank {w.shape[2]} but inputs have rank {rank}"
+            )
+    if inputs.shape[0] < len(weights):
+        raise ValueError(
+            f"inputs have {inputs.shape[0]} slice(s), fewer than the {len(weights)} weight slice(s)"
+        )
+    widths = [w.shape[1] for w in weights]
+    if output_tensor.shape[0] != num_tokens:
+        raise ValueError(
+            f"output_tensor has {output_tensor.shape[0]} rows but inputs have {num_tokens} tokens"
+        )
+    if output_tensor.shape[1] < offset_start + sum(widths):
+        raise ValueError(
+            f"output_tensor has {output_tensor.shape[1]} columns, too few for offset_start="
+            f"{offset_start} plus slices of widths {widths}"
+        )
+    check_same_device(
+        {
+            "inputs": inputs,
+            "output_tensor": output_tensor,
+            **{f"lora_b_weights[{s}]": w for s, w in enumerate(weights)},
+            "lora_ids": lora_ids,
+        }
+    )
+    no_lora = _check_metadata(
+        num_tokens,
+        num_loras,
+        token_lora_mapping,
+        token_indices_sorted_by_lora_ids,
+        num_tokens_per_lora,
+        lora_token_start_loc,
+        lora_ids,
+        no_lora_flag_cpu,
+    )
+    if no_lora or num_tokens == 0 or sum(widths) == 0:
+        return
+
+    config = launch_config("expand")
+    kernel = build_expand_kernel(
+        inputs.dtype, weights[0].dtype, output_tensor.dtype, config.threads, config.tile_m
+    )
+    tiles = _tile_blocks(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m)
+    meta = _metadata_arrays(
+        token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
+    )
+    x, out = kernel_array(inputs), kernel_array(output_tensor)
+    columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
+    stream = launch_stream()
+    for base in range(0, len(weights), MAX_SLICES):
+        chunk = [kernel_array(w) for w in weights[base : base + MAX_SLICES]]
+        starts = columns[base : base + MAX_SLICES]
+        widest = max(widths[base : base + MAX_SLICES])
+        column_groups = -(-widest // config.threads) if config.spread else 1
+        grid = (tiles, len(chunk), column_groups)
+        chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
+        starts += [0] * (MAX_SLICES - len(starts))
+        kernel[grid, config.threads, stream](x, *chunk, out, base, *starts, *meta, add_inputs)

@@ -1,0 +1,52 @@
+"""Test configuration: the machine, the hypothesis profiles and the ``gpu`` marker.
+
+Profiles (choose with ``HYPOTHESIS_PROFILE``; the default is ``dev``):
+
+* ``dev``  a quick local run: few examples, small shapes;
+* ``ci``   what ``make test`` runs: derandomised (the same examples every run), small shapes;
+* ``sim``  more examples, still at the simulator's tiny shapes;
+* ``gpu``  the H200 run: >= 300 examples per property, shapes up to H=8192, T=4096.
+
+Shapes depend on the machine as well as the profile: on the simulator every CUDA
+thread is a Python thread, so kernel tests always draw tiny shapes there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from punica_numba._cuda import SIMULATOR  # first: it may switch the simulator on
+
+_SLOW_DRAWS = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("dev", max_examples=10, deadline=None, suppress_health_check=_SLOW_DRAWS)
+settings.register_profile(
+    "ci",
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=_SLOW_DRAWS,
+)
+settings.register_profile("sim", max_examples=40, deadline=None, suppress_health_check=_SLOW_DRAWS)
+settings.register_profile(
+    "gpu", max_examples=300, deadline=None, print_blob=True, suppress_health_check=_SLOW_DRAWS
+)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "dev")
+settings.load_profile(PROFILE)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not SIMULATOR:
+        return
+    skip = pytest.mark.skip(reason="needs a real CUDA device; running on the simulator")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    machine = "Numba CUDA simulator" if SIMULATOR else "CUDA GPU"
+    return f"punica_numba: kernels on the {machine}; hypothesis profile {PROFILE!r}"
