@@ -1,0 +1,28 @@
+"""punica-numba: vLLM's multi-LoRA Punica layer as Numba CUDA kernels.
+
+The public pieces, bottom to top:
+
+* :mod:`punica_numba.reference`  dense float64 references (the yardstick);
+* :class:`LoRAMapping`, :func:`convert_mapping`  adapter ids -> GPU slots;
+* :class:`LoRAKernelMeta`  sort and segment tokens by slot;
+* :func:`lora_shrink`, :func:`lora_expand`  the kernels, with vLLM's op signatures.
+
+Importing the package switches Numba to its CUDA simulator when no GPU is usable.
+"""
+
+from ._cuda import SIMULATOR
+from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
+from .meta import LoRAKernelMeta
+from .ops import lora_expand, lora_shrink
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SIMULATOR",
+    "LoRAKernelMeta",
+    "LoRAMapping",
+    "LongContextLoRAContext",
+    "convert_mapping",
+    "lora_expand",
+    "lora_shrink",
+]

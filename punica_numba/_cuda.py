@@ -55,6 +55,10 @@ def _choose_simulator() -> bool:
 
         return bool(config.ENABLE_CUDASIM)
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    if "numba" in sys.modules:  # numba read its environment at import: read it again
+        import numba
+
+        numba.core.config.reload_config()
     print(
         "punica_numba: no usable CUDA device, so the kernels run on Numba's CUDA "
         "simulator (NUMBA_ENABLE_CUDASIM=1); expect it to be slow.",
@@ -100,12 +104,17 @@ def kernel_array(t: torch.Tensor):
         bf16 -> an int16 view of the same memory (the kernels convert the bits);
         fp16 / fp32 / integer tensors -> the same memory as is.
         GPU: the tensor itself (Numba reads it through DLPack).
-        Simulator: a numpy view of the CPU tensor (writes land in the tensor).
+        Simulator: a numpy view of the CPU tensor (writes land in the tensor); a
+            strided tensor, which only read-only inputs may be, travels as a copy.
     """
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     if SIMULATOR:
-        return t.detach().numpy()
+        view = t.detach().numpy()
+        # The simulator copies each argument as one memory region and cannot take a
+        # strided view. Only read-only inputs may be strided (every output is checked
+        # contiguous first), so a contiguous copy of them loses nothing.
+        return view if t.is_contiguous() else np.ascontiguousarray(view)
     return t.detach()
 
 

@@ -22,12 +22,23 @@ slot in use is kept on the host so that later checks need no device sync.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LoRAKernelMeta", "Segment", "host_meta_of"]
+__all__ = ["HostFacts", "LoRAKernelMeta", "Segment", "host_facts_of"]
+
+
+@dataclass
+class HostFacts:
+    """What the host knows about the last prepared mapping, so checks need no device sync.
+
+    It is shared by the ``LoRAKernelMeta`` and its ``active_lora_ids`` tensor, so the
+    ops can read it from the tensors ``meta_args`` hands them (see :func:`host_facts_of`).
+    """
+
+    num_tokens: int = 0  # tokens in the last prepared mapping
+    max_slot_in_use: int = -1  # the largest slot in it, -1 if none
 
 
 @dataclass(frozen=True)
@@ -56,8 +67,7 @@ class LoRAKernelMeta:
         no_lora_flag_cpu: ``[1]`` bool on the CPU, True iff no token has a LoRA.
         max_loras: L, the number of slots.
         max_num_tokens: M_max, the most tokens a mapping may hold.
-        num_tokens: tokens in the last prepared mapping (host).
-        max_slot_in_use: the largest slot in the last prepared mapping, -1 if none (host).
+        host: what the host knows of the last prepared mapping (:class:`HostFacts`).
     """
 
     token_lora_mapping: torch.Tensor
@@ -68,8 +78,7 @@ class LoRAKernelMeta:
     no_lora_flag_cpu: torch.Tensor
     max_loras: int
     max_num_tokens: int
-    num_tokens: int = 0
-    max_slot_in_use: int = -1
+    host: HostFacts = field(default_factory=HostFacts)
     _positions: torch.Tensor = field(repr=False, default=None)  # [M_max] int32 arange
 
     @staticmethod
@@ -93,8 +102,18 @@ class LoRAKernelMeta:
             _positions=positions,
         )
         # Let the ops find the host-side facts from the tensors they are handed.
-        meta.active_lora_ids._punica_meta = weakref.ref(meta)
+        meta.active_lora_ids._punica_host_facts = meta.host
         return meta
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the last prepared mapping (host)."""
+        return self.host.num_tokens
+
+    @property
+    def max_slot_in_use(self) -> int:
+        """The largest slot in the last prepared mapping, -1 if none (host)."""
+        return self.host.max_slot_in_use
 
     def _reset(self, num_tokens: int) -> None:
         self.token_lora_mapping.fill_(-1)
@@ -103,8 +122,8 @@ class LoRAKernelMeta:
         self.num_tokens_per_lora.fill_(0)
         self.lora_token_start_loc.fill_(0)
         self.no_lora_flag_cpu.fill_(True)
-        self.num_tokens = num_tokens
-        self.max_slot_in_use = -1
+        self.host.num_tokens = num_tokens
+        self.host.max_slot_in_use = -1
 
     def prepare_tensors(self, token_lora_mapping: torch.Tensor) -> None:
         """Sort and segment the tokens of one step.
@@ -152,7 +171,7 @@ class LoRAKernelMeta:
 
         self._reset(n)
         self.token_lora_mapping[:n].copy_(mapping)
-        self.max_slot_in_use = highest
+        self.host.max_slot_in_use = highest
         if highest == -1:  # no token has a LoRA: every segment stays empty
             return
         self.no_lora_flag_cpu.fill_(False)
@@ -235,7 +254,7 @@ class LoRAKernelMeta:
         )
 
 
-def host_meta_of(lora_ids: torch.Tensor) -> LoRAKernelMeta | None:
-    """The ``LoRAKernelMeta`` whose ``active_lora_ids`` this is, if it is one of ours."""
-    ref = getattr(lora_ids, "_punica_meta", None)
-    return ref() if ref is not None else None
+def host_facts_of(lora_ids: torch.Tensor) -> HostFacts | None:
+    """The host-side facts of the ``LoRAKernelMeta`` whose ``active_lora_ids`` this is,
+    or None for metadata built some other way."""
+    return getattr(lora_ids, "_punica_host_facts", None)

@@ -22,7 +22,7 @@ from ._checks import check_int, check_real, check_same_device, check_sequence, c
 from ._cuda import KERNEL_DTYPES, SIMULATOR, kernel_array, launch_stream
 from .kernels import MAX_SLICES, build_expand_kernel, build_shrink_kernel
 from .kernels.segments import tile_grid_bound
-from .meta import host_meta_of
+from .meta import host_facts_of
 from .reference import squeeze_weight
 
 __all__ = ["lora_shrink", "lora_expand", "LaunchConfig", "launch_config"]
@@ -111,7 +111,7 @@ def _check_metadata(
             f"lora_token_start_loc must have len(lora_ids) + 1 = {lora_ids.shape[0] + 1} "
             f"entries, got {lora_token_start_loc.shape[0]}"
         )
-    meta = host_meta_of(lora_ids)  # ours: host-side facts, no device sync
+    meta = host_facts_of(lora_ids)  # ours: host-side facts, no device sync
     if meta is not None:
         if meta.max_slot_in_use >= num_loras:
             raise ValueError(

@@ -50,3 +50,12 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     machine = "Numba CUDA simulator" if SIMULATOR else "CUDA GPU"
     return f"punica_numba: kernels on the {machine}; hypothesis profile {PROFILE!r}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    from .tolerance import LARGEST_ERRORS
+
+    if LARGEST_ERRORS:
+        terminalreporter.section("largest error relative to the magnitude, per check")
+        for what, err in sorted(LARGEST_ERRORS.items()):
+            terminalreporter.write_line(f"{what:<40} {err:.3e}")

@@ -27,6 +27,10 @@ from __future__ import annotations
 import torch
 
 U32 = 2.0**-24
+
+#: The largest error relative to the magnitude seen per check (``what``), for the report
+#: printed at the end of the run (see conftest.py).
+LARGEST_ERRORS: dict[str, float] = {}
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 
@@ -51,4 +55,6 @@ def assert_close(
             f"shape {tuple(got.shape)}, dtype {got.dtype}"
         )
     scale = magnitude.clamp_min(torch.finfo(torch.float64).tiny)
-    return float((err / scale).max()) if err.numel() else 0.0
+    largest = float((err / scale).max()) if err.numel() else 0.0
+    LARGEST_ERRORS[what] = max(LARGEST_ERRORS.get(what, 0.0), largest)
+    return largest

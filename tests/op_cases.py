@@ -1,0 +1,198 @@
+"""Drawn shrink and expand problems, and the one check each op must pass.
+
+``check_shrink(impl, case)`` and ``check_expand(impl, case)`` run an implementation
+with vLLM's op signature on a drawn case and compare it with the float64 reference:
+within :mod:`tests.tolerance` where the op writes, bit for bit where it must not.
+The property tests pass the library's ops; the mutation tests pass deliberately
+wrong kernels and expect these checks to fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from punica_numba import reference
+from punica_numba.meta import LoRAKernelMeta
+
+from .strategies import DEVICE, DTYPES, KERNEL_LIMITS, random_tensor, slot_lists
+from .tolerance import assert_close
+
+
+@dataclass
+class Problem:
+    """A prepared problem: slots (padded rows are -1), metadata, and seeds for the data."""
+
+    slots: list[int]  # [T] including padded rows (-1)
+    prepared: int  # tokens given to prepare_tensors; rows past it are CUDA-graph padding
+    num_loras: int
+    seed: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.slots)
+
+    def meta(self) -> LoRAKernelMeta:
+        meta = LoRAKernelMeta.make(self.num_loras, self.num_tokens + 2, DEVICE)
+        meta.prepare_tensors(torch.tensor(self.slots[: self.prepared], dtype=torch.int64))
+        return meta
+
+    def slot_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.slots, dtype=torch.int64, device=DEVICE)
+
+
+@st.composite
+def problems(draw, limits=KERNEL_LIMITS) -> Problem:
+    """Dims first (tokens, slots, graph padding), then the assignment mode, then values."""
+    num_tokens = draw(st.integers(0, limits.tokens), label="T")
+    num_loras = draw(st.integers(1, limits.loras), label="L")
+    padding = draw(st.integers(0, min(2, num_tokens)), label="padded rows")
+    prepared = num_tokens - padding
+    slots = draw(slot_lists(prepared, num_loras)) + [-1] * padding
+    seed = draw(st.integers(0, 2**31 - 1), label="data seed")
+    return Problem(slots, prepared, num_loras, seed)
+
+
+def _stack(weight: torch.Tensor, four_d: bool) -> torch.Tensor:
+    return weight.unsqueeze(1) if four_d else weight  # [L, N, K] -> [L, 1, N, K]
+
+
+@dataclass
+class ShrinkCase:
+    problem: Problem
+    hidden: int
+    rank: int
+    num_slices: int
+    extra_slices: int
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    scaling: float
+    four_d: bool
+
+
+@st.composite
+def shrink_cases(draw, limits=KERNEL_LIMITS) -> ShrinkCase:
+    problem = draw(problems(limits))
+    return ShrinkCase(
+        problem=problem,
+        hidden=draw(st.integers(1, limits.hidden), label="H"),
+        rank=draw(st.integers(1, limits.rank), label="r"),
+        num_slices=draw(st.integers(1, 3), label="S"),
+        extra_slices=draw(st.integers(0, 1), label="extra buffer slices"),
+        dtype=draw(st.sampled_from(DTYPES), label="dtype"),
+        out_dtype=draw(
+            st.sampled_from((torch.float32, torch.float32, torch.float16)), label="buffer dtype"
+        ),
+        scaling=draw(st.sampled_from((1.0, 0.5, -0.25, 2.0)), label="scaling"),
+        four_d=draw(st.booleans(), label="4-D weights"),
+    )
+
+
+def check_shrink(impl, case: ShrinkCase) -> float:
+    """Run ``impl`` (lora_shrink's signature) on the case; return the relative error."""
+    p, seed = case.problem, case.problem.seed
+    T, H, r, L, S = p.num_tokens, case.hidden, case.rank, p.num_loras, case.num_slices
+    x = random_tensor((T, H), case.dtype, seed)  # [T, H]
+    weights = [
+        _stack(random_tensor((L, r, H), case.dtype, seed + 1 + s), case.four_d) for s in range(S)
+    ]  # S x [L, r, H]
+    out = random_tensor((S + case.extra_slices, T, r), case.out_dtype, seed + 9)  # [S', T, r]
+    before = out.clone()
+    meta = p.meta()
+
+    impl(x, weights, out, *meta.meta_args(T), case.scaling)
+
+    slots = p.slot_tensor()
+    want = reference.lora_shrink(x, weights, before, slots, case.scaling)
+    magnitude = reference.lora_shrink(
+        x.abs(), [w.abs() for w in weights], before.abs(), slots, abs(case.scaling)
+    )
+    untouched = slots == -1
+    assert torch.equal(out[:, untouched], before[:, untouched]), "rows without a LoRA changed"
+    assert torch.equal(out[S:], before[S:]), "buffer slices past the weights changed"
+    return assert_close(out, want, magnitude, terms=H, what=f"shrink {case.dtype}")
+
+
+@dataclass
+class ExpandCase:
+    problem: Problem
+    rank: int
+    widths: list[int]
+    offset_start: int
+    extra_columns: int
+    x_dtype: torch.dtype
+    w_dtype: torch.dtype
+    out_dtype: torch.dtype
+    add_inputs: bool
+    four_d: bool
+    strided_input: bool
+
+
+@st.composite
+def expand_cases(draw, limits=KERNEL_LIMITS) -> ExpandCase:
+    problem = draw(problems(limits))
+    rank = draw(st.integers(1, limits.rank), label="r")
+    num_slices = draw(st.integers(1, 3), label="S")
+    widths = [draw(st.integers(1, limits.width), label=f"N_{s}") for s in range(num_slices)]
+    w_dtype = draw(st.sampled_from(DTYPES), label="weight dtype")
+    return ExpandCase(
+        problem=problem,
+        rank=rank,
+        widths=widths,
+        offset_start=draw(st.integers(0, 5), label="offset_start"),
+        extra_columns=draw(st.integers(0, 3), label="columns past the slices"),
+        x_dtype=draw(st.sampled_from((w_dtype, torch.float32)), label="input dtype"),
+        w_dtype=w_dtype,
+        out_dtype=draw(st.sampled_from((w_dtype, w_dtype, torch.float32)), label="out dtype"),
+        add_inputs=draw(st.booleans(), label="add_inputs"),
+        four_d=draw(st.booleans(), label="4-D weights"),
+        strided_input=draw(st.booleans(), label="strided input"),
+    )
+
+
+def check_expand(impl, case: ExpandCase) -> float:
+    """Run ``impl`` (lora_expand's signature) on the case; return the relative error."""
+    p, seed = case.problem, case.problem.seed
+    T, r, L, S = p.num_tokens, case.rank, p.num_loras, len(case.widths)
+    if case.strided_input:  # a view with gaps between rows: expand takes any strides
+        x = random_tensor((S, T, r + 3), case.x_dtype, seed)[:, :, 1 : r + 1]
+    else:
+        x = random_tensor((S, T, r), case.x_dtype, seed)  # [S, T, r]
+    weights = [
+        _stack(random_tensor((L, n, r), case.w_dtype, seed + 1 + s), case.four_d)
+        for s, n in enumerate(case.widths)
+    ]  # [L, N_s, r]
+    width = case.offset_start + sum(case.widths) + case.extra_columns
+    out = random_tensor((T, width), case.out_dtype, seed + 9)  # [T, W]
+    before = out.clone()
+    meta = p.meta()
+
+    impl(
+        x,
+        weights,
+        out,
+        *meta.meta_args(T),
+        offset_start=case.offset_start,
+        add_inputs=case.add_inputs,
+    )
+
+    slots = p.slot_tensor()
+    want = reference.lora_expand(x, weights, before, slots, case.offset_start, case.add_inputs)
+    magnitude = reference.lora_expand(
+        x.abs(),
+        [w.abs() for w in weights],
+        before.abs(),
+        slots,
+        case.offset_start,
+        case.add_inputs,
+    )
+    untouched = slots == -1
+    assert torch.equal(out[untouched], before[untouched]), "rows without a LoRA changed"
+    first, last = case.offset_start, case.offset_start + sum(case.widths)
+    assert torch.equal(out[:, :first], before[:, :first]), "columns before the slices changed"
+    assert torch.equal(out[:, last:], before[:, last:]), "columns past the slices changed"
+    return assert_close(
+        out, want, magnitude, terms=r, what=f"expand {case.x_dtype}->{case.out_dtype}"
+    )

@@ -1,0 +1,80 @@
+"""Property tests of ``lora_shrink`` and ``lora_expand`` against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+
+from punica_numba import lora_expand, lora_shrink
+
+from .op_cases import check_expand, check_shrink, expand_cases, shrink_cases
+
+
+@given(shrink_cases())
+def test_shrink_matches_reference(case):
+    check_shrink(lora_shrink, case)
+
+
+@given(expand_cases())
+def test_expand_matches_reference(case):
+    check_expand(lora_expand, case)
+
+
+@given(shrink_cases())
+def test_shrink_is_deterministic(case):
+    """No atomics: the same inputs give the same bits, run after run."""
+    runs = []
+
+    def record(*args):
+        lora_shrink(*args)
+        runs.append(args[2].clone())
+
+    check_shrink(record, case)
+    check_shrink(record, case)
+    assert torch.equal(runs[0], runs[1])
+
+
+@given(expand_cases())
+def test_expand_is_deterministic(case):
+    runs = []
+
+    def record(*args, **kwargs):
+        lora_expand(*args, **kwargs)
+        runs.append(args[2].clone())
+
+    check_expand(record, case)
+    check_expand(record, case)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_public_names():
+    import punica_numba
+
+    for name in ("lora_shrink", "lora_expand", "LoRAKernelMeta", "LoRAMapping", "convert_mapping"):
+        assert hasattr(punica_numba, name), name
+
+
+@pytest.mark.gpu
+def test_offsets_past_two_to_the_31_elements():
+    """slot * stride of B exceeds 2**31 elements: the address arithmetic must be 64-bit."""
+    from punica_numba.meta import LoRAKernelMeta
+
+    rank, width, slots = 16, 1 << 26, 3  # B: [3, 2**26, 16] bf16, 6 GiB; slot 2 starts at 2**31
+    b = torch.zeros(slots, width, rank, dtype=torch.bfloat16, device="cuda")
+    b[2, -4:, :] = 1.0  # only the far end of the last slot is non-zero
+    b[2, :4, :] = 2.0
+    x = torch.ones(1, 2, rank, dtype=torch.float32, device="cuda")
+    y = torch.zeros(2, width, dtype=torch.bfloat16, device="cuda")
+    meta = LoRAKernelMeta.make(slots, 2, "cuda")
+    meta.prepare_tensors(torch.tensor([2, -1], device="cuda"))
+    lora_expand(x, [b], y, *meta.meta_args(2), add_inputs=False)
+    assert torch.all(y[0, -4:] == rank) and torch.all(y[0, :4] == 2 * rank)
+    assert int(torch.count_nonzero(y[0])) == 8 and int(torch.count_nonzero(y[1])) == 0
+
+    a = b.view(slots, rank, width)  # as shrink weights: [3, 16, 2**26], K = 2**26
+    xs = torch.ones(2, width, dtype=torch.bfloat16, device="cuda")
+    buf = torch.zeros(1, 2, rank, dtype=torch.float32, device="cuda")
+    lora_shrink(xs, [a], buf, *meta.meta_args(2), 1.0)
+    want = a[2].float().sum(dim=1)  # [16]
+    assert torch.equal(buf[0, 0], want) and int(torch.count_nonzero(buf[0, 1])) == 0
