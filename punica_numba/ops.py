@@ -29,6 +29,10 @@ __all__ = ["lora_shrink", "lora_expand", "LaunchConfig", "launch_config"]
 
 _INDEX_DTYPES = (torch.int32,)
 
+#: CUDA's limit on gridDim.y and gridDim.z. The kernels stride over rank and column
+#: groups by gridDim.z, so a capped grid still covers every group.
+MAX_GRID_YZ = 65535
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -228,7 +232,7 @@ def lora_shrink(
     kernel = build_shrink_kernel(
         inputs.dtype, weights[0].dtype, config.threads, config.tile_m, config.tile_n
     )
-    rank_groups = -(-rank // config.tile_n) if config.spread else 1
+    rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
     tiles = _tile_blocks(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m)
     meta = _metadata_arrays(
         token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
@@ -349,7 +353,7 @@ def lora_expand(
         chunk = [kernel_array(w) for w in weights[base : base + MAX_SLICES]]
         starts = columns[base : base + MAX_SLICES]
         widest = max(widths[base : base + MAX_SLICES])
-        column_groups = -(-widest // config.threads) if config.spread else 1
+        column_groups = min(-(-widest // config.threads), MAX_GRID_YZ) if config.spread else 1
         grid = (tiles, len(chunk), column_groups)
         chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
         starts += [0] * (MAX_SLICES - len(starts))
