@@ -13,7 +13,7 @@ Numba's CUDA simulator (the same kernels).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,14 @@ from .kernels.segments import tile_grid_bound
 from .meta import host_facts_of
 from .reference import squeeze_weight
 
-__all__ = ["lora_shrink", "lora_expand", "LaunchConfig", "launch_config"]
+__all__ = [
+    "lora_shrink",
+    "lora_expand",
+    "prepare_shrink",
+    "prepare_expand",
+    "LaunchConfig",
+    "launch_config",
+]
 
 _INDEX_DTYPES = (torch.int32,)
 
@@ -148,8 +155,11 @@ def _tile_blocks(num_tokens: int, counts: torch.Tensor, lora_ids: torch.Tensor, 
     return int(((counts.to(torch.int64) + tile_m - 1) // tile_m)[used].sum())
 
 
-@torch.no_grad()
-def lora_shrink(
+def _nothing() -> None:
+    """The launch of a call that has nothing to do (no LoRA token, or empty sizes)."""
+
+
+def prepare_shrink(
     inputs: torch.Tensor,
     lora_a_weights: Sequence[torch.Tensor],
     output_tensor: torch.Tensor,
@@ -160,23 +170,11 @@ def lora_shrink(
     lora_ids: torch.Tensor,
     no_lora_flag_cpu: torch.Tensor,
     scaling: float,
-) -> None:
-    """Shrink: ``output[s, t] += scaling * inputs[t] @ A_s[slot(t)]^T`` for every token with a LoRA.
+) -> Callable[[], None]:
+    """Check the arguments of :func:`lora_shrink` and return the launch, not yet run.
 
-    Semantics:
-        inputs: [T, H] fp16 / bf16 / fp32, contiguous
-        lora_a_weights[s]: [L, r, H] or [L, 1, r, H], the dtype of inputs, contiguous
-        output_tensor: [>= S, T, r] floating (fp32 in practice), contiguous; modified in place
-        for s, t with l = slot(t) != -1:
-            output[s, t, :] += scaling * sum_k inputs[t, k] * A_s[l, :, k]   (fp32 accumulation)
-        Rows of tokens without a LoRA, and slices past S, are untouched. Deterministic:
-        no atomics, so the same inputs give the same bits on every run.
-
-    Memory traffic: reads T*H + (active slots)*S*r*H elements; reads and writes S*T*r.
-
-    Raises:
-        TypeError: a dtype the kernels do not take, or mismatched dtypes.
-        ValueError: a wrong shape, size, layout or device, or metadata that does not fit.
+    Splitting the check from the launch lets a caller that launches several kernels
+    (the wrapper's ``add_lora_linear``) check all of them before it changes anything.
     """
     check_tensor("inputs", inputs, ndim=2, dtypes=KERNEL_DTYPES, contiguous=True)
     weights = _weights("lora_a_weights", lora_a_weights, KERNEL_DTYPES)
@@ -226,7 +224,7 @@ def lora_shrink(
         no_lora_flag_cpu,
     )
     if no_lora or num_tokens == 0 or rank == 0:
-        return
+        return _nothing
 
     config = launch_config("shrink")
     kernel = build_shrink_kernel(
@@ -238,16 +236,63 @@ def lora_shrink(
         token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
     )
     x, out = kernel_array(inputs), kernel_array(output_tensor)
-    stream = launch_stream()
-    for base in range(0, len(weights), MAX_SLICES):
-        chunk = [kernel_array(w) for w in weights[base : base + MAX_SLICES]]
-        grid = (tiles, len(chunk), rank_groups)
-        chunk += [chunk[0]] * (MAX_SLICES - len(chunk))  # unused slots: never read
-        kernel[grid, config.threads, stream](x, *chunk, out, base, *meta, scaling)
+
+    def launch() -> None:
+        stream = launch_stream()
+        for base in range(0, len(weights), MAX_SLICES):
+            chunk = [kernel_array(w) for w in weights[base : base + MAX_SLICES]]
+            grid = (tiles, len(chunk), rank_groups)
+            chunk += [chunk[0]] * (MAX_SLICES - len(chunk))  # unused slots: never read
+            kernel[grid, config.threads, stream](x, *chunk, out, base, *meta, scaling)
+
+    return launch
 
 
 @torch.no_grad()
-def lora_expand(
+def lora_shrink(
+    inputs: torch.Tensor,
+    lora_a_weights: Sequence[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_mapping: torch.Tensor,
+    token_indices_sorted_by_lora_ids: torch.Tensor,
+    num_tokens_per_lora: torch.Tensor,
+    lora_token_start_loc: torch.Tensor,
+    lora_ids: torch.Tensor,
+    no_lora_flag_cpu: torch.Tensor,
+    scaling: float,
+) -> None:
+    """Shrink: ``output[s, t] += scaling * inputs[t] @ A_s[slot(t)]^T`` for every token with a LoRA.
+
+    Semantics:
+        inputs: [T, H] fp16 / bf16 / fp32, contiguous
+        lora_a_weights[s]: [L, r, H] or [L, 1, r, H], the dtype of inputs, contiguous
+        output_tensor: [>= S, T, r] floating (fp32 in practice), contiguous; modified in place
+        for s, t with l = slot(t) != -1:
+            output[s, t, :] += scaling * sum_k inputs[t, k] * A_s[l, :, k]   (fp32 accumulation)
+        Rows of tokens without a LoRA, and slices past S, are untouched. Deterministic:
+        no atomics, so the same inputs give the same bits on every run.
+
+    Memory traffic: reads T*H + (active slots)*S*r*H elements; reads and writes S*T*r.
+
+    Raises:
+        TypeError: a dtype the kernels do not take, or mismatched dtypes.
+        ValueError: a wrong shape, size, layout or device, or metadata that does not fit.
+    """
+    prepare_shrink(
+        inputs,
+        lora_a_weights,
+        output_tensor,
+        token_lora_mapping,
+        token_indices_sorted_by_lora_ids,
+        num_tokens_per_lora,
+        lora_token_start_loc,
+        lora_ids,
+        no_lora_flag_cpu,
+        scaling,
+    )()
+
+
+def prepare_expand(
     inputs: torch.Tensor,
     lora_b_weights: Sequence[torch.Tensor],
     output_tensor: torch.Tensor,
@@ -259,27 +304,8 @@ def lora_expand(
     no_lora_flag_cpu: torch.Tensor,
     offset_start: int = 0,
     add_inputs: bool = False,
-) -> None:
-    """Expand: ``output[t, c_s:c_s+N_s] (+)= inputs[s, t] @ B_s[slot(t)]^T`` per token with a LoRA.
-
-    Semantics:
-        inputs: [>= S, T, r] fp16 / bf16, or fp32 (the shrink buffer); any strides
-        lora_b_weights[s]: [L, N_s, r] or [L, 1, N_s, r], fp16 / bf16 / fp32, contiguous;
-            inputs must have the weights' dtype or be fp32
-        output_tensor: [T, >= offset_start + sum(N_s)] floating, contiguous; modified in place
-        c_s = offset_start + N_0 + ... + N_{s-1}
-        for s, t with l = slot(t) != -1, n < N_s:
-            output[t, c_s + n] = (output[t, c_s + n] if add_inputs else 0)
-                                 + sum_k inputs[s, t, k] * B_s[l, n, k]   (fp32, one rounding)
-        Rows of tokens without a LoRA and columns outside the slices are untouched.
-
-    Memory traffic: reads S*T*r + (active slots)*sum(N_s)*r elements; writes T*sum(N_s)
-    (and reads them too when add_inputs).
-
-    Raises:
-        TypeError: a dtype the kernels do not take, or mismatched dtypes.
-        ValueError: a wrong shape, size, layout, device or offset, or metadata that does not fit.
-    """
+) -> Callable[[], None]:
+    """Check the arguments of :func:`lora_expand` and return the launch, not yet run."""
     check_tensor("inputs", inputs, ndim=3, dtypes=KERNEL_DTYPES)
     weights = _weights("lora_b_weights", lora_b_weights, KERNEL_DTYPES)
     check_tensor("output_tensor", output_tensor, ndim=2, dtypes=KERNEL_DTYPES, contiguous=True)
@@ -336,7 +362,7 @@ def lora_expand(
         no_lora_flag_cpu,
     )
     if no_lora or num_tokens == 0 or sum(widths) == 0:
-        return
+        return _nothing
 
     config = launch_config("expand")
     kernel = build_expand_kernel(
@@ -348,13 +374,66 @@ def lora_expand(
     )
     x, out = kernel_array(inputs), kernel_array(output_tensor)
     columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
-    stream = launch_stream()
-    for base in range(0, len(weights), MAX_SLICES):
-        chunk = [kernel_array(w) for w in weights[base : base + MAX_SLICES]]
-        starts = columns[base : base + MAX_SLICES]
-        widest = max(widths[base : base + MAX_SLICES])
-        column_groups = min(-(-widest // config.threads), MAX_GRID_YZ) if config.spread else 1
-        grid = (tiles, len(chunk), column_groups)
-        chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
-        starts += [0] * (MAX_SLICES - len(starts))
-        kernel[grid, config.threads, stream](x, *chunk, out, base, *starts, *meta, add_inputs)
+
+    def launch() -> None:
+        stream = launch_stream()
+        for base in range(0, len(weights), MAX_SLICES):
+            chunk = [kernel_array(w) for w in weights[base : base + MAX_SLICES]]
+            starts = columns[base : base + MAX_SLICES]
+            widest = max(widths[base : base + MAX_SLICES])
+            groups = min(-(-widest // config.threads), MAX_GRID_YZ) if config.spread else 1
+            grid = (tiles, len(chunk), groups)
+            chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
+            starts += [0] * (MAX_SLICES - len(starts))
+            kernel[grid, config.threads, stream](x, *chunk, out, base, *starts, *meta, add_inputs)
+
+    return launch
+
+
+@torch.no_grad()
+def lora_expand(
+    inputs: torch.Tensor,
+    lora_b_weights: Sequence[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_mapping: torch.Tensor,
+    token_indices_sorted_by_lora_ids: torch.Tensor,
+    num_tokens_per_lora: torch.Tensor,
+    lora_token_start_loc: torch.Tensor,
+    lora_ids: torch.Tensor,
+    no_lora_flag_cpu: torch.Tensor,
+    offset_start: int = 0,
+    add_inputs: bool = False,
+) -> None:
+    """Expand: ``output[t, c_s:c_s+N_s] (+)= inputs[s, t] @ B_s[slot(t)]^T`` per token with a LoRA.
+
+    Semantics:
+        inputs: [>= S, T, r] fp16 / bf16, or fp32 (the shrink buffer); any strides
+        lora_b_weights[s]: [L, N_s, r] or [L, 1, N_s, r], fp16 / bf16 / fp32, contiguous;
+            inputs must have the weights' dtype or be fp32
+        output_tensor: [T, >= offset_start + sum(N_s)] floating, contiguous; modified in place
+        c_s = offset_start + N_0 + ... + N_{s-1}
+        for s, t with l = slot(t) != -1, n < N_s:
+            output[t, c_s + n] = (output[t, c_s + n] if add_inputs else 0)
+                                 + sum_k inputs[s, t, k] * B_s[l, n, k]   (fp32, one rounding)
+        Rows of tokens without a LoRA and columns outside the slices are untouched.
+
+    Memory traffic: reads S*T*r + (active slots)*sum(N_s)*r elements; writes T*sum(N_s)
+    (and reads them too when add_inputs).
+
+    Raises:
+        TypeError: a dtype the kernels do not take, or mismatched dtypes.
+        ValueError: a wrong shape, size, layout, device or offset, or metadata that does not fit.
+    """
+    prepare_expand(
+        inputs,
+        lora_b_weights,
+        output_tensor,
+        token_lora_mapping,
+        token_indices_sorted_by_lora_ids,
+        num_tokens_per_lora,
+        lora_token_start_loc,
+        lora_ids,
+        no_lora_flag_cpu,
+        offset_start,
+        add_inputs,
+    )()
