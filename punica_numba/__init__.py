@@ -5,7 +5,8 @@ The public pieces, bottom to top:
 * :mod:`punica_numba.reference`  dense float64 references (the yardstick);
 * :class:`LoRAMapping`, :func:`convert_mapping`  adapter ids -> GPU slots;
 * :class:`LoRAKernelMeta`  sort and segment tokens by slot;
-* :func:`lora_shrink`, :func:`lora_expand`  the kernels, with vLLM's op signatures.
+* :func:`lora_shrink`, :func:`lora_expand`  the kernels, with vLLM's op signatures;
+* :class:`PunicaWrapperNumba`  vLLM's ``PunicaWrapperGPU`` API on those kernels.
 
 Importing the package switches Numba to its CUDA simulator when no GPU is usable.
 """
@@ -14,6 +15,7 @@ from ._cuda import SIMULATOR
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta
 from .ops import lora_expand, lora_shrink
+from .wrapper import PunicaWrapperNumba
 
 __version__ = "0.1.0"
 
@@ -21,6 +23,7 @@ __all__ = [
     "SIMULATOR",
     "LoRAKernelMeta",
     "LoRAMapping",
+    "PunicaWrapperNumba",
     "LongContextLoRAContext",
     "convert_mapping",
     "lora_expand",
