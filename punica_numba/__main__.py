@@ -1,0 +1,53 @@
+"""The command line: ``python -m punica_numba COMMAND [ARGS]``.
+
+Commands:
+    demo   run a mixed multi-LoRA batch through the kernels and check it (punica_numba.demo)
+
+A ``bench`` command (timings and bandwidth per launch shape) is planned.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+#: command -> one-line help; each command is a module with ``main(argv) -> int``.
+COMMANDS = {
+    "demo": "run a mixed multi-LoRA batch through shrink/expand and check it "
+    "against the float64 reference",
+}
+
+USAGE = "usage: python -m punica_numba COMMAND [ARGS]  (COMMAND --help for its options)"
+
+
+def _help() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [USAGE, "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()]
+    lines += ["", "planned: bench (kernel timings and bandwidth; not available yet)"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to a command; return its exit code (2 for a usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print(_help(), file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command in ("-h", "--help", "help"):
+        print(_help())
+        return 0
+    if command == "demo":
+        from . import demo  # imported on demand: help needs no kernels
+
+        return demo.main(rest)
+    print(
+        f"{USAGE}\nerror: unknown command {command!r}; choose from {sorted(COMMANDS)}",
+        file=sys.stderr,
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
