@@ -39,6 +39,7 @@ class HostFacts:
 
     num_tokens: int = 0  # tokens in the last prepared mapping
     max_slot_in_use: int = -1  # the largest slot in it, -1 if none
+    active_slots: int = 0  # distinct slots other than -1 in it
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class LoRAKernelMeta:
         self.no_lora_flag_cpu.fill_(True)
         self.host.num_tokens = num_tokens
         self.host.max_slot_in_use = -1
+        self.host.active_slots = 0
 
     def prepare_tensors(self, token_lora_mapping: torch.Tensor) -> None:
         """Sort and segment the tokens of one step.
@@ -159,19 +161,27 @@ class LoRAKernelMeta:
             )
         device = self.token_lora_mapping.device
         mapping = mapping.to(device=device, dtype=torch.int64)
-        if n:
-            lowest, highest = torch.stack(torch.aminmax(mapping)).tolist()  # one sync
+        # counts[j] = tokens of slot j - 1, for slots -1 .. L-1  -> [L+1]
+        counts = torch.bincount(
+            (mapping + 1).clamp(0, self.max_loras), minlength=self.max_loras + 1
+        )
+        present = counts > 0
+        if n:  # one sync reads all the host needs: the range and how many slots are used
+            lowest, highest, used_slots = torch.stack(
+                [*torch.aminmax(mapping), present[1:].sum()]
+            ).tolist()
             if lowest < -1 or highest >= self.max_loras:
                 raise ValueError(
                     f"token_lora_mapping holds slots from {lowest} to {highest}; slots must lie "
                     f"in [-1, max_loras={self.max_loras})"
                 )
         else:
-            highest = -1
+            highest, used_slots = -1, 0
 
         self._reset(n)
         self.token_lora_mapping[:n].copy_(mapping)
         self.host.max_slot_in_use = highest
+        self.host.active_slots = used_slots
         if highest == -1:  # no token has a LoRA: every segment stays empty
             return
         self.no_lora_flag_cpu.fill_(False)
@@ -179,9 +189,6 @@ class LoRAKernelMeta:
         order = torch.sort(mapping, stable=True).indices  # [n], -1 tokens first
         self.token_indices_sorted_by_lora_ids[:n].copy_(order)
 
-        # counts[j] = tokens of slot j - 1, for slots -1 .. L-1  -> [L+1]
-        counts = torch.bincount(mapping + 1, minlength=self.max_loras + 1)
-        present = counts > 0
         # The present slots first (ascending), then the absent ones: no sync needed.
         order_present = torch.sort((~present).to(torch.int8), stable=True).indices  # [L+1]
         used = torch.arange(self.max_loras + 1, device=device) < present.sum()  # [L+1]
@@ -197,6 +204,8 @@ class LoRAKernelMeta:
         token count (CUDA-graph padding); rows past the prepared tokens are in no segment.
         No device sync.
         """
+        if token_nums < 0:
+            raise ValueError(f"token_nums must be >= 0, got {token_nums}")
         if token_nums > self.max_num_tokens:
             raise ValueError(
                 f"token_nums={token_nums} exceeds this metadata's max_num_tokens="

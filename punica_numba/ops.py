@@ -14,7 +14,6 @@ Numba's CUDA simulator (the same kernels).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +21,7 @@ from ._checks import check_int, check_real, check_same_device, check_sequence, c
 from ._cuda import KERNEL_DTYPES, SIMULATOR, kernel_array, launch_stream
 from .kernels import MAX_SLICES, build_expand_kernel, build_shrink_kernel
 from .kernels.segments import tile_grid_bound
+from .launch import choose_launch_config
 from .meta import host_facts_of
 from .reference import squeeze_weight
 
@@ -30,8 +30,6 @@ __all__ = [
     "lora_expand",
     "prepare_shrink",
     "prepare_expand",
-    "LaunchConfig",
-    "launch_config",
 ]
 
 _INDEX_DTYPES = (torch.int32,)
@@ -39,29 +37,6 @@ _INDEX_DTYPES = (torch.int32,)
 #: CUDA's limit on gridDim.y and gridDim.z. The kernels stride over rank and column
 #: groups by gridDim.z, so a capped grid still covers every group.
 MAX_GRID_YZ = 65535
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """How a kernel is launched. Part of it is compiled in (threads, tiles)."""
-
-    threads: int  # threads per block (a power of two)
-    tile_m: int  # tokens of one slot per block
-    tile_n: int  # ranks per group (shrink only)
-    spread: bool  # spread rank groups / column groups over grid.z (True) or loop in-block
-
-
-def launch_config(op: str) -> LaunchConfig:
-    """The configuration for ``op`` on this machine.
-
-    The simulator runs every thread as a Python thread, so it gets small blocks and
-    loops inside the block instead of more blocks; the arithmetic is the same.
-    """
-    if op not in ("shrink", "expand"):
-        raise ValueError(f"op must be 'shrink' or 'expand', got {op!r}")
-    if SIMULATOR:
-        return LaunchConfig(threads=16, tile_m=4, tile_n=4, spread=False)
-    return LaunchConfig(threads=128, tile_m=4, tile_n=4, spread=True)
 
 
 def _weights(name: str, weights, dtypes) -> list[torch.Tensor]:
@@ -213,6 +188,7 @@ def prepare_shrink(
             "lora_ids": lora_ids,
         }
     )
+    meta_facts = host_facts_of(lora_ids)
     no_lora = _check_metadata(
         num_tokens,
         num_loras,
@@ -226,7 +202,7 @@ def prepare_shrink(
     if no_lora or num_tokens == 0 or rank == 0:
         return _nothing
 
-    config = launch_config("shrink")
+    config = choose_launch_config("shrink", num_tokens, meta_facts and meta_facts.active_slots)
     kernel = build_shrink_kernel(
         inputs.dtype, weights[0].dtype, config.threads, config.tile_m, config.tile_n
     )
@@ -351,6 +327,7 @@ def prepare_expand(
             "lora_ids": lora_ids,
         }
     )
+    meta_facts = host_facts_of(lora_ids)
     no_lora = _check_metadata(
         num_tokens,
         num_loras,
@@ -364,7 +341,7 @@ def prepare_expand(
     if no_lora or num_tokens == 0 or sum(widths) == 0:
         return _nothing
 
-    config = launch_config("expand")
+    config = choose_launch_config("expand", num_tokens, meta_facts and meta_facts.active_slots)
     kernel = build_expand_kernel(
         inputs.dtype, weights[0].dtype, output_tensor.dtype, config.threads, config.tile_m
     )
