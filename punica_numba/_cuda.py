@@ -135,3 +135,103 @@ def launch_stream():
     if stream is None:
         stream = _STREAMS[handle] = cuda.external_stream(handle)
     return stream
+
+
+def _layout(t: torch.Tensor) -> str:
+    """Numba's array layout for a tensor: C, F or A (any strides)."""
+    if t.is_contiguous():
+        return "C"
+    if t.dim() > 1 and t.permute(*reversed(range(t.dim()))).is_contiguous():
+        return "F"
+    return "A"
+
+
+class KernelLauncher:
+    """Launch a ``@cuda.jit`` kernel with torch tensors, paying Numba's dispatch only once.
+
+    A launch through Numba's dispatcher types every argument and converts every
+    tensor through DLPack on every call (about 50–140 µs of host time for a kernel
+    like ours, ../shared/NUMBA.md §4). Here the first launch of each combination of
+    argument types goes through the dispatcher, which compiles the kernel; later
+    launches pass the kernel's raw parameters straight to ``cuda.core.launch``
+    (a few µs). The raw parameters follow Numba's calling convention for arrays:
+    ``meminfo, parent, nitems, itemsize, data, *shape, *strides_in_bytes``.
+
+    On the simulator there is nothing to save: every launch goes through the
+    dispatcher with numpy views.
+
+    Arguments are torch tensors (bf16 ones are passed as their int16 bits), Python
+    ints, ``numpy.float32`` values and bools.
+    """
+
+    def __init__(self, dispatcher):
+        self.dispatcher = dispatcher
+        self._compiled: dict[tuple, tuple] = {}
+        self._configs: dict[tuple, object] = {}
+
+    @staticmethod
+    def _key(args) -> tuple:
+        return tuple(
+            (a.dtype, a.dim(), _layout(a)) if isinstance(a, torch.Tensor) else type(a) for a in args
+        )
+
+    def __call__(self, grid: tuple, block: int, args: tuple) -> None:
+        if SIMULATOR:
+            self.dispatcher[grid, block](*[_as_arg(a) for a in args])
+            return
+        key = self._key(args)
+        entry = self._compiled.get(key)
+        if entry is None:  # first launch of these types: Numba compiles and launches it
+            numba_args = [_as_arg(a) for a in args]
+            self.dispatcher[grid, block, launch_stream()](*numba_args)
+            types = tuple(self.dispatcher.typeof_pyval(a) for a in numba_args)
+            kernel = self.dispatcher.overloads[types]
+            self._compiled[key] = (kernel._codelibrary.get_cufunc().kernel, kernel.argument_types)
+            return
+        cu_kernel, argument_types = entry
+        config = self._configs.get((grid, block))
+        if config is None:
+            config = self._configs[(grid, block)] = _core_launch_config(grid, block)
+        raw: list = []
+        for ty, a in zip(argument_types, args):
+            if isinstance(a, torch.Tensor):
+                itemsize = a.element_size()
+                raw += [0, 0, a.numel(), itemsize, a.data_ptr(), *a.shape]
+                raw += [s * itemsize for s in a.stride()]
+            elif isinstance(ty, _numba_types.Integer):
+                raw.append(_CTYPES_INT[str(ty)](a))
+            elif ty == _numba_types.float32:
+                raw.append(ctypes.c_float(a))
+            else:  # boolean
+                raw.append(bool(a))
+        _core_launch(_core_stream(), config, cu_kernel, *raw)
+
+
+def _as_arg(a):
+    return kernel_array(a) if isinstance(a, torch.Tensor) else a
+
+
+if not SIMULATOR:
+    import ctypes
+
+    from cuda.core import LaunchConfig as _CoreLaunchConfig
+    from cuda.core import launch as _core_launch
+    from numba.cuda import types as _numba_types
+    from numba.cuda.cudadrv.driver import _to_core_stream
+
+    _CTYPES_INT = {
+        name: getattr(ctypes, f"c_{name}")
+        for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+    }
+    _CORE_STREAMS: dict[int, object] = {}
+
+    def _core_launch_config(grid, block):
+        return _CoreLaunchConfig(grid=grid, block=block, shmem_size=0)
+
+    def _core_stream():
+        """torch's current stream as a cuda.core stream (created once per torch stream)."""
+        handle = torch.cuda.current_stream().cuda_stream
+        stream = _CORE_STREAMS.get(handle)
+        if stream is None:
+            stream = _CORE_STREAMS[handle] = _to_core_stream(launch_stream())
+        return stream

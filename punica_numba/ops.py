@@ -13,12 +13,14 @@ Numba's CUDA simulator (the same kernels).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ._checks import check_int, check_real, check_same_device, check_sequence, check_tensor
-from ._cuda import KERNEL_DTYPES, SIMULATOR, kernel_array, launch_stream
+from ._cuda import KERNEL_DTYPES, SIMULATOR, KernelLauncher
 from .kernels import MAX_SLICES, build_expand_kernel, build_shrink_kernel
 from .kernels.segments import tile_grid_bound
 from .launch import choose_launch_config
@@ -112,8 +114,10 @@ def _check_metadata(
     return bool(no_lora_flag_cpu.item())
 
 
-def _metadata_arrays(sorted_tokens, counts, starts, lora_ids):
-    return tuple(kernel_array(t) for t in (sorted_tokens, counts, starts, lora_ids))
+@functools.cache
+def _launcher(kernel) -> KernelLauncher:
+    """One launcher per compiled kernel: it remembers the kernel's raw parameter layout."""
+    return KernelLauncher(kernel)
 
 
 def _tile_blocks(num_tokens: int, counts: torch.Tensor, lora_ids: torch.Tensor, tile_m: int) -> int:
@@ -208,18 +212,17 @@ def prepare_shrink(
     )
     rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
     tiles = _tile_blocks(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m)
-    meta = _metadata_arrays(
-        token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
-    )
-    x, out = kernel_array(inputs), kernel_array(output_tensor)
+    meta = (token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids)
+    launcher = _launcher(kernel)
+    scaling32 = np.float32(scaling)
 
     def launch() -> None:
-        stream = launch_stream()
         for base in range(0, len(weights), MAX_SLICES):
-            chunk = [kernel_array(w) for w in weights[base : base + MAX_SLICES]]
+            chunk = list(weights[base : base + MAX_SLICES])
             grid = (tiles, len(chunk), rank_groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))  # unused slots: never read
-            kernel[grid, config.threads, stream](x, *chunk, out, base, *meta, scaling)
+            args = (inputs, *chunk, output_tensor, base, *meta, scaling32)
+            launcher(grid, config.threads, args)
 
     return launch
 
@@ -346,23 +349,21 @@ def prepare_expand(
         inputs.dtype, weights[0].dtype, output_tensor.dtype, config.threads, config.tile_m
     )
     tiles = _tile_blocks(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m)
-    meta = _metadata_arrays(
-        token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids
-    )
-    x, out = kernel_array(inputs), kernel_array(output_tensor)
+    meta = (token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids)
+    launcher = _launcher(kernel)
     columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
 
     def launch() -> None:
-        stream = launch_stream()
         for base in range(0, len(weights), MAX_SLICES):
-            chunk = [kernel_array(w) for w in weights[base : base + MAX_SLICES]]
+            chunk = list(weights[base : base + MAX_SLICES])
             starts = columns[base : base + MAX_SLICES]
             widest = max(widths[base : base + MAX_SLICES])
             groups = min(-(-widest // config.threads), MAX_GRID_YZ) if config.spread else 1
             grid = (tiles, len(chunk), groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
             starts += [0] * (MAX_SLICES - len(starts))
-            kernel[grid, config.threads, stream](x, *chunk, out, base, *starts, *meta, add_inputs)
+            args = (inputs, *chunk, output_tensor, base, *starts, *meta, add_inputs)
+            launcher(grid, config.threads, args)
 
     return launch
 
