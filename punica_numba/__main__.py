@@ -2,8 +2,7 @@
 
 Commands:
     demo   run a mixed multi-LoRA batch through the kernels and check it (punica_numba.demo)
-
-A ``bench`` command (timings and bandwidth per launch shape) is planned.
+    bench  time shrink and expand against the copy-bandwidth limit (punica_numba.bench)
 """
 
 from __future__ import annotations
@@ -15,6 +14,8 @@ from collections.abc import Sequence
 COMMANDS = {
     "demo": "run a mixed multi-LoRA batch through shrink/expand and check it "
     "against the float64 reference",
+    "bench": "time shrink and expand (CUDA-graph replay) against the copy-bandwidth limit "
+    "and torch baselines",
 }
 
 USAGE = "usage: python -m punica_numba COMMAND [ARGS]  (COMMAND --help for its options)"
@@ -24,7 +25,6 @@ def _help() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = [USAGE, "", "commands:"]
     lines += [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()]
-    lines += ["", "planned: bench (kernel timings and bandwidth; not available yet)"]
     return "\n".join(lines)
 
 
@@ -42,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import demo  # imported on demand: help needs no kernels
 
         return demo.main(rest)
+    if command == "bench":
+        from . import bench
+
+        return bench.main(rest)
     print(
         f"{USAGE}\nerror: unknown command {command!r}; choose from {sorted(COMMANDS)}",
         file=sys.stderr,

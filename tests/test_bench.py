@@ -1,0 +1,52 @@
+"""The benchmark runs end to end (on the simulator: its tiny smoke cases) and writes its files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from punica_numba import bench
+
+KEYS = {
+    "op",
+    "T",
+    "lora_mode",
+    "num_loras",
+    "hidden",
+    "rank",
+    "dtype",
+    "us",
+    "torch_gather_bmm_us",
+    "bytes",
+    "slices",
+}
+
+
+def test_bench_writes_json_and_plot(tmp_path, capsys):
+    out, plot = tmp_path / "bench.json", tmp_path / "roofline.png"
+    assert bench.main(["--quick", "--json", str(out), "--plot", str(plot)]) == 0
+    result = json.loads(out.read_text())
+    assert {"commit", "gpu", "copy_bandwidth_tbps", "cases", "host_overhead_us"} <= set(result)
+    assert result["cases"] and all(KEYS <= set(c) for c in result["cases"])
+    assert {c["lora_mode"] for c in result["cases"]} == {"identical", "uniform", "distinct"}
+    assert "add_lora_linear_eager" in result["host_overhead_us"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "shrink" in capsys.readouterr().out
+
+
+def test_floor_bytes_match_the_issue_table():
+    """The copy-bandwidth floors of the issue's table (4.2 TB/s) follow from floor_bytes."""
+    for op, t, mode, us in [
+        ("shrink", 256, "distinct", 8.5),
+        ("expand", 256, "distinct", 9.0),
+        ("shrink", 4096, "identical", 8.1),
+        ("expand", 4096, "uniform", 18.0),
+    ]:
+        case = bench.Case(op, t, mode, 4096, 16, "bf16", [4096])
+        assert case.floor_bytes() / 4.2e6 == pytest.approx(us, abs=0.06)
+
+
+def test_uniform_mode_uses_ceil_sqrt_loras():
+    assert bench.Case("shrink", 1024, "uniform", 8, 4, "bf16", [8]).num_loras == 32
+    assert bench.Case("shrink", 5, "uniform", 8, 4, "bf16", [8]).num_loras == 3
