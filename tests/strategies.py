@@ -79,8 +79,8 @@ def slot_lists(draw, num_tokens: int, num_loras: int) -> list[int]:
 
 
 def random_tensor(shape, dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
-    """Normal values, rounded to ``dtype``, on the kernels' device, from a seed."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale).to(
-        dtype=dtype, device=DEVICE
-    )
+    """Normal values, rounded to ``dtype``, made on the kernels' device from a seed
+    (on the GPU, generating there keeps the large gpu-profile examples fast)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    values = torch.randn(*shape, generator=gen, dtype=torch.float32, device=DEVICE)
+    return (values * scale).to(dtype=dtype)
