@@ -43,7 +43,7 @@ _SIMULATOR_CONFIGS = (
 _GPU_CONFIGS = (
     LaunchConfig(threads=128, tile_m=1, tile_n=4, spread=True),  # decode: a token per slot
     LaunchConfig(threads=128, tile_m=4, tile_n=4, spread=True),
-    LaunchConfig(threads=128, tile_m=16, tile_n=4, spread=True),  # prefill: many per slot
+    LaunchConfig(threads=128, tile_m=16, tile_n=2, spread=True),  # prefill: many per slot
 )
 
 _forced: dict[str, LaunchConfig] = {}

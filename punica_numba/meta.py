@@ -26,20 +26,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels.segments import TILE_SIZES, tile_grid_bound, tile_table
+
 __all__ = ["HostFacts", "LoRAKernelMeta", "Segment", "host_facts_of"]
 
 
 @dataclass
 class HostFacts:
-    """What the host knows about the last prepared mapping, so checks need no device sync.
+    """What a ``LoRAKernelMeta`` knows beyond vLLM's six tensors.
 
-    It is shared by the ``LoRAKernelMeta`` and its ``active_lora_ids`` tensor, so the
-    ops can read it from the tensors ``meta_args`` hands them (see :func:`host_facts_of`).
+    Host-side numbers about the last prepared mapping, so checks and the choice of a
+    launch configuration need no device sync; and the device tile tables the kernels
+    read (:mod:`punica_numba.kernels.segments`). It is shared by the meta and its
+    ``active_lora_ids`` tensor, so the ops find it from the tensors ``meta_args``
+    hands them (see :func:`host_facts_of`).
     """
 
     num_tokens: int = 0  # tokens in the last prepared mapping
     max_slot_in_use: int = -1  # the largest slot in it, -1 if none
     active_slots: int = 0  # distinct slots other than -1 in it
+    tile_tables: dict = field(default_factory=dict)  # tile_m -> [2, bound] int32 (device)
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,9 @@ class LoRAKernelMeta:
             max_num_tokens=max_num_tokens,
             _positions=positions,
         )
+        for tile_m in TILE_SIZES:  # [2, bound] each: no tile anywhere yet
+            bound = tile_grid_bound(max_num_tokens, max_loras + 1, tile_m)
+            meta.host.tile_tables[tile_m] = torch.full((2, bound), -1, **i32)
         # Let the ops find the host-side facts from the tensors they are handed.
         meta.active_lora_ids._punica_host_facts = meta.host
         return meta
@@ -126,6 +135,8 @@ class LoRAKernelMeta:
         self.host.num_tokens = num_tokens
         self.host.max_slot_in_use = -1
         self.host.active_slots = 0
+        for table in self.host.tile_tables.values():
+            table.fill_(-1)
 
     def prepare_tensors(self, token_lora_mapping: torch.Tensor) -> None:
         """Sort and segment the tokens of one step.
@@ -196,6 +207,8 @@ class LoRAKernelMeta:
         compact_counts = torch.where(used, counts[order_present], 0)  # [L+1]
         self.num_tokens_per_lora.copy_(compact_counts)
         self.lora_token_start_loc[1:].copy_(torch.where(used, compact_counts.cumsum(0), 0))
+        for tile_m, table in self.host.tile_tables.items():
+            tile_table(self.active_lora_ids, compact_counts, tile_m, table.shape[1], out=table)
 
     def meta_args(self, token_nums: int):
         """The six metadata arguments of ``lora_shrink`` / ``lora_expand``, for ``token_nums`` rows.

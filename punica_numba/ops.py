@@ -22,7 +22,7 @@ import torch
 from ._checks import check_int, check_real, check_same_device, check_sequence, check_tensor
 from ._cuda import KERNEL_DTYPES, SIMULATOR, KernelLauncher
 from .kernels import MAX_SLICES, build_expand_kernel, build_shrink_kernel
-from .kernels.segments import tile_grid_bound
+from .kernels.segments import tile_grid_bound, tile_table
 from .launch import choose_launch_config
 from .meta import host_facts_of
 from .reference import squeeze_weight
@@ -120,18 +120,34 @@ def _launcher(kernel) -> KernelLauncher:
     return KernelLauncher(kernel)
 
 
-def _tile_blocks(num_tokens: int, counts: torch.Tensor, lora_ids: torch.Tensor, tile_m: int) -> int:
-    """Blocks along the tile axis.
+def _tiles(num_tokens: int, counts, lora_ids, tile_m: int, facts) -> tuple[torch.Tensor, int]:
+    """The tile table for ``tile_m`` and the number of blocks along the tile axis.
 
-    On the GPU: the bound of :func:`tile_grid_bound`, which needs no look at the
-    device (no sync, and the launch can be captured in a CUDA graph); surplus blocks
-    exit at once. On the simulator the metadata sits in host memory and every idle
-    block would still cost a Python thread per CUDA thread, so the grid is exact.
+    The table is the metadata's own when it is a ``LoRAKernelMeta`` (refreshed when it
+    prepared the mapping); otherwise it is made now, on the device, without a sync.
+    On the GPU the grid is the bound of :func:`tile_grid_bound`, which needs no look
+    at the device (a launch can be captured in a CUDA graph); surplus blocks exit at
+    once. On the simulator the table sits in host memory and an idle block would
+    still cost a Python thread per CUDA thread, so the grid is exact.
     """
-    if not SIMULATOR:
-        return tile_grid_bound(num_tokens, lora_ids.shape[0], tile_m)
-    used = lora_ids != -1
-    return int(((counts.to(torch.int64) + tile_m - 1) // tile_m)[used].sum())
+    blocks = tile_grid_bound(num_tokens, lora_ids.shape[0], tile_m)
+    table = facts.tile_tables.get(tile_m) if facts is not None else None
+    if table is None or table.shape[1] < blocks:
+        table = tile_table(lora_ids, counts, tile_m, blocks)
+    if SIMULATOR:
+        blocks = int((table[0, :blocks] >= 0).sum())
+    return table, blocks
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` viewed as int64 words (8 bytes: 4 fp16/bf16 or 2 fp32 elements), or None
+    when its rows are not whole, 8-byte-aligned words."""
+    size = t.element_size()
+    if t.stride(-1) != 1 or (t.shape[-1] * size) % 8 or t.data_ptr() % 8:
+        return None
+    if any((stride * size) % 8 for stride in t.stride()[:-1]):
+        return None
+    return t.view(torch.int64)
 
 
 def _nothing() -> None:
@@ -207,21 +223,31 @@ def prepare_shrink(
         return _nothing
 
     config = choose_launch_config("shrink", num_tokens, meta_facts and meta_facts.active_slots)
-    kernel = build_shrink_kernel(
-        inputs.dtype, weights[0].dtype, config.threads, config.tile_m, config.tile_n
-    )
+    # Packed 8-byte words when x and every A allow it; else one element at a time.
+    words = [_words(t) for t in (inputs, *weights)]
+    packed = all(w is not None for w in words)
+    x, weights = (words[0], words[1:]) if packed else (inputs, weights)
+    kernel = build_shrink_kernel(inputs.dtype, config.threads, config.tile_m, config.tile_n, packed)
     rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
-    tiles = _tile_blocks(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m)
-    meta = (token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids)
+    table, blocks = _tiles(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m, meta_facts)
+    meta = (
+        table,
+        token_indices_sorted_by_lora_ids,
+        num_tokens_per_lora,
+        lora_token_start_loc,
+        lora_ids,
+    )
     launcher = _launcher(kernel)
     scaling32 = np.float32(scaling)
 
     def launch() -> None:
+        if blocks == 0:
+            return
         for base in range(0, len(weights), MAX_SLICES):
             chunk = list(weights[base : base + MAX_SLICES])
-            grid = (tiles, len(chunk), rank_groups)
+            grid = (blocks, len(chunk), rank_groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))  # unused slots: never read
-            args = (inputs, *chunk, output_tensor, base, *meta, scaling32)
+            args = (x, *chunk, output_tensor, base, *meta, scaling32)
             launcher(grid, config.threads, args)
 
     return launch
@@ -345,21 +371,33 @@ def prepare_expand(
         return _nothing
 
     config = choose_launch_config("expand", num_tokens, meta_facts and meta_facts.active_slots)
+    words = [_words(w) for w in weights]  # B in packed 8-byte words when every slice allows
+    packed = all(w is not None for w in words)
+    dtype = weights[0].dtype
+    weights = words if packed else weights
     kernel = build_expand_kernel(
-        inputs.dtype, weights[0].dtype, output_tensor.dtype, config.threads, config.tile_m
+        inputs.dtype, dtype, output_tensor.dtype, config.threads, config.tile_m, packed
     )
-    tiles = _tile_blocks(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m)
-    meta = (token_indices_sorted_by_lora_ids, num_tokens_per_lora, lora_token_start_loc, lora_ids)
+    table, blocks = _tiles(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m, meta_facts)
+    meta = (
+        table,
+        token_indices_sorted_by_lora_ids,
+        num_tokens_per_lora,
+        lora_token_start_loc,
+        lora_ids,
+    )
     launcher = _launcher(kernel)
     columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
 
     def launch() -> None:
+        if blocks == 0:
+            return
         for base in range(0, len(weights), MAX_SLICES):
             chunk = list(weights[base : base + MAX_SLICES])
             starts = columns[base : base + MAX_SLICES]
             widest = max(widths[base : base + MAX_SLICES])
             groups = min(-(-widest // config.threads), MAX_GRID_YZ) if config.spread else 1
-            grid = (tiles, len(chunk), groups)
+            grid = (blocks, len(chunk), groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
             starts += [0] * (MAX_SLICES - len(starts))
             args = (inputs, *chunk, output_tensor, base, *starts, *meta, add_inputs)

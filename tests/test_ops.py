@@ -78,3 +78,19 @@ def test_offsets_past_two_to_the_31_elements():
     lora_shrink(xs, [a], buf, *meta.meta_args(2), 1.0)
     want = a[2].float().sum(dim=1)  # [16]
     assert torch.equal(buf[0, 0], want) and int(torch.count_nonzero(buf[0, 1])) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden, rank", [(8, 4), (7, 3), (12, 2)])
+def test_packed_and_element_paths(dtype, hidden, rank):
+    """Rows of whole 8-byte words are read packed, others element by element: both right."""
+    from .op_cases import ExpandCase, Problem, ShrinkCase
+
+    problem = Problem(slots=[0, 2, -1, 1, 2, 2, 0], prepared=7, num_loras=3, seed=5)
+    check_shrink(
+        lora_shrink, ShrinkCase(problem, hidden, rank, 2, 0, dtype, torch.float32, 0.5, True)
+    )
+    check_expand(
+        lora_expand,
+        ExpandCase(problem, rank, [5, 3], 1, 1, torch.float32, dtype, dtype, True, False, False),
+    )

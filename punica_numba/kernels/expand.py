@@ -2,16 +2,18 @@
 
 Work split (one block = one tile of tokens of one slot, one slice, some columns):
 
-* ``blockIdx.x``: a tile of up to ``TILE_M`` tokens of one segment (:mod:`.segments`);
+* ``blockIdx.x``: a tile of up to ``TILE_M`` tokens of one segment, looked up in the
+  tile table (:mod:`.segments`);
 * ``blockIdx.y``: the slice, among the (at most ``MAX_SLICES``) slices of this launch;
 * ``blockIdx.z``: the first group of ``THREADS`` output columns; groups stride by
   ``gridDim.z``, so narrower slices (GQA's k and v) simply have fewer groups.
 
 Thread ``tid`` owns output column ``n`` for the tile's tokens: it reads row n of
-B once (``r`` elements) and the tile's rows of x (the same for every thread, so the
-loads are broadcasts), accumulates ``TILE_M`` dot products of length ``r`` in fp32
-registers, and writes ``TILE_M`` outputs; neighbouring threads write neighbouring
-columns. Every output element is written by exactly one thread, once.
+B once (``r`` elements, in 8-byte words when packed) and the tile's rows of x
+(the same for every thread, so the loads are broadcasts), accumulates ``TILE_M``
+dot products of length ``r`` in fp32 registers, and writes ``TILE_M`` outputs;
+neighbouring threads write neighbouring columns. Every output element is written
+by exactly one thread, once.
 
 Memory traffic per block: ``THREADS * r`` elements of B, ``TILE_M * r`` of x, and
 ``TILE_M * THREADS`` outputs (read too when ``add_inputs``).
@@ -25,20 +27,25 @@ import torch
 from numba import float32, int64
 
 from .._cuda import cuda
-from .dtypes import loader, storer
-from .segments import find_tile
+from .dtypes import loader, packing, storer, word_loader
 
 __all__ = ["build_expand_kernel"]
 
 
 @functools.cache
 def build_expand_kernel(
-    x_dtype: torch.dtype, w_dtype: torch.dtype, out_dtype: torch.dtype, threads: int, tile_m: int
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    threads: int,
+    tile_m: int,
+    packed: bool,
 ):
-    """Compile-time specialisation on dtypes, threads per block and the token tile."""
-    load_x, load_w = loader(x_dtype), loader(w_dtype)
-    load_out, store_out = loader(out_dtype), storer(out_dtype)
-    THREADS, TILE_M = threads, tile_m
+    """Compile-time specialisation on dtypes, threads per block, the token tile, and
+    whether B arrives as packed int64 words."""
+    load_x, load_out, store_out = loader(x_dtype), loader(out_dtype), storer(out_dtype)
+    load_w = word_loader(w_dtype, packed)
+    THREADS, TILE_M, PACK = threads, tile_m, packing(w_dtype, packed)
 
     @cuda.jit
     def expand(
@@ -51,16 +58,18 @@ def build_expand_kernel(
         col0,
         col1,
         col2,
+        tiles,
         sorted_tokens,
         counts,
         starts,
         lora_ids,
         add_inputs,
     ):
-        # x: [S, M, r]; w*: [L, N_s, r]; out: [M, W]; col*: first output column of each slice.
-        segment, first = find_tile(cuda.blockIdx.x, lora_ids, counts, TILE_M)
+        # x: [S, M, r]; w*: [L, N_s, r/PACK] words; out: [M, W]; col*: first column of a slice
+        segment = tiles[0, cuda.blockIdx.x]
         if segment == -1:
             return
+        first = tiles[1, cuda.blockIdx.x]
         slot = lora_ids[segment]
         rows = min(TILE_M, counts[segment] - first)
         s_local = cuda.blockIdx.y
@@ -75,7 +84,7 @@ def build_expand_kernel(
             column0 = col2
         s = slice_base + s_local
         width = w.shape[1]
-        rank = w.shape[2]
+        words = w.shape[2]
 
         token = cuda.local.array(TILE_M, int64)
         for j in range(TILE_M):  # j in [0, TILE_M), unrolled
@@ -86,10 +95,12 @@ def build_expand_kernel(
         for n in range(n_first, width, cuda.gridDim.z * THREADS):  # n in [0, N_s)
             for j in range(TILE_M):
                 acc[j] = float32(0.0)
-            for k in range(rank):  # k in [0, r)
-                wk = load_w(w[slot, n, k])
-                for j in range(TILE_M):
-                    acc[j] += load_x(x[s, token[j], k]) * wk
+            for k in range(words):  # k in [0, r/PACK)
+                ww = w[slot, n, k]
+                for lane in range(PACK):  # the elements of one word, unrolled
+                    wk = load_w(ww, lane)
+                    for j in range(TILE_M):
+                        acc[j] += load_x(x[s, token[j], k * PACK + lane]) * wk
             column = column0 + n
             for j in range(TILE_M):
                 if j < rows:

@@ -1,24 +1,30 @@
-"""Which tokens a block works on: from a block index to a tile of one segment.
+"""Which tokens a block works on: a table from block index to a tile of one segment.
 
-A launch does not know, on the host, how many tokens each slot has (that lives
-on the device, in ``LoRAKernelMeta``), and reading it back would cost a sync and
-break CUDA-graph capture. So the grid is sized for the worst case and every block
-finds its own work on the device:
+A launch does not know, on the host, how many tokens each slot has (that lives on
+the device, in ``LoRAKernelMeta``); reading it back would cost a sync and break
+CUDA-graph capture. So the grid is sized for the worst case and each block looks
+its work up in a *tile table*, made on the device by a few torch operations:
 
 * segment i (slot ``lora_ids[i]`` with ``counts[i]`` tokens) is cut into
   ``ceil(counts[i] / tile_m)`` tiles of up to ``tile_m`` tokens;
 * the tiles of all segments, the ``-1`` segment left out, are numbered in order;
-* block ``b`` takes tile number ``b``, or exits if there are fewer tiles.
+* ``table[0, b]`` is the segment of tile ``b`` and ``table[1, b]`` the offset of its
+  first token inside the segment; ``table[0, b] = -1`` when there is no tile ``b``.
 
 Because ``sum_i ceil(c_i / tile_m) <= ceil(M / tile_m) + len(lora_ids)``, a grid of
-:func:`tile_grid_bound` blocks always suffices.
+:func:`tile_grid_bound` blocks always suffices. ``LoRAKernelMeta`` refreshes one
+table per tile size in :data:`TILE_SIZES` every time it prepares a mapping, so a
+launch only reads it: one lookup per block instead of a walk over all segments.
 """
 
 from __future__ import annotations
 
-from .._cuda import cuda
+import torch
 
-__all__ = ["find_tile", "tile_grid_bound"]
+__all__ = ["TILE_SIZES", "tile_grid_bound", "tile_table"]
+
+#: The token tiles the kernels are built for (see ``punica_numba.launch``).
+TILE_SIZES = (1, 4, 16)
 
 
 def tile_grid_bound(num_tokens: int, num_segments: int, tile_m: int) -> int:
@@ -26,16 +32,30 @@ def tile_grid_bound(num_tokens: int, num_segments: int, tile_m: int) -> int:
     return -(-num_tokens // tile_m) + num_segments
 
 
-@cuda.jit(device=True)
-def find_tile(tile, lora_ids, counts, tile_m):
-    """Return ``(segment, first)``: tile ``tile`` is tokens ``first .. first+tile_m`` of
-    segment ``segment``, or ``(-1, 0)`` when there is no such tile."""
-    tiles_before = 0
-    for segment in range(lora_ids.shape[0]):  # segment in [0, L+1)
-        if lora_ids[segment] == -1:
-            continue  # no LoRA, or an unused entry: nothing to compute
-        tiles_here = (counts[segment] + tile_m - 1) // tile_m
-        if tile < tiles_before + tiles_here:
-            return segment, (tile - tiles_before) * tile_m
-        tiles_before += tiles_here
-    return -1, 0
+def tile_table(
+    lora_ids: torch.Tensor,
+    counts: torch.Tensor,
+    tile_m: int,
+    num_blocks: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``[2, num_blocks]`` int32 tile table for these segments (no host sync).
+
+    Semantics:
+        tiles[i] = ceil(counts[i] / tile_m) if lora_ids[i] != -1 else 0
+        ends = cumsum(tiles)
+        for b < num_blocks: i = the segment with ends[i-1] <= b < ends[i]
+            table[:, b] = (i, (b - ends[i-1]) * tile_m), or (-1, 0) past the last tile
+    """
+    tiles = torch.where(lora_ids != -1, (counts.to(torch.int64) + tile_m - 1) // tile_m, 0)
+    ends = torch.cumsum(tiles, 0)  # [L+1]
+    block = torch.arange(num_blocks, device=counts.device)  # [B]
+    segment = torch.searchsorted(ends, block, right=True)  # [B]
+    real = segment < len(ends)
+    segment = segment.clamp(max=len(ends) - 1)
+    first = (block - (ends[segment] - tiles[segment])) * tile_m
+    table = torch.stack([torch.where(real, segment, -1), torch.where(real, first, 0)])
+    if out is None:
+        return table.to(torch.int32)
+    out.copy_(table)
+    return out

@@ -2,18 +2,21 @@
 
 Work split (one block = one tile of tokens of one slot, one slice, some ranks):
 
-* ``blockIdx.x``: a tile of up to ``TILE_M`` tokens of one segment (:mod:`.segments`);
+* ``blockIdx.x``: a tile of up to ``TILE_M`` tokens of one segment, looked up in the
+  tile table (:mod:`.segments`);
 * ``blockIdx.y``: the slice, among the (at most ``MAX_SLICES``) slices of this launch;
 * ``blockIdx.z``: the first group of ``TILE_N`` ranks; groups stride by ``gridDim.z``.
 
-Inside a block, thread ``tid`` walks the hidden dimension ``k = tid, tid + THREADS, ...``
-and keeps ``TILE_M * TILE_N`` partial dot products in registers; the block then adds
-the partials of its threads with a tree in shared memory (a fixed order, so the
-result is the same bits on every run: no atomics). Each output element is written
-by exactly one thread: read, add, write.
+Inside a block, thread ``tid`` walks the hidden dimension one *word* at a time,
+``w = tid, tid + THREADS, ...``: a word is one element, or (packed) an int64
+holding ``PACK`` elements read with a single 8-byte load. It keeps ``TILE_M *
+TILE_N`` partial dot products in registers; the block then adds its threads'
+partials with a tree in shared memory, in a fixed order, so the result is the
+same bits on every run: no atomics. Each output element is written by exactly
+one thread: read, add, write.
 
-Memory traffic per block: ``TILE_M`` rows of x (``TILE_M * K`` elements) and
-``TILE_N`` rows of A (``TILE_N * K``), each read once; ``TILE_M * TILE_N`` outputs.
+Memory traffic per block: ``TILE_M`` rows of x and ``TILE_N`` rows of A, each read
+once; ``TILE_M * TILE_N`` outputs read and written.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import float32, int64
+from numba import float32, int16, int64
+from numba.cuda.types import float16
 
 from .._cuda import cuda
-from .dtypes import loader
-from .segments import find_tile
+from .dtypes import packing, word_loader
 
 __all__ = ["MAX_SLICES", "build_shrink_kernel"]
 
@@ -36,26 +39,35 @@ MAX_SLICES = 3
 
 
 @functools.cache
-def build_shrink_kernel(
-    x_dtype: torch.dtype, w_dtype: torch.dtype, threads: int, tile_m: int, tile_n: int
-):
-    """Compile-time specialisation: dtypes, threads per block and tile sizes are constants.
+def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: int, packed: bool):
+    """Compile-time specialisation: the dtype of x and A, threads per block, tile
+    sizes, and whether x and A arrive as packed int64 words.
 
     They must be constants because they size local (register) and shared arrays and
     the loops over them, which Numba unrolls only when the trip count is known.
     """
     if threads & (threads - 1):
         raise ValueError(f"threads must be a power of two for the tree reduction, got {threads}")
-    load_x, load_w = loader(x_dtype), loader(w_dtype)
-    THREADS, TILE_M, TILE_N = threads, tile_m, tile_n
+    load = word_loader(dtype, packed)
+    THREADS, TILE_M, TILE_N, PACK = threads, tile_m, tile_n, packing(dtype, packed)
     PARTIALS = TILE_M * TILE_N  # dot products one block computes per rank group
+    # The type of one word of x as it sits in memory: an int64 of packed elements, or
+    # the element itself (bf16 travels as its int16 bits).
+    WORD = (
+        int64
+        if packed
+        else {torch.float16: float16, torch.bfloat16: int16, torch.float32: float32}[dtype]
+    )
 
     @cuda.jit
-    def shrink(x, w0, w1, w2, out, slice_base, sorted_tokens, counts, starts, lora_ids, scaling):
-        # x: [M, K]; w*: [L, R, K]; out: [S, M, R] (fp32 in practice); metadata int32.
-        segment, first = find_tile(cuda.blockIdx.x, lora_ids, counts, TILE_M)
+    def shrink(
+        x, w0, w1, w2, out, slice_base, tiles, sorted_tokens, counts, starts, lora_ids, scaling
+    ):
+        # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [2, B] int32
+        segment = tiles[0, cuda.blockIdx.x]
         if segment == -1:
             return  # the whole block leaves together, before any barrier
+        first = tiles[1, cuda.blockIdx.x]
         slot = lora_ids[segment]
         rows = min(TILE_M, counts[segment] - first)  # valid tokens in this tile
         s_local = cuda.blockIdx.y
@@ -67,7 +79,7 @@ def build_shrink_kernel(
             w = w2
         out_slice = slice_base + s_local
         rank = w.shape[1]
-        hidden = x.shape[1]
+        words = x.shape[1]
         tid = cuda.threadIdx.x
 
         # The tile's token rows; a short tile repeats its last token so that every
@@ -77,20 +89,22 @@ def build_shrink_kernel(
             token[j] = sorted_tokens[starts[segment] + first + min(j, rows - 1)]
 
         partial = cuda.local.array(PARTIALS, float32)
-        xk = cuda.local.array(TILE_M, float32)
+        xw = cuda.local.array(TILE_M, WORD)
         tree = cuda.shared.array((PARTIALS, THREADS), float32)
 
         for n0 in range(cuda.blockIdx.z * TILE_N, rank, cuda.gridDim.z * TILE_N):
             for p in range(PARTIALS):
                 partial[p] = float32(0.0)
-            for k in range(tid, hidden, THREADS):  # k in [0, K), strided by THREADS
+            for k in range(tid, words, THREADS):  # k in [0, K/PACK), strided by THREADS
                 for j in range(TILE_M):
-                    xk[j] = load_x(x[token[j], k])
+                    xw[j] = x[token[j], k]
                 for q in range(TILE_N):  # rank n0 + q
                     n = min(n0 + q, rank - 1)  # past the rank: a harmless repeat
-                    wk = load_w(w[slot, n, k])
-                    for j in range(TILE_M):
-                        partial[j * TILE_N + q] += xk[j] * wk
+                    ww = w[slot, n, k]
+                    for lane in range(PACK):  # the elements of one word, unrolled
+                        wk = load(ww, lane)
+                        for j in range(TILE_M):
+                            partial[j * TILE_N + q] += load(xw[j], lane) * wk
 
             # Sum the THREADS partials of each dot product: a tree in shared memory.
             for p in range(PARTIALS):
@@ -108,8 +122,7 @@ def build_shrink_kernel(
                 j = tid // TILE_N
                 n = n0 + tid % TILE_N
                 if j < rows and n < rank:
-                    t = token[j]
-                    out[out_slice, t, n] += scaling * tree[tid, 0]
+                    out[out_slice, token[j], n] += scaling * tree[tid, 0]
             cuda.syncthreads()  # the tree is reused by the next rank group
 
     return shrink
