@@ -31,6 +31,7 @@ import torch
 
 from . import reference
 from ._cuda import SIMULATOR, device_of
+from .launch import choose_launch_config, config_name, force_launch_config, launch_configs
 from .meta import LoRAKernelMeta
 from .ops import lora_expand, lora_shrink
 from .wrapper import PunicaWrapperNumba
@@ -348,7 +349,9 @@ def host_overhead_us(dtype=torch.bfloat16, calls: int = 400) -> dict[str, float]
     return results
 
 
-def run_case(case: Case, pool_bytes: int = 2 * L2_BYTES, seed: int = 0) -> dict:
+def run_case(
+    case: Case, pool_bytes: int = 2 * L2_BYTES, seed: int = 0, all_configs: bool = False
+) -> dict:
     """Check, then time the op and the torch baseline on one case; return its record."""
     device = device_of()
     gen = torch.Generator().manual_seed(seed)
@@ -360,6 +363,13 @@ def run_case(case: Case, pool_bytes: int = 2 * L2_BYTES, seed: int = 0) -> dict:
     pool = [_argument_set(case, gen, device) for _ in range(pool_size)]
     error = _check(case, pool[0], meta, slots_d)
     ours = time_calls([lambda a=a: _run_op(case, a, meta) for a in pool])
+    chosen = choose_launch_config(case.op, case.T, meta.host.active_slots)
+    per_config = {}
+    for config in launch_configs(case.op) if all_configs else ():
+        with force_launch_config(case.op, config):
+            error = max(error, _check(case, pool[0], meta, slots_d))
+            calls = [lambda a=a: _run_op(case, a, meta) for a in pool]
+            per_config[config_name(config)] = round(time_calls(calls), 3)
     baseline = time_calls([lambda a=a: _run_gather_bmm(case, a, slots_d) for a in pool])
     record = asdict(case)
     record.update(
@@ -369,7 +379,10 @@ def run_case(case: Case, pool_bytes: int = 2 * L2_BYTES, seed: int = 0) -> dict:
         bytes=case.floor_bytes(),
         relative_error=error,
         pool=pool_size,
+        config=config_name(chosen),
     )
+    if per_config:
+        record["config_us"] = per_config
     vllm = VLLM_US.get((case.op, case.T, case.num_loras, tuple(case.slices), case.rank))
     if vllm is not None and case.hidden == 4096 and case.dtype == "bf16":
         record["vllm_us"] = vllm
@@ -451,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="write the roofline plot (PNG)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git HEAD)")
     parser.add_argument("--quick", action="store_true", help="tiny cases (the simulator's)")
+    parser.add_argument(
+        "--all-configs",
+        action="store_true",
+        help="also check and time every launch configuration (recorded as config_us)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick or SIMULATOR
     cases = default_cases(args.hidden, args.rank, args.dtype, args.slices, quick=quick)
@@ -459,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = 0.0 if SIMULATOR else copy_bandwidth_tbps()
     records = []
     for case in tqdm(cases, desc="bench", unit="case", file=sys.stderr):
-        records.append(run_case(case))
+        records.append(run_case(case, all_configs=args.all_configs))
         torch.cuda.empty_cache() if not SIMULATOR else None
     result = {
         "commit": args.commit or _commit(),

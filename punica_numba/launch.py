@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 from ._cuda import SIMULATOR
 
-__all__ = ["LaunchConfig", "launch_configs", "choose_launch_config", "force_launch_config"]
+__all__ = [
+    "LaunchConfig",
+    "choose_launch_config",
+    "config_name",
+    "force_launch_config",
+    "launch_configs",
+]
 
 OPS = ("shrink", "expand")
 
@@ -41,7 +47,8 @@ _SIMULATOR_CONFIGS = (
     LaunchConfig(threads=16, tile_m=1, tile_n=4, spread=False),
 )
 _GPU_CONFIGS = (
-    LaunchConfig(threads=128, tile_m=1, tile_n=4, spread=True),  # decode: a token per slot
+    LaunchConfig(threads=256, tile_m=1, tile_n=4, spread=True),  # decode: a token per slot
+    LaunchConfig(threads=128, tile_m=1, tile_n=4, spread=True),
     LaunchConfig(threads=128, tile_m=4, tile_n=4, spread=True),
     LaunchConfig(threads=128, tile_m=16, tile_n=2, spread=True),  # prefill: many per slot
 )
@@ -68,12 +75,17 @@ def choose_launch_config(op: str, num_tokens: int, active_slots: int | None) -> 
     if active_slots is None or active_slots == 0:
         return configs[0]
     per_slot = num_tokens / active_slots
-    small, *_, large = sorted(configs, key=lambda c: c.tile_m)
+    small, *_, large = sorted(configs, key=lambda c: c.tile_m)  # stable: the first of a size
     if per_slot < 2:
         return small
     if per_slot >= 4 * large.tile_m:
         return large
     return min(configs, key=lambda c: abs(c.tile_m - per_slot))
+
+
+def config_name(config: LaunchConfig) -> str:
+    """A short label, e.g. ``t256_m1_n4``."""
+    return f"t{config.threads}_m{config.tile_m}_n{config.tile_n}"
 
 
 @contextlib.contextmanager
