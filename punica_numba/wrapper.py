@@ -20,6 +20,8 @@ Differences from vLLM v0.8–0.9 (../shared/SPEC.md §7), each on purpose:
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +34,19 @@ from .ops import prepare_expand, prepare_shrink
 from .reference import squeeze_weight
 
 __all__ = ["PunicaWrapperNumba"]
+
+
+@contextlib.contextmanager
+def _argument_names(**ours):
+    """Re-raise an op's ValueError / TypeError with the wrapper's argument names, so the
+    message names what the caller passed (``lora_b_stacked``, not ``lora_b_weights``)."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        for op_name, name in ours.items():
+            message = re.sub(rf"\b{op_name}\b", name, message)
+        raise type(error)(message) from None
 
 
 class PunicaWrapperNumba:
@@ -285,8 +300,10 @@ class PunicaWrapperNumba:
             buffer = torch.zeros(
                 len(output_slices), flat_x.shape[0], rank, dtype=torch.float32, device=flat_x.device
             )
-        shrink = self._plan_shrink(buffer, flat_x, lora_a_stacked, scale)
-        expand = self._plan_expand(y2, buffer, lora_b_stacked, output_slices, 0, True)
+        shrink = self._plan_shrink(buffer, flat_x, lora_a_stacked, scale, y_name="buffer")
+        expand = self._plan_expand(
+            y2, buffer, lora_b_stacked, output_slices, 0, True, x_name="buffer"
+        )
         shrink()
         expand()
         self._add_bias(y2, bias, output_slices, 0)
@@ -326,12 +343,13 @@ class PunicaWrapperNumba:
         check_tensor("buffer", buffer, ndim=2)
         meta = self.prompt_mapping_meta.meta_args(rows)
         self._check_rows(y2, rows)
-        shrink = prepare_shrink(
-            flat_x, [lora_a_stacked], buffer.unsqueeze(0), *meta, check_real("scale", scale)
-        )
-        expand = prepare_expand(
-            buffer.unsqueeze(0), [lora_b_stacked], y2, *meta, offset_start=0, add_inputs=True
-        )
+        scale = check_real("scale", scale)
+        with _argument_names(inputs="x", lora_a_weights="lora_a_stacked", output_tensor="buffer"):
+            shrink = prepare_shrink(flat_x, [lora_a_stacked], buffer.unsqueeze(0), *meta, scale)
+        with _argument_names(inputs="buffer", lora_b_weights="lora_b_stacked", output_tensor="y"):
+            expand = prepare_expand(
+                buffer.unsqueeze(0), [lora_b_stacked], y2, *meta, offset_start=0, add_inputs=True
+            )
         shrink()
         expand()
 
@@ -362,13 +380,17 @@ class PunicaWrapperNumba:
             )
         return self.token_mapping_meta.meta_args(rows)
 
-    def _plan_shrink(self, y, x, lora_a_stacked, scale):
+    def _plan_shrink(self, y, x, lora_a_stacked, scale, y_name="y"):
         flat_x = self._flat(x)
         check_sequence("lora_a_stacked", lora_a_stacked)
         meta = self._token_meta_args(flat_x.shape[0])
-        return prepare_shrink(flat_x, lora_a_stacked, y, *meta, check_real("scale", scale))
+        scale = check_real("scale", scale)
+        with _argument_names(inputs="x", lora_a_weights="lora_a_stacked", output_tensor=y_name):
+            return prepare_shrink(flat_x, lora_a_stacked, y, *meta, scale)
 
-    def _plan_expand(self, y2, x, lora_b_stacked, output_slices, offset_start, add_inputs):
+    def _plan_expand(
+        self, y2, x, lora_b_stacked, output_slices, offset_start, add_inputs, x_name="x"
+    ):
         check_sequence("lora_b_stacked", lora_b_stacked)
         check_sequence("output_slices", output_slices)
         if len(lora_b_stacked) != len(output_slices):
@@ -383,12 +405,18 @@ class PunicaWrapperNumba:
                     f"output_slices[{s}] is {width} but lora_b_stacked[{s}] has "
                     f"{squeeze_weight(b).shape[1]} output rows"
                 )
-        check_tensor("x", x, ndim=3)
+        check_tensor(x_name, x, ndim=3)
         self._check_rows(y2, x.shape[1])
         meta = self._token_meta_args(x.shape[1])
-        return prepare_expand(
-            x, list(lora_b_stacked), y2, *meta, offset_start=offset_start, add_inputs=add_inputs
-        )
+        with _argument_names(inputs=x_name, lora_b_weights="lora_b_stacked", output_tensor="y"):
+            return prepare_expand(
+                x,
+                list(lora_b_stacked),
+                y2,
+                *meta,
+                offset_start=offset_start,
+                add_inputs=add_inputs,
+            )
 
     def _check_bias(self, lora_bias_stacked, output_slices, y2) -> list | None:
         """Check the bias tuple now, so that a bad one is rejected before any launch."""
