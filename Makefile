@@ -7,13 +7,17 @@ STAMP  := $(VENV)/.stamp
 BIN    := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test demo lint clean distclean
+.PHONY: help venv test demo docs notebooks lint clean distclean
 
 help:
 	@echo "punica-numba make targets:"
 	@echo "  make venv       create or reuse .venv and install the project with its test extra"
-	@echo "  make test       ruff, then the pytest + hypothesis suite (HYPOTHESIS_PROFILE, default ci)"
+	@echo "  make test       ruff, the pytest + hypothesis suite (HYPOTHESIS_PROFILE, default ci;"
+	@echo "                  it builds the docs too), then every notebook under nbmake"
 	@echo "  make demo       run the demo (python -m punica_numba demo)"
+	@echo "  make docs       build the documentation site into docs/_build/html (warnings are errors)"
+	@echo "  make notebooks  sync each notebooks/*.py with its .ipynb, then re-execute the .ipynb"
+	@echo "                  in place so that it stores fresh outputs (GPU outputs on a GPU)"
 	@echo "  make lint       ruff check only"
 	@echo "  make clean      remove caches and build output (keeps .venv)"
 	@echo "  make distclean  clean, and remove .venv too"
@@ -36,6 +40,22 @@ $(STAMP): pyproject.toml
 test: venv
 	$(BIN)/ruff check .
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest
+	$(BIN)/python -m pytest --nbmake notebooks/
+
+# The notebooks are jupytext py:percent files (what you edit) paired with .ipynb copies
+# (what readers and the docs see, with stored outputs); notebooks/jupytext.toml pairs them.
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.py))
+
+# `jupytext --sync` carries the newer side of each pair to the other (keeping outputs);
+# executing rewrites the .ipynb, and the second sync records that the pair agrees.
+notebooks: venv
+	$(BIN)/jupytext --sync $(NOTEBOOKS)
+	$(BIN)/jupyter execute --inplace --timeout=600 $(NOTEBOOKS:.py=.ipynb)
+	$(BIN)/jupytext --sync $(NOTEBOOKS)
+
+docs: venv
+	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
+	@echo "open docs/_build/html/index.html"
 
 demo: venv
 	$(BIN)/python -m punica_numba demo
@@ -44,7 +64,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf .pytest_cache .ruff_cache .hypothesis build dist docs/_build *.egg-info
+	rm -rf .pytest_cache .ruff_cache .hypothesis build dist docs/_build docs/_generated *.egg-info
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 	find . -path ./$(VENV) -prune -o -name .ipynb_checkpoints -type d -exec rm -rf {} +
 

@@ -1,13 +1,30 @@
-"""Test the tests: every deliberately wrong kernel in :mod:`tests.mutants` must be caught."""
+"""Test the tests: every deliberately wrong kernel in :mod:`tests.mutants` must be caught.
+
+The property checks must reject the ordinary bugs; the edge-case checks must reject the
+bugs a careless kernel makes only at one extreme (and which pass the ordinary problem);
+the determinism check must reject bits that depend on the launch configuration.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import Phase, given, settings
 
-from . import tolerance
-from .mutants import EXPAND_BUGS, SHRINK_BUGS, mutant_expand, mutant_shrink
+from punica_numba import lora_shrink
+from punica_numba.launch import choose_launch_config, launch_configs
+
+from . import test_determinism, tolerance
+from .mutants import (
+    EXPAND_BUGS,
+    EXPAND_EDGE_BUGS,
+    SHRINK_BUGS,
+    SHRINK_EDGE_BUGS,
+    mutant_expand,
+    mutant_shrink,
+)
 from .op_cases import check_expand, check_shrink, expand_cases, shrink_cases
+from .test_edge_cases import EDGES, ORDINARY, expand_case, shrink_case
 
 # Enough examples to meet each bug's trigger (a -1 token, two segments, ...) without
 # shrinking the counterexample, which would only cost time.
@@ -61,3 +78,55 @@ def test_mutants_are_otherwise_right():
         check_expand(mutant_expand("none"), e_case)
 
     both()
+
+
+#: The edge case of test_edge_cases.py that each edge bug gets wrong.
+EDGE_OF_BUG = {
+    "launches nothing at full capacity": "T == max tokens",
+    "assumes H >= 2": "hidden 1",
+    "no-LoRA batch takes slot -1 as the last slot": "no token has a LoRA",
+    "assumes r >= 2": "rank 1",
+    "single-slot fast path ignores -1": "max_loras = 1",
+    "skips a slice of width 1": "one slice of width 1",
+    "treats an empty step as one token on slot 0": "T = 0, with padded rows",
+}
+
+
+def test_every_edge_case_has_a_mutant():
+    assert set(EDGE_OF_BUG) == set(SHRINK_EDGE_BUGS) | set(EXPAND_EDGE_BUGS)
+    assert set(EDGE_OF_BUG.values()) | {"T = 0"} == set(EDGES)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("bug", SHRINK_EDGE_BUGS)
+def test_edge_checks_reject_wrong_shrink(bug, dtype):
+    impl = mutant_shrink(bug)
+    check_shrink(impl, shrink_case(ORDINARY, dtype))  # right where nothing is extreme
+    with pytest.raises(AssertionError):
+        check_shrink(impl, shrink_case(EDGES[EDGE_OF_BUG[bug]], dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("bug", EXPAND_EDGE_BUGS)
+def test_edge_checks_reject_wrong_expand(bug, dtype):
+    impl = mutant_expand(bug)
+    check_expand(impl, expand_case(ORDINARY, dtype))
+    with pytest.raises(AssertionError):
+        check_expand(impl, expand_case(EDGES[EDGE_OF_BUG[bug]], dtype))
+
+
+def test_determinism_check_rejects_launch_dependent_bits(monkeypatch):
+    """A shrink one ulp off at one element under every configuration but the first."""
+
+    def nudged(*args):
+        lora_shrink(*args)
+        if choose_launch_config("shrink", 1, None) != launch_configs("shrink")[0]:
+            out = args[2]  # [S, T, r]; token 0 has a LoRA in the ordinary problem
+            out[0, 0, 0] = torch.nextafter(
+                out[0, 0, 0], torch.tensor(float("inf"), device=out.device)
+            )
+
+    ops = dict(test_determinism.OPS, shrink=(nudged, check_shrink))
+    monkeypatch.setattr(test_determinism, "OPS", ops)
+    with pytest.raises(AssertionError, match="different bits"):
+        test_determinism.check_deterministic("shrink", shrink_case(ORDINARY, torch.float32))

@@ -1,0 +1,398 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 6. Performance: the roofline, device time and host time
+#
+# A multi-LoRA layer does little arithmetic on a lot of weights, so its speed limit
+# is memory traffic, and at decode sizes even that is tiny: the real cost is often
+# the host's work to launch the kernels. This notebook sets the two limits side by
+# side and then reads the benchmark measured on an H200.
+#
+# **You will learn**
+#
+# - how to count the fewest bytes shrink and expand must move, and turn them into a
+#   time floor at the H200's copy bandwidth (4.2 TB/s);
+# - why both ops sit far on the memory-bound side of the roofline;
+# - where the microseconds of a Numba launch go on the host, and how to measure the
+#   host time of a `lora_shrink` call yourself;
+# - how to read the benchmark (`docs/benchmarks/h200.json`): device time against the
+#   floor, against vLLM's Triton kernels and against torch's gather + `bmm`.
+
+# %%
+import json
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import Markdown, display
+
+import punica_numba
+from punica_numba import LoRAKernelMeta, lora_shrink, reference
+from punica_numba.bench import Case
+from punica_numba.ops import prepare_shrink
+
+SIMULATOR = punica_numba.SIMULATOR
+DEVICE = torch.device("cpu") if SIMULATOR else torch.device("cuda")
+COPY_BANDWIDTH = 4.2e12  # bytes/s: a device-to-device copy on an H200
+PEAK_BF16 = 989e12  # flop/s: the H200's dense bf16 tensor-core peak (NVIDIA's data sheet)
+print(f"{'simulator' if SIMULATOR else torch.cuda.get_device_name()}")
+
+
+def table(header, rows):
+    """A Markdown table from a header and rows of cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return Markdown("\n".join(lines))
+
+
+# %% [markdown]
+# ## The fewest bytes
+#
+# Whatever the kernel, shrink must read `x` once and each **active** adapter's `A` once
+# per slice, and write the fp32 buffer; expand must read the buffer and each active
+# adapter's `B` once, and read and write its part of the output (it adds into it):
+#
+# ```
+# shrink: e*T*H + n*S*r*H*e + 4*S*T*r              e: bytes per element (2 for bf16)
+# expand: 4*S*T*r + n*sum(N_s)*r*e + 2*e*T*sum(N_s)  n: active adapters
+# ```
+#
+# The benchmark (`punica_numba.bench`) counts the same bytes; the formulas below must
+# agree with its `Case.floor_bytes` on every kind of case.
+
+
+# %%
+def floor_bytes(op, T, n, H, r, slices, e=2):
+    S, N = len(slices), sum(slices)
+    if op == "shrink":
+        return e * T * H + n * S * r * H * e + 4 * S * T * r
+    return 4 * S * T * r + n * N * r * e + 2 * e * T * N
+
+
+for op in ("shrink", "expand"):
+    for T, mode in ((1, "identical"), (64, "distinct"), (4096, "uniform")):
+        for rank, slices in ((16, [4096]), (16, [4096, 1024, 1024]), (64, [4096])):
+            case = Case(op, T, mode, 4096, rank, "bf16", slices)
+            mine = floor_bytes(op, T, case.num_loras, 4096, rank, slices)
+            assert mine == case.floor_bytes(), (case, mine, case.floor_bytes())
+print("the formulas agree with punica_numba.bench.Case.floor_bytes on 18 cases")
+
+# %% [markdown]
+# ## The roofline
+#
+# A kernel is limited either by arithmetic (peak flop/s) or by memory traffic
+# (bandwidth × flops per byte). Shrink and expand do `2 * T * r * sum(widths)` flops on
+# the bytes above: a few flops per byte at most, while the H200's tensor cores need
+# about 989e12 / 4.2e12 ≈ 235 flops per byte to be the limit. Every LoRA shape of a
+# serving step sits far left of that ridge, so its floor is simply `bytes / 4.2 TB/s`.
+
+# %%
+shapes = [(T, mode) for T in (1, 16, 64, 256, 1024, 4096) for mode in ("identical", "distinct")]
+fig, ax = plt.subplots(figsize=(7, 4))
+intensity = torch.logspace(-1, 3.5, 200)
+ax.loglog(
+    intensity,
+    torch.minimum(torch.tensor(PEAK_BF16), COPY_BANDWIDTH * intensity) / 1e12,
+    "k-",
+    label="H200 roof: min(peak, 4.2 TB/s × intensity)",
+)
+points = []
+for op, marker in (("shrink", "o"), ("expand", "s")):
+    for T, mode in shapes:
+        case = Case(op, T, mode, 4096, 16, "bf16", [4096])
+        flops = 2 * T * 16 * 4096
+        points.append((op, T, mode, flops / case.floor_bytes()))
+    xs = [p[3] for p in points if p[0] == op]
+    ax.loglog(xs, [COPY_BANDWIDTH * i / 1e12 for i in xs], marker, label=f"{op}, H=4096, r=16")
+ax.axvline(PEAK_BF16 / COPY_BANDWIDTH, color="grey", ls=":", label="ridge point")
+ax.set_xlabel("arithmetic intensity (flop / byte)")
+ax.set_ylabel("attainable TFLOP/s")
+ax.legend(fontsize=8)
+plt.show()
+assert max(p[3] for p in points) < PEAK_BF16 / COPY_BANDWIDTH / 10, "all far left of the ridge"
+
+# %% [markdown]
+# The floors, for the benchmark's token counts (H = 4096, rank 16, one slice, bf16):
+
+# %%
+rows = []
+for T, mode in (
+    (1, "identical"),
+    (16, "distinct"),
+    (64, "distinct"),
+    (256, "distinct"),
+    (256, "identical"),
+    (4096, "uniform"),
+    (4096, "identical"),
+):
+    row = [T, mode]
+    for op in ("shrink", "expand"):
+        case = Case(op, T, mode, 4096, 16, "bf16", [4096])
+        nbytes = case.floor_bytes()
+        row += [f"{nbytes / 1e6:.2f}", f"{nbytes / COPY_BANDWIDTH * 1e6:.2f}"]
+    rows.append(row)
+display(
+    table(["T", "adapters", "shrink MB", "shrink floor µs", "expand MB", "expand floor µs"], rows)
+)
+assert float(rows[0][3]) < 0.1 and float(rows[0][5]) < 0.1  # one decode token: ~0.03 µs
+
+# %% [markdown]
+# ## Host time: where a launch's microseconds go
+#
+# A decode step's shrink needs well under a microsecond of memory traffic. Launching
+# a Numba kernel from Python costs much more, on the host, before the GPU sees
+# anything. Measured on the H200's host (`../shared/NUMBA.md` §4, host µs per launch
+# of a tiny kernel, 4 tensors + 2 ints on an external stream):
+#
+# | path | µs per launch |
+# | --- | ---: |
+# | torch `y.add_(1)`, for scale | 10.5 |
+# | Numba dispatcher, lazy `@cuda.jit`, torch tensors | 143 |
+# | Numba dispatcher, explicit signature, torch tensors | 83 |
+# | explicit signature, tensors pre-wrapped (`cuda.as_cuda_array`) | 57 |
+# | `cuda.core.launch` with raw parameters | 6.5 |
+# | one replay of a CUDA graph holding the kernel | 4.65 |
+# | a CUDA graph of 20 launches: replay vs eager | 3.2 vs 1300 (per 20) |
+#
+# The dispatcher types every argument and converts every tensor (DLPack) on every
+# call; the library pays that once per argument-type combination and then launches
+# through `cuda.core` with raw parameters. On top come the op's own argument checks in
+# Python. Below, the host time of one `lora_shrink` call, split into the checks
+# (`prepare_shrink`), a call that has nothing to launch (no token has an adapter), and
+# the full call. On a GPU the full call is not synchronised, so it measures only the
+# host; the device time comes from replaying 20 calls captured in a CUDA graph.
+#
+# On the simulator the "launch" runs the kernel itself, in Python threads, so the
+# full call's time there is simulation time and says nothing about a GPU.
+
+# %%
+T, H, R, L = (4, 16, 4, 4) if SIMULATOR else (16, 4096, 16, 16)  # decode: 16 tokens
+gen = torch.Generator().manual_seed(0)
+x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(DEVICE)
+A = (torch.randn(L, R, H, generator=gen) * H**-0.5).to(torch.bfloat16).to(DEVICE)
+slots = (torch.arange(T) % L).to(DEVICE)  # every token on its own adapter
+meta = LoRAKernelMeta.make(L, T, DEVICE)
+meta.prepare_tensors(slots)
+no_lora_meta = LoRAKernelMeta.make(L, T, DEVICE)
+no_lora_meta.prepare_tensors(torch.full((T,), -1, device=DEVICE))
+out = torch.zeros(1, T, R, device=DEVICE)
+
+
+def sync():
+    if not SIMULATOR:
+        torch.cuda.synchronize()
+
+
+def host_us(fn, calls):
+    fn()  # compile / warm up
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    sync()
+    return elapsed / calls * 1e6
+
+
+calls = 5 if SIMULATOR else 500
+out.zero_()
+timings = {
+    "checks only (prepare_shrink)": host_us(
+        lambda: prepare_shrink(x, [A], out, *meta.meta_args(T), 1.0), calls
+    ),
+    "no token has an adapter (nothing launched)": host_us(
+        lambda: lora_shrink(x, [A], out, *no_lora_meta.meta_args(T), 1.0), calls
+    ),
+}
+out.zero_()
+timings["full call: checks + launch"] = host_us(
+    lambda: lora_shrink(x, [A], out, *meta.meta_args(T), 1.0), calls
+)
+launches = calls + 1  # the warm-up call launched too
+
+if not SIMULATOR:  # device time: 20 calls captured in a graph, replays timed with events
+    buf = torch.zeros(1, T, R, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        lora_shrink(x, [A], buf, *meta.meta_args(T), 1.0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(20):
+            lora_shrink(x, [A], buf, *meta.meta_args(T), 1.0)
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    timings["device time per call (graph replay)"] = begin.elapsed_time(end) * 1e3 / 200
+
+where = "simulator (CPU): these are simulation times" if SIMULATOR else "GPU host"
+display(Markdown(f"**{where}**, T={T}, H={H}, r={R}, {L} adapters, bf16"))
+display(table(["what", "µs per call"], [(k, f"{v:,.1f}") for k, v in timings.items()]))
+
+# Check after timing: the buffer accumulated `launches` identical shrinks.
+want = reference.lora_shrink(x, [A], torch.zeros(1, T, R, device=DEVICE), slots, 1.0)
+err = (out.double() - launches * want).abs().max() / (launches * want).abs().max()
+# (fp32 adds of the same value, `launches` times, err by up to ~launches/2 roundings)
+assert err < 1e-4, f"after {launches} accumulating calls the buffer is off by {err:.2e}"
+print(f"after {launches} calls the buffer holds {launches}× the reference shrink")
+
+# %% [markdown]
+# ## The benchmark on an H200
+#
+# `python -m punica_numba bench --json docs/benchmarks/h200.json --plot
+# docs/benchmarks/roofline.png` checks every case against the float64 reference, then
+# times it: a pool of argument sets larger than the 60 MB L2 cache is captured in one
+# CUDA graph, replays are timed with CUDA events, and the median **device** time per
+# call is reported. The same is done for torch's gather + `bmm`. The bandwidth column
+# divides the fewest bytes by that time. The table below is read from the stored file;
+# it was measured at the commit it names, which may be older than this notebook.
+
+# %%
+root = next(
+    (p for p in [Path.cwd(), *Path.cwd().parents] if (p / "pyproject.toml").exists()),
+    Path(punica_numba.__file__).resolve().parents[1],
+)
+results_path = root / "docs" / "benchmarks" / "h200.json"
+results = json.loads(results_path.read_text()) if results_path.exists() else None
+
+if results is None:
+    display(
+        Markdown(
+            "**The benchmark has not been run yet.** On a GPU, run\n\n"
+            "`python -m punica_numba bench --json docs/benchmarks/h200.json "
+            "--plot docs/benchmarks/roofline.png`\n\nand execute this notebook again."
+        )
+    )
+else:
+    bandwidth = results["copy_bandwidth_tbps"] * 1e12
+    rows = []
+    for c in results["cases"]:
+        floor = c["bytes"] / bandwidth * 1e6
+        vllm = c.get("vllm_us")
+        rows.append(
+            (
+                c["op"],
+                c["T"],
+                c["lora_mode"],
+                c["num_loras"],
+                "/".join(map(str, c.get("slices", []))),
+                c["rank"],
+                f"{c['us']:.1f}",
+                f"{floor:.2f}",
+                f"{floor / c['us']:.0%}",
+                f"{vllm:.1f}" if vllm else "",
+                f"{c['us'] / vllm:.2f}" if vllm else "",
+                f"{c['torch_gather_bmm_us']:.1f}",
+            )
+        )
+        case = Case(
+            c["op"],
+            c["T"],
+            c["lora_mode"],
+            c["hidden"],
+            c["rank"],
+            c["dtype"],
+            c.get("slices") or [c["hidden"]],
+        )
+        assert c["bytes"] == case.floor_bytes(), f"bytes of {c} do not match the formula"
+        assert c["us"] > 0.8 * floor, f"{c} beats the copy bandwidth: a timing error?"
+    display(
+        Markdown(
+            f"**{results['gpu']}**, commit `{results['commit']}`, measured copy bandwidth "
+            f"{results['copy_bandwidth_tbps']:.2f} TB/s. Times in µs of device time per call."
+        )
+    )
+    display(
+        table(
+            [
+                "op",
+                "T",
+                "mode",
+                "LoRAs",
+                "slices",
+                "r",
+                "µs",
+                "floor µs",
+                "of BW",
+                "vLLM µs",
+                "× vLLM",
+                "torch µs",
+            ],
+            rows,
+        )
+    )
+    overhead = results.get("host_overhead_us", {})
+    display(table(["host time per eager call", "µs"], [(k, v) for k, v in overhead.items()]))
+    decode = [c["us"] for c in results["cases"] if c["T"] <= 64]
+    print(
+        f"decode cases (T <= 64): device time {min(decode):.1f} .. {max(decode):.1f} µs; "
+        f"eager host time per call: {', '.join(f'{k} {v} µs' for k, v in overhead.items())}"
+    )
+
+# %% [markdown]
+# The same numbers as a picture: for each case, the bandwidth reached (fewest bytes
+# divided by device time) by our kernels, by vLLM's Triton kernels where the project's
+# performance issue gives a figure, and by torch's gather + `bmm`, against the copy
+# bandwidth.
+
+# %%
+if results is not None:
+    cases = results["cases"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.16 * len(cases) + 2), sharex=True)
+    for ax, op in zip(axes, ("shrink", "expand")):
+        mine = [c for c in cases if c["op"] == op]
+        labels = [
+            f"T={c['T']} {c['lora_mode']} {'/'.join(map(str, c['slices']))} r{c['rank']}"
+            for c in mine
+        ]
+        y = range(len(mine))
+        for offset, key, name in (
+            (-0.27, "us", "punica-numba"),
+            (0, "vllm_us", "vLLM Triton"),
+            (0.27, "torch_gather_bmm_us", "torch gather + bmm"),
+        ):
+            tbps = [c["bytes"] / c[key] / 1e6 if c.get(key) else 0 for c in mine]
+            ax.barh([i + offset for i in y], tbps, height=0.27, label=name)
+        ax.axvline(results["copy_bandwidth_tbps"], color="k", ls="--", label="copy bandwidth")
+        ax.set_yticks(list(y), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(op)
+        ax.set_xlabel("fewest bytes / device time (TB/s)")
+    axes[1].legend(fontsize=7, loc="lower right")
+    plt.tight_layout()
+    plt.show()
+    assert all(c["bytes"] / c["us"] / 1e6 < 1.25 * results["copy_bandwidth_tbps"] for c in cases)
+else:
+    print("no benchmark results yet: nothing to plot")
+
+# %% [markdown]
+# ## Reading it
+#
+# - At **decode sizes** (T ≤ 64) the floor is well under a microsecond for a few
+#   adapters; a measured time of several microseconds there is latency (too few
+#   blocks, dependent loads, the launch itself), not bandwidth.
+# - At **prefill sizes** (T = 4096) the floor is tens of microseconds, and the fraction
+#   of the copy bandwidth reached measures how well the kernel streams its operands.
+# - Compare the **host** time of an eager call with the **device** times of the decode
+#   cases (the line printed under the tables): when the host takes longer, the GPU
+#   waits for Python, and only capturing the LoRA layers in a CUDA graph (notebook 5)
+#   lets a faster kernel show.

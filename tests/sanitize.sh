@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Run the GPU kernel and wrapper tests under each compute-sanitizer tool.
+#
+#   tests/sanitize.sh                      # memcheck, racecheck, initcheck, synccheck
+#   tests/sanitize.sh memcheck racecheck   # only these
+#
+# Prints one line per tool, "memcheck: 0 errors" etc. (from the sanitizer's "ERROR
+# SUMMARY", or racecheck's "RACECHECK SUMMARY", summed over the processes it watched),
+# and exits non-zero if any tool reports an error, if the tests fail under it, or if it
+# printed no summary at all.
+# Full logs go to $SANITIZE_LOGS (default: a fresh temporary folder, printed at the end).
+#
+# Environment (all optional):
+#   PYTHON              the interpreter (default: python3); PYTHONPATH is kept as given
+#   COMPUTE_SANITIZER   the sanitizer binary (default: compute-sanitizer on PATH, else
+#                       /usr/local/cuda/bin/compute-sanitizer)
+#   HYPOTHESIS_PROFILE  default dev: few examples, small shapes (the sanitizer is slow)
+#   SANITIZE_TESTS      the pytest targets (default below; the >2**31-element tests are
+#                       left out: 6 GiB tensors under memcheck take too long)
+#
+# Notes:
+# * PYTORCH_NO_CUDA_MEMORY_CACHING=1: every torch tensor gets its own cudaMalloc, so
+#   memcheck sees the true end of each buffer (a caching allocator hands out pieces of
+#   larger blocks, and a read past a tensor's end would land inside the block unseen).
+#   It also makes initcheck see fresh, uninitialised memory for every torch.empty.
+# * initcheck runs with --track-unused-memory no: reporting allocations that were never
+#   fully written is noise for tests that allocate outputs and write only some rows.
+# * racecheck checks shared memory (the shrink's reduction tree); --racecheck-report all
+#   prints both the hazards and racecheck's analysis of them.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}"
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+
+PYTHON="${PYTHON:-python3}"
+SANITIZER="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}"
+LOGS="${SANITIZE_LOGS:-$(mktemp -d -t sanitize.XXXXXX)}"
+mkdir -p "$LOGS"
+
+if [ "$#" -gt 0 ]; then TOOLS=("$@"); else TOOLS=(memcheck racecheck initcheck synccheck); fi
+
+if [ -n "${SANITIZE_TESTS:-}" ]; then
+    read -r -a TESTS <<<"$SANITIZE_TESTS"
+else
+    TESTS=()
+    for f in tests/test_ops.py tests/test_wrapper.py tests/test_edge_cases.py; do
+        [ -e "$f" ] && TESTS+=("$f")
+    done
+fi
+
+if [ ! -x "$SANITIZER" ] && ! command -v "$SANITIZER" >/dev/null; then
+    echo "sanitize.sh: compute-sanitizer not found (set COMPUTE_SANITIZER)" >&2
+    exit 2
+fi
+
+status=0
+for tool in "${TOOLS[@]}"; do
+    case "$tool" in
+        memcheck) extra=(--leak-check no) ;;
+        racecheck) extra=(--racecheck-report all) ;;
+        initcheck) extra=(--track-unused-memory no) ;;
+        synccheck) extra=() ;;
+        *) echo "sanitize.sh: unknown tool $tool" >&2; exit 2 ;;
+    esac
+    log="$LOGS/$tool.log"
+    rm -f "$log"
+    "$SANITIZER" --tool "$tool" --target-processes all "${extra[@]}" --log-file "$log" \
+        "$PYTHON" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}" -k 'not offsets_past' \
+        >"$LOGS/$tool.pytest.txt" 2>&1
+    pytest_rc=$?
+    result=$(grep -E ' in [0-9.]+s' "$LOGS/$tool.pytest.txt" | tail -n 1)
+
+    # memcheck, initcheck, synccheck end with "========= ERROR SUMMARY: 3 errors";
+    # racecheck with "RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)".
+    # One summary per process watched: add them up.
+    if [ "$tool" = racecheck ]; then
+        counts=$(sed -nE 's/.*RACECHECK SUMMARY: .*\(([0-9]+) errors?, ([0-9]+) warnings?\).*/\1 \2/p' \
+            "$log" 2>/dev/null)
+    else
+        counts=$(sed -nE 's/.*ERROR SUMMARY: ([0-9]+) errors?.*/\1 0/p' "$log" 2>/dev/null)
+    fi
+    if [ -z "$counts" ]; then
+        echo "$tool: no summary from the sanitizer (see $log and $LOGS/$tool.pytest.txt)"
+        status=1
+        continue
+    fi
+    read -r errors warnings < <(awk '{ e += $1; w += $2 } END { print e + 0, w + 0 }' <<<"$counts")
+    line="$tool: $errors errors"
+    [ "$tool" = racecheck ] && line+=" ($warnings warnings)"
+    echo "$line; pytest: ${result:-no result, exit code $pytest_rc}"
+    if [ "$errors" -ne 0 ] || [ "$pytest_rc" -ne 0 ]; then
+        status=1
+    fi
+done
+echo "logs: $LOGS"
+exit "$status"

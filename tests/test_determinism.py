@@ -1,0 +1,121 @@
+"""Determinism: the same inputs give the same bits, run after run and at every launch
+configuration that shares ``threads``.
+
+``punica_numba.launch`` promises that the arithmetic order of an output element depends
+only on ``threads`` (the partial sums and the tree that adds them), not on the token tile
+or the rank group. So each op is run, on fresh copies of the same inputs, under every
+configuration the heuristic can pick (``force_launch_config``), twice under the first;
+every run must be right (the property tests' check passes under each configuration) and
+every run in a group of equal ``threads`` must give bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from punica_numba import lora_expand, lora_shrink
+from punica_numba.launch import force_launch_config, launch_configs
+
+from .op_cases import (
+    ExpandCase,
+    Problem,
+    ShrinkCase,
+    check_expand,
+    check_shrink,
+    expand_cases,
+    shrink_cases,
+)
+from .strategies import assign_slots
+
+OPS = {"shrink": (lora_shrink, check_shrink), "expand": (lora_expand, check_expand)}
+
+#: Each example runs an op once per configuration plus once more: at the gpu profile's
+#: sizes, fewer examples than the property tests keep the run to a few minutes.
+FEWER = settings(max_examples=min(settings.default.max_examples, 75))
+
+
+def _run_under(op: str, config, case) -> torch.Tensor:
+    """Run ``op`` on the case under ``config``; the check must pass; return the output."""
+    impl, check = OPS[op]
+    outputs = []
+
+    def forced(*args, **kwargs):
+        with force_launch_config(op, config):
+            impl(*args, **kwargs)
+        outputs.append(args[2].clone())  # output_tensor
+
+    check(forced, case)  # builds the same inputs from the case's seeds on every call
+    (output,) = outputs
+    return output
+
+
+def check_deterministic(op: str, case) -> None:
+    """Bit-identical outputs across repeated runs and across configurations of equal
+    ``threads``; each configuration alone is right."""
+    configs = launch_configs(op)
+    runs = [(configs[0], _run_under(op, configs[0], case))]  # the repeat
+    runs += [(config, _run_under(op, config, case)) for config in configs]
+    by_threads = defaultdict(list)
+    for config, output in runs:
+        by_threads[config.threads].append((config, output))
+    for group in by_threads.values():
+        (first, want), *others = group
+        for config, got in others:
+            differ = got != want
+            assert not bool(differ.any()), (
+                f"{op}: {config} and {first} give different bits at "
+                f"{tuple(torch.nonzero(differ)[0].tolist())} of {int(differ.sum())} element(s)"
+            )
+
+
+@FEWER
+@given(shrink_cases())
+def test_shrink_bits_do_not_depend_on_the_launch(case):
+    check_deterministic("shrink", case)
+
+
+@FEWER
+@given(expand_cases())
+def test_expand_bits_do_not_depend_on_the_launch(case):
+    check_deterministic("expand", case)
+
+
+def test_some_configurations_share_threads():
+    """Otherwise the cross-configuration comparison would compare nothing."""
+    for op in OPS:
+        threads = [c.threads for c in launch_configs(op)]
+        assert len(threads) > len(set(threads)) or len(threads) == 1, op
+
+
+def _large_problem() -> Problem:
+    T, L = 512, 16
+    return Problem(assign_slots("zipf", T, L, seed=7), T, L, seed=11)
+
+
+@pytest.mark.gpu
+def test_shrink_deterministic_at_a_real_size():
+    """T=512, H=4096, r=16, 16 LoRAs, bf16: the same bits at every configuration."""
+    case = ShrinkCase(_large_problem(), 4096, 16, 3, 0, torch.bfloat16, torch.float32, 0.5, False)
+    check_deterministic("shrink", case)
+
+
+@pytest.mark.gpu
+def test_expand_deterministic_at_a_real_size():
+    case = ExpandCase(
+        _large_problem(),
+        16,
+        [4096, 1024, 1024],
+        0,
+        0,
+        torch.float32,
+        torch.bfloat16,
+        torch.bfloat16,
+        True,
+        False,
+        False,
+    )
+    check_deterministic("expand", case)
