@@ -116,11 +116,12 @@ def test_edge_checks_reject_wrong_expand(bug, dtype):
 
 
 def test_determinism_check_rejects_launch_dependent_bits(monkeypatch):
-    """A shrink one ulp off at one element under every configuration but the first."""
+    """A shrink one ulp off at one element under the last configuration only, which shares
+    its thread count (and so its promised bits) with another on both machines."""
 
     def nudged(*args):
         lora_shrink(*args)
-        if choose_launch_config("shrink", 1, None) != launch_configs("shrink")[0]:
+        if choose_launch_config("shrink", 1, None) == launch_configs("shrink")[-1]:
             out = args[2]  # [S, T, r]; token 0 has a LoRA in the ordinary problem
             out[0, 0, 0] = torch.nextafter(
                 out[0, 0, 0], torch.tensor(float("inf"), device=out.device)
