@@ -15,7 +15,15 @@ import torch
 
 from ._cuda import KERNEL_DTYPES, SIMULATOR
 
-__all__ = ["check_tensor", "check_sequence", "check_int", "check_real", "check_same_device"]
+__all__ = [
+    "check_device",
+    "check_int",
+    "check_real",
+    "check_same_device",
+    "check_sequence",
+    "check_tensor",
+    "check_weight",
+]
 
 
 def _dtype_names(dtypes) -> str:
@@ -51,6 +59,32 @@ def check_tensor(
     return t
 
 
+def check_weight(name: str, w, *, dtypes=None) -> torch.Tensor:
+    """A stacked LoRA weight ``[L, N, K]`` or vLLM's ``[L, 1, N, K]``, contiguous; returned
+    as an ``[L, N, K]`` view."""
+    check_tensor(name, w, ndim=(3, 4), dtypes=dtypes, contiguous=True)
+    if w.ndim == 4:
+        if w.shape[1] != 1:
+            raise ValueError(f"{name} must be [L, N, K] or [L, 1, N, K], got {tuple(w.shape)}")
+        return w[:, 0]
+    return w
+
+
+def check_device(name: str, device, *, kernels: bool = True) -> torch.device:
+    """A device torch knows; with ``kernels``, one the kernels run on (cuda, or the CPU
+    on the simulator)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"{name} must be a torch device, got {device!r}") from error
+    if kernels and device.type != ("cpu" if SIMULATOR else "cuda"):
+        want = "cpu (the simulator)" if SIMULATOR else "cuda"
+        raise ValueError(f"{name} must be {want}, where the kernels run, got {device}")
+    if device.type == "meta":
+        raise ValueError(f"{name} must hold real data, got the meta device")
+    return device
+
+
 def check_sequence(name: str, seq, *, min_len: int = 1) -> Sequence:
     """A list or tuple of at least ``min_len`` items (a lone tensor is not a sequence here)."""
     if isinstance(seq, torch.Tensor) or not isinstance(seq, (list, tuple)):
@@ -61,6 +95,7 @@ def check_sequence(name: str, seq, *, min_len: int = 1) -> Sequence:
 
 
 def check_int(name: str, value, *, minimum: int | None = None) -> int:
+    """An int (not a bool), at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:

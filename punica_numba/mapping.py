@@ -10,11 +10,14 @@ semantics, ../shared/SPEC.md §2.3), vectorised: no per-token Python loop.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ._checks import check_device, check_int
 
 __all__ = ["LoRAMapping", "LongContextLoRAContext", "MappingIndices", "convert_mapping"]
 
@@ -123,8 +126,30 @@ def convert_mapping(
     ``max_loras`` here is the one vLLM's model manager passes (the number of slots
     plus one), so no-LoRA sampled rows point at the extra "padding" block.
     """
-    if max_loras < 1:
-        raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+    if not isinstance(mapping, LoRAMapping):
+        raise TypeError(f"mapping must be a LoRAMapping, got {type(mapping).__name__}")
+    max_loras = check_int("max_loras", max_loras, minimum=1)
+    vocab_size = check_int("vocab_size", vocab_size, minimum=0)
+    extra_vocab_size = check_int("extra_vocab_size", extra_vocab_size, minimum=0)
+    device = check_device("device", device, kernels=False)
+    if long_lora_context is not None and not hasattr(long_lora_context, "offsets_by_lora_id"):
+        raise TypeError(
+            "long_lora_context must have an offsets_by_lora_id mapping (a "
+            f"LongContextLoRAContext), got {type(long_lora_context).__name__}"
+        )
+    if isinstance(lora_index_to_id, (str, bytes)) or not isinstance(lora_index_to_id, Sequence):
+        raise TypeError(
+            f"lora_index_to_id must be a list of adapter ids or None, got "
+            f"{type(lora_index_to_id).__name__}"
+        )
+    for slot, lora_id in enumerate(lora_index_to_id):
+        if lora_id is not None and (
+            isinstance(lora_id, bool) or not isinstance(lora_id, numbers.Integral)
+        ):
+            raise TypeError(
+                f"lora_index_to_id[{slot}] must be an int adapter id or None, got "
+                f"{type(lora_id).__name__}"
+            )
     token_ids = np.asarray(mapping.index_mapping, dtype=np.int64).reshape(-1)  # [T]
     prompt_ids = np.asarray(mapping.prompt_mapping, dtype=np.int64).reshape(-1)  # [P]
     base = _ids_to_slots(token_ids, lora_index_to_id, "index_mapping")  # [T]

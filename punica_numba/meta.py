@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._checks import check_device, check_int
 from .kernels.segments import TILE_SIZES, tile_grid_bound, tile_table
 
 __all__ = ["HostFacts", "LoRAKernelMeta", "Segment", "host_facts_of"]
@@ -91,10 +92,9 @@ class LoRAKernelMeta:
     @staticmethod
     def make(max_loras: int, max_num_tokens: int, device: torch.device | str) -> LoRAKernelMeta:
         """Allocate and initialise the buffers for L slots and up to M_max tokens."""
-        if max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-        if max_num_tokens < 0:
-            raise ValueError(f"max_num_tokens must be >= 0, got {max_num_tokens}")
+        max_loras = check_int("max_loras", max_loras, minimum=1)
+        max_num_tokens = check_int("max_num_tokens", max_num_tokens, minimum=0)
+        device = check_device("device", device)
         i32 = dict(dtype=torch.int32, device=device)
         positions = torch.arange(max_num_tokens, **i32)  # [M_max]
         meta = LoRAKernelMeta(
@@ -164,6 +164,8 @@ class LoRAKernelMeta:
                 "token_lora_mapping must be a 1-D integer tensor, got "
                 f"{mapping.dtype} of shape {tuple(mapping.shape)}"
             )
+        if mapping.device.type == "meta":
+            raise ValueError("token_lora_mapping must hold real data, got a meta-device tensor")
         n = mapping.numel()
         if n > self.max_num_tokens:
             raise ValueError(
@@ -217,8 +219,7 @@ class LoRAKernelMeta:
         token count (CUDA-graph padding); rows past the prepared tokens are in no segment.
         No device sync.
         """
-        if token_nums < 0:
-            raise ValueError(f"token_nums must be >= 0, got {token_nums}")
+        token_nums = check_int("token_nums", token_nums, minimum=0)
         if token_nums > self.max_num_tokens:
             raise ValueError(
                 f"token_nums={token_nums} exceeds this metadata's max_num_tokens="

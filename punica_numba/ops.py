@@ -19,13 +19,19 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ._checks import check_int, check_real, check_same_device, check_sequence, check_tensor
+from ._checks import (
+    check_int,
+    check_real,
+    check_same_device,
+    check_sequence,
+    check_tensor,
+    check_weight,
+)
 from ._cuda import KERNEL_DTYPES, SIMULATOR, KernelLauncher
 from .kernels import MAX_SLICES, build_expand_kernel, build_shrink_kernel
 from .kernels.segments import tile_grid_bound, tile_table
 from .launch import choose_launch_config
 from .meta import host_facts_of
-from .reference import squeeze_weight
 
 __all__ = [
     "lora_shrink",
@@ -46,18 +52,17 @@ def _weights(name: str, weights, dtypes) -> list[torch.Tensor]:
     check_sequence(name, weights)
     squeezed = []
     for s, w in enumerate(weights):
-        check_tensor(f"{name}[{s}]", w, ndim=(3, 4), dtypes=dtypes, contiguous=True)
-        if w.ndim == 4 and w.shape[1] != 1:
-            raise ValueError(f"{name}[{s}] must be [L, N, K] or [L, 1, N, K], got {tuple(w.shape)}")
+        squeezed.append(check_weight(f"{name}[{s}]", w, dtypes=dtypes))
         if w.dtype != weights[0].dtype:
             raise TypeError(f"{name}[{s}] is {w.dtype} but {name}[0] is {weights[0].dtype}")
-        squeezed.append(squeeze_weight(w))
     return squeezed
 
 
 def _check_metadata(
     num_rows: int,
     num_loras: int,
+    weights_name: str,
+    device: torch.device,
     token_lora_mapping,
     token_indices_sorted_by_lora_ids,
     num_tokens_per_lora,
@@ -76,7 +81,8 @@ def _check_metadata(
     }
     for name, t in named.items():
         check_tensor(name, t, ndim=1, dtypes=_INDEX_DTYPES)
-    check_same_device(named)
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the activations are on {device}")
     check_tensor("no_lora_flag_cpu", no_lora_flag_cpu, dtypes=(torch.bool,), on_kernel_device=False)
     if no_lora_flag_cpu.device.type != "cpu" or no_lora_flag_cpu.numel() != 1:
         raise ValueError(
@@ -100,10 +106,28 @@ def _check_metadata(
             f"entries, got {lora_token_start_loc.shape[0]}"
         )
     meta = host_facts_of(lora_ids)  # ours: host-side facts, no device sync
-    if meta is not None:
+    if meta is None:
+        # Metadata built some other way: nothing on the host says which slots it uses,
+        # so read its largest slot and its token count back (one sync) rather than
+        # let a kernel read weights or rows that do not exist.
+        largest, counted = (
+            torch.stack([lora_ids.max().to(torch.int64), num_tokens_per_lora.sum()]).tolist()
+            if lora_ids.numel()
+            else (-1, 0)
+        )
+        if largest >= num_loras:
+            raise ValueError(
+                f"lora_ids uses slot {largest}, but {weights_name} hold only {num_loras} slot(s)"
+            )
+        if counted > num_rows:
+            raise ValueError(
+                f"num_tokens_per_lora counts {counted} tokens, more than the {num_rows} token "
+                "rows of the activation"
+            )
+    else:
         if meta.max_slot_in_use >= num_loras:
             raise ValueError(
-                f"the metadata uses slot {meta.max_slot_in_use}, but the LoRA weights hold only "
+                f"the metadata uses slot {meta.max_slot_in_use}, but {weights_name} hold only "
                 f"{num_loras} slot(s)"
             )
         if meta.num_tokens > num_rows:
@@ -205,13 +229,14 @@ def prepare_shrink(
             "inputs": inputs,
             "output_tensor": output_tensor,
             **{f"lora_a_weights[{s}]": w for s, w in enumerate(weights)},
-            "lora_ids": lora_ids,
         }
     )
     meta_facts = host_facts_of(lora_ids)
     no_lora = _check_metadata(
         num_tokens,
         num_loras,
+        "lora_a_weights",
+        inputs.device,
         token_lora_mapping,
         token_indices_sorted_by_lora_ids,
         num_tokens_per_lora,
@@ -353,13 +378,14 @@ def prepare_expand(
             "inputs": inputs,
             "output_tensor": output_tensor,
             **{f"lora_b_weights[{s}]": w for s, w in enumerate(weights)},
-            "lora_ids": lora_ids,
         }
     )
     meta_facts = host_facts_of(lora_ids)
     no_lora = _check_metadata(
         num_tokens,
         num_loras,
+        "lora_b_weights",
+        inputs.device,
         token_lora_mapping,
         token_indices_sorted_by_lora_ids,
         num_tokens_per_lora,

@@ -26,12 +26,18 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_int, check_real, check_sequence, check_tensor
+from ._checks import (
+    check_device,
+    check_int,
+    check_real,
+    check_sequence,
+    check_tensor,
+    check_weight,
+)
 from ._cuda import KERNEL_DTYPES
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta
 from .ops import prepare_expand, prepare_shrink
-from .reference import squeeze_weight
 
 __all__ = ["PunicaWrapperNumba"]
 
@@ -82,7 +88,7 @@ class PunicaWrapperNumba:
         )
         self.max_batches = check_int("max_batches", max_batches, minimum=1)
         self._max_loras = check_int("max_loras", max_loras, minimum=1)
-        self.device = torch.device(device)
+        self.device = check_device("device", device)
         n = self.max_num_batched_tokens
         i64 = dict(dtype=torch.int64, device=self.device)
         # The index buffers of vLLM's base class, initialised rather than empty.
@@ -255,8 +261,7 @@ class PunicaWrapperNumba:
             for t with l = slot(t) != -1:  y[t] = (y[t] if add_inputs else 0) + x[t] @ B[l].T
         """
         check_tensor("x", x, ndim=2)
-        check_tensor("lora_b_stacked", lora_b_stacked, ndim=(3, 4))
-        width = squeeze_weight(lora_b_stacked).shape[1]
+        width = check_weight("lora_b_stacked", lora_b_stacked).shape[1]
         self._plan_expand(
             self._rows(y, "y"), x.unsqueeze(0), (lora_b_stacked,), (width,), 0, add_inputs
         )()
@@ -399,11 +404,10 @@ class PunicaWrapperNumba:
                 f"{len(output_slices)}"
             )
         for s, (b, width) in enumerate(zip(lora_b_stacked, output_slices)):
-            check_tensor(f"lora_b_stacked[{s}]", b, ndim=(3, 4))
-            if squeeze_weight(b).shape[1] != width:
+            rows = check_weight(f"lora_b_stacked[{s}]", b).shape[1]
+            if rows != width:
                 raise ValueError(
-                    f"output_slices[{s}] is {width} but lora_b_stacked[{s}] has "
-                    f"{squeeze_weight(b).shape[1]} output rows"
+                    f"output_slices[{s}] is {width} but lora_b_stacked[{s}] has {rows} output rows"
                 )
         check_tensor(x_name, x, ndim=3)
         self._check_rows(y2, x.shape[1])
@@ -435,8 +439,9 @@ class PunicaWrapperNumba:
                 biases.append(None)
                 continue
             check_tensor(f"lora_bias_stacked[{s}]", bias, dtypes=KERNEL_DTYPES)
-            flat = bias.reshape(bias.shape[0], -1) if bias.ndim else bias
-            if bias.ndim not in (2, 3) or flat.shape != (self._max_loras, width):
+            good = bias.ndim in (2, 3) and bias.shape[0] == self._max_loras
+            flat = bias.reshape(self._max_loras, -1) if good else bias
+            if not good or flat.shape != (self._max_loras, width):
                 raise ValueError(
                     f"lora_bias_stacked[{s}] must be [L={self._max_loras}, (1,) {width}], got "
                     f"{tuple(bias.shape)}"
