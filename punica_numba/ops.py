@@ -144,6 +144,21 @@ def _launcher(kernel) -> KernelLauncher:
     return KernelLauncher(kernel)
 
 
+def _check_devices_and_metadata(
+    inputs, output_tensor, weights, weights_name: str, num_rows: int, num_loras: int, metadata
+) -> bool:
+    """The checks shrink and expand share: one device for the tensors, and metadata that
+    fits ``num_rows`` rows and ``num_loras`` slots. True when no token has a LoRA."""
+    check_same_device(
+        {
+            "inputs": inputs,
+            "output_tensor": output_tensor,
+            **{f"{weights_name}[{s}]": w for s, w in enumerate(weights)},
+        }
+    )
+    return _check_metadata(num_rows, num_loras, weights_name, inputs.device, *metadata)
+
+
 def _tiles(num_tokens: int, counts, lora_ids, tile_m: int, facts) -> tuple[torch.Tensor, int]:
     """The tile table for ``tile_m`` and the number of blocks along the tile axis.
 
@@ -224,19 +239,7 @@ def prepare_shrink(
         raise ValueError(
             f"output_tensor must be [S, T={num_tokens}, r={rank}], got {tuple(output_tensor.shape)}"
         )
-    check_same_device(
-        {
-            "inputs": inputs,
-            "output_tensor": output_tensor,
-            **{f"lora_a_weights[{s}]": w for s, w in enumerate(weights)},
-        }
-    )
-    meta_facts = host_facts_of(lora_ids)
-    no_lora = _check_metadata(
-        num_tokens,
-        num_loras,
-        "lora_a_weights",
-        inputs.device,
+    metadata = (
         token_lora_mapping,
         token_indices_sorted_by_lora_ids,
         num_tokens_per_lora,
@@ -244,6 +247,10 @@ def prepare_shrink(
         lora_ids,
         no_lora_flag_cpu,
     )
+    no_lora = _check_devices_and_metadata(
+        inputs, output_tensor, weights, "lora_a_weights", num_tokens, num_loras, metadata
+    )
+    meta_facts = host_facts_of(lora_ids)
     if no_lora or num_tokens == 0 or rank == 0:
         return _nothing
 
@@ -255,13 +262,7 @@ def prepare_shrink(
     kernel = build_shrink_kernel(inputs.dtype, config.threads, config.tile_m, config.tile_n, packed)
     rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
     table, blocks = _tiles(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m, meta_facts)
-    meta = (
-        table,
-        token_indices_sorted_by_lora_ids,
-        num_tokens_per_lora,
-        lora_token_start_loc,
-        lora_ids,
-    )
+    meta = (table, *metadata[1:5])  # the tile table, then what the kernels read of vLLM's six
     launcher = _launcher(kernel)
     scaling32 = np.float32(scaling)
 
@@ -373,19 +374,7 @@ def prepare_expand(
             f"output_tensor has {output_tensor.shape[1]} columns, too few for offset_start="
             f"{offset_start} plus slices of widths {widths}"
         )
-    check_same_device(
-        {
-            "inputs": inputs,
-            "output_tensor": output_tensor,
-            **{f"lora_b_weights[{s}]": w for s, w in enumerate(weights)},
-        }
-    )
-    meta_facts = host_facts_of(lora_ids)
-    no_lora = _check_metadata(
-        num_tokens,
-        num_loras,
-        "lora_b_weights",
-        inputs.device,
+    metadata = (
         token_lora_mapping,
         token_indices_sorted_by_lora_ids,
         num_tokens_per_lora,
@@ -393,6 +382,10 @@ def prepare_expand(
         lora_ids,
         no_lora_flag_cpu,
     )
+    no_lora = _check_devices_and_metadata(
+        inputs, output_tensor, weights, "lora_b_weights", num_tokens, num_loras, metadata
+    )
+    meta_facts = host_facts_of(lora_ids)
     if no_lora or num_tokens == 0 or sum(widths) == 0:
         return _nothing
 
@@ -405,13 +398,7 @@ def prepare_expand(
         inputs.dtype, dtype, output_tensor.dtype, config.threads, config.tile_m, packed
     )
     table, blocks = _tiles(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m, meta_facts)
-    meta = (
-        table,
-        token_indices_sorted_by_lora_ids,
-        num_tokens_per_lora,
-        lora_token_start_loc,
-        lora_ids,
-    )
+    meta = (table, *metadata[1:5])  # the tile table, then what the kernels read of vLLM's six
     launcher = _launcher(kernel)
     columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
 
