@@ -1,99 +1,321 @@
-"""The multi-tenant demo: one batch, many adapters, every token checked.
+"""The multi-tenant demo: many PEFT adapters, one batch, every request checked against PEFT.
 
 A serving engine batches requests from many users at once, and each request may
-ask for its own LoRA adapter (or none). This demo walks one such batch through
-the whole path a token's adapter takes, printing each step:
+ask for its own LoRA adapter (or none). This demo serves such a batch end to end:
 
-1. **Requests.** A mixed batch: each request has an adapter id (``0`` = no
-   adapter) and a prompt of a few tokens. The adapters are loaded into GPU
-   slots in a shuffled order (``lora_index_to_id``), so an id is not its slot.
-2. **Mapping.** A :class:`~punica_numba.mapping.LoRAMapping` (one id per token,
-   one per request) goes through :func:`~punica_numba.mapping.convert_mapping`,
-   which turns ids into slots (``-1`` = no LoRA).
-3. **Segments.** :class:`~punica_numba.meta.LoRAKernelMeta` sorts the tokens by
-   slot and cuts them into one segment per slot in use; the table shows which
-   tokens each segment holds.
-4. **Kernels vs. reference.** The LoRA output ``x @ A^T @ B^T`` of every token is
-   computed twice: by the dense float64 reference
-   (:func:`punica_numba.reference.add_lora_linear`) and by the kernels
-   (:func:`~punica_numba.ops.lora_shrink` into an fp32 buffer, then
-   :func:`~punica_numba.ops.lora_expand` added into ``y``). For each request the
-   demo prints the size of its LoRA delta and the largest difference, and at the
-   end whether every element agrees within a bound relative to its magnitude.
+1. **Model.** A small Llama (``LlamaForCausalLM`` built from a config, random
+   weights, grouped-query attention); nothing is downloaded.
+2. **Adapters.** PEFT creates N LoRA adapters on it (mixed ranks, different
+   target modules, one in three with rsLoRA, random non-zero weights) and saves
+   them to a temporary folder with ``save_pretrained``.
+3. **Slots.** :mod:`punica_numba.peft` loads each adapter from disk into a GPU
+   slot of the engine, in a shuffled order (``lora_index_to_id``), padding ranks
+   and folding each adapter's scaling into B.
+4. **Batch.** Requests with mixed adapters (``0`` = none) go through
+   :class:`~punica_numba.engine.MultiLoRAEngine`: one prefill step, then decode
+   steps, every LoRA layer of the whole batch in one wrapper call. The prefill's
+   token -> LoRA segments are printed.
+5. **Check.** PEFT's own mixed-batch forward (``adapter_names=[...]``,
+   ``"__base__"`` for none) on each request's tokens gives the logits the engine
+   must reproduce; the demo prints each request's largest error.
+6. **Throughput.** The same batch through PEFT's mixed-batch ``generate``, through
+   the plain model (no adapters), and through the engine with no adapters.
 
-The adapters here are random matrices (bf16 on a GPU, fp32 on the simulator).
-Later versions of the demo will load real PEFT adapters instead.
-
-Run it with ``python -m punica_numba demo`` (or ``make demo``); the default
-sizes are tiny on Numba's CUDA simulator and realistic on a GPU. Exit code 0
-means every request agreed with the reference, 1 that one did not.
+Run it with ``python -m punica_numba demo`` (or ``make demo``). The default sizes
+are tiny on Numba's CUDA simulator (where every CUDA thread is a Python thread, so
+the throughput there says nothing about a GPU) and realistic on a GPU. Exit code 0
+means every request agreed with PEFT, 1 that one did not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import math
+import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from . import ops, reference
 from ._cuda import SIMULATOR, device_of
-from .mapping import LoRAMapping, convert_mapping
-from .meta import LoRAKernelMeta
+from .engine import LORA_MODULES, Generation, MultiLoRAEngine, Request, tiny_llama
 
-__all__ = ["main", "Request", "Defaults", "DEFAULTS"]
+__all__ = ["AdapterSpec", "DEFAULTS", "Defaults", "main"]
 
 
 @dataclass(frozen=True)
 class Defaults:
-    """Default sizes of the demo batch on one kind of machine."""
+    """Default sizes of the demo on one kind of machine."""
 
     requests: int
+    adapters: int
     hidden: int
-    rank: int
-    loras: int
-    max_tokens: int  # a request's prompt has 1 .. max_tokens tokens
-    dtype: torch.dtype  # of x, the LoRA weights and y
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    max_rank: int
+    max_prompt: int  # a request's prompt has 1 .. max_prompt tokens
+    new_tokens: int
+    dtype: torch.dtype
 
 
 #: The simulator runs each CUDA thread as a Python thread: keep it tiny there.
 DEFAULTS = {
-    True: Defaults(requests=6, hidden=32, rank=4, loras=4, max_tokens=4, dtype=torch.float32),
+    True: Defaults(
+        requests=8,
+        adapters=4,
+        hidden=32,
+        intermediate=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        vocab=128,
+        max_rank=8,
+        max_prompt=5,
+        new_tokens=4,
+        dtype=torch.float32,
+    ),
     False: Defaults(
-        requests=64, hidden=2048, rank=16, loras=16, max_tokens=32, dtype=torch.bfloat16
+        requests=64,
+        adapters=64,
+        hidden=2048,
+        intermediate=5632,
+        layers=4,
+        heads=16,
+        kv_heads=4,
+        vocab=32000,
+        max_rank=16,
+        max_prompt=64,
+        new_tokens=32,
+        dtype=torch.bfloat16,
     ),
 }
 
-#: Relative tolerance per output dtype: |kernel - reference| <= RTOL * magnitude,
-#: where magnitude is the reference computed on absolute values. fp32 accumulates
-#: H + r products with unit roundoff 2**-24 (well under 1e-5 for the sizes here);
-#: bf16 rounds the stored output to 2**-8 (well under 1e-2).
-RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+#: How a request's logits are checked. "Exact" is PEFT's forward in float32 on the
+#: same (rounded) weights. In float32 the engine must match it to REL_FLOOR of the
+#: largest logit (the two differ only in summation order, ~1e-6). In bf16 or fp16
+#: every activation is rounded, and two correct implementations drift apart through
+#: the layers by a few percent, so the engine may err by at most NOISE_FACTOR times
+#: as much as PEFT's own forward in that dtype does (plus the floor). On a hidden-2048,
+#: 4-layer model with 64 adapters in bf16 (run on a CPU, the kernels' single rounding
+#: emulated), that ratio ran from 0.6 to 1.6 over 64 requests, while leaving a
+#: request's adapter out made it err 25 to 90 times as much as PEFT.
+REL_FLOOR = 1e-4
+NOISE_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How closely one request's engine logits match PEFT's."""
+
+    engine_err: float  # max |engine - exact|
+    peft_err: float  # max |PEFT in the engine's dtype - exact| (0 in float32)
+    scale: float  # max |exact|
+
+    @property
+    def bound(self) -> float:
+        return NOISE_FACTOR * self.peft_err + REL_FLOOR * self.scale
+
+    @property
+    def agrees(self) -> bool:
+        return self.engine_err <= self.bound
+
+
+def agreement(got: torch.Tensor, peft: torch.Tensor, exact: torch.Tensor) -> Agreement:
+    """Compare ``[steps, V]`` logits: the engine's, PEFT's (same dtype) and exact (float32)."""
+    return Agreement(
+        engine_err=(got.float() - exact).abs().max().item(),
+        peft_err=(peft.float() - exact).abs().max().item(),
+        scale=exact.abs().max().item(),
+    )
+
 
 #: Adapter ids are user-visible and need not be small; these make ids and slots
 #: look different in the tables.
 FIRST_ADAPTER_ID = 101
 
-#: convert_mapping also builds the embedding indices, which need a vocabulary size;
-#: the demo does not use them, so any value does.
-VOCAB_SIZE = 32000
+#: Which projections each adapter adapts, in turn: all of them, attention only,
+#: and q/v plus the MLP (so some slices of a packed layer stay zero).
+TARGET_CHOICES = (
+    LORA_MODULES,
+    ("q_proj", "k_proj", "v_proj", "o_proj"),
+    ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+)
 
 
 @dataclass(frozen=True)
-class Request:
-    """One request of the batch: its adapter (0 = none) and the tokens of its prompt."""
+class AdapterSpec:
+    """One PEFT LoRA adapter the demo creates."""
 
-    index: int
-    adapter_id: int
-    first_token: int  # index of its first token in the batch
-    num_tokens: int
+    name: str  # PEFT's adapter name (and its folder)
+    adapter_id: int  # the engine's id for it
+    rank: int
+    lora_alpha: int
+    use_rslora: bool
+    target_modules: tuple[str, ...]
 
     @property
-    def tokens(self) -> range:
-        return range(self.first_token, self.first_token + self.num_tokens)
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+def adapter_specs(count: int, max_rank: int) -> list[AdapterSpec]:
+    """``count`` adapters: ranks cycle max, max/2, max/4; one in three uses rsLoRA."""
+    ranks = (max_rank, max(1, max_rank // 2), max(1, max_rank // 4))
+    return [
+        AdapterSpec(
+            name=f"adapter{k}",
+            adapter_id=FIRST_ADAPTER_ID + k,
+            rank=ranks[k % 3],
+            lora_alpha=2 * ranks[k % 3],
+            use_rslora=(k % 3 == 1),
+            target_modules=TARGET_CHOICES[k % len(TARGET_CHOICES)],
+        )
+        for k in range(count)
+    ]
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """Hide the deprecation notices transformers and PEFT print about each other."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+def create_peft_adapters(model, specs: Sequence[AdapterSpec], folder: Path, seed: int):
+    """Add the adapters to ``model`` with PEFT (random non-zero A and B) and save them.
+
+    Adapter ``spec.name`` is saved to ``folder / spec.name``. Returns the PEFT model,
+    in eval mode; it wraps ``model`` in place.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    def config(spec: AdapterSpec) -> LoraConfig:
+        return LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.lora_alpha,
+            use_rslora=spec.use_rslora,
+            target_modules=list(spec.target_modules),
+            init_lora_weights=False,  # random B too, so every adapter changes the output
+        )
+
+    devices = [] if model.device.type == "cpu" else [model.device]
+    with _quiet_libraries(), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config(specs[0]), adapter_name=specs[0].name)
+        for spec in specs[1:]:
+            peft_model.add_adapter(spec.name, config(spec))
+        peft_model.save_pretrained(folder)
+    return peft_model.eval()
+
+
+def make_requests(
+    count: int, specs: Sequence[AdapterSpec], max_prompt: int, vocab: int, gen: torch.Generator
+) -> list[Request]:
+    """A mixed batch in random order: adapter ids cycle ``0, id_1, ..., id_N`` and are shuffled."""
+    cycle = [0, *(s.adapter_id for s in specs)]
+    ids = [cycle[i % len(cycle)] for i in range(count)]
+    ids = [ids[i] for i in torch.randperm(count, generator=gen).tolist()]
+    lengths = torch.randint(1, max_prompt + 1, (count,), generator=gen).tolist()
+    return [
+        Request(torch.randint(1, vocab, (n,), generator=gen).tolist(), lora_id)
+        for lora_id, n in zip(ids, lengths)
+    ]
+
+
+# -- PEFT as the reference ----------------------------------------------------------------
+
+
+def peft_names(requests: Sequence[Request], specs: Sequence[AdapterSpec]) -> list[str]:
+    """Each request's PEFT adapter name; ``"__base__"`` (PEFT's name for none) for id 0."""
+    name_of = {s.adapter_id: s.name for s in specs}
+    return [name_of.get(r.adapter_id, "__base__") for r in requests]
+
+
+@torch.no_grad()
+def peft_logits(
+    peft_model,
+    requests: Sequence[Request],
+    generations: Sequence[Generation],
+    names: Sequence[str],
+    chunk: int = 16,
+) -> list[torch.Tensor]:
+    """PEFT's logits at the positions the engine generated from, in one mixed batch.
+
+    Each request's sequence is its prompt plus the tokens the engine generated (but
+    the last), right-padded; ``peft_model(ids, attention_mask, adapter_names=names)``
+    gives ``[new tokens, V]`` float32 logits per request, the rows that predicted each
+    generated token. Requests go ``chunk`` at a time to bound memory.
+    """
+    out = []
+    device = next(peft_model.parameters()).device
+    for first in range(0, len(requests), chunk):
+        part = range(first, min(first + chunk, len(requests)))
+        seqs = [list(requests[i].prompt) + generations[i].tokens[:-1] for i in part]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.int64)  # [b, W], right-padded
+        mask = torch.zeros(len(seqs), width, dtype=torch.int64)
+        for row, seq in enumerate(seqs):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        with _quiet_libraries():
+            logits = peft_model(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                adapter_names=[names[i] for i in part],
+            ).logits  # [b, W, V]
+        for row, i in enumerate(part):
+            start = len(requests[i].prompt) - 1
+            out.append(logits[row, start : start + len(generations[i].tokens)].float())
+    return out
+
+
+def left_padded(requests: Sequence[Request], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as a left-padded ``[B, W]`` batch and its attention mask (for ``generate``)."""
+    width = max(len(r.prompt) for r in requests)
+    ids = torch.zeros(len(requests), width, dtype=torch.int64)
+    mask = torch.zeros(len(requests), width, dtype=torch.int64)
+    for row, r in enumerate(requests):
+        ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt)
+        mask[row, width - len(r.prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def hf_generate(model, requests, new_tokens: int, **kwargs) -> list[list[int]]:
+    """Greedy ``generate`` of ``new_tokens`` tokens per request (the model has no EOS token)."""
+    ids, mask = left_padded(requests, next(model.parameters()).device)
+    with _quiet_libraries():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )  # [B, W + new_tokens]
+    return out[:, ids.shape[1] :].tolist()
+
+
+def _timed(fn, device: torch.device):
+    """``(result, seconds)`` of ``fn()``, with the device's queue drained on both sides."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
 
 
 # -- plain text tables ------------------------------------------------------------------
@@ -142,33 +364,17 @@ def token_runs(tokens: Sequence[int], shown: int = 6) -> str:
     return text + (f", ... ({len(runs) - shown} more)" if len(runs) > shown else "")
 
 
-# -- the batch ----------------------------------------------------------------------------
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], limit: int = 0) -> None:
+    """Print a table, indented; with ``limit``, only its first ``limit`` rows."""
+    shown = rows[:limit] if limit and len(rows) > limit else rows
+    for line in format_table(headers, shown):
+        print("  " + line)
+    if len(shown) < len(rows):
+        print(f"  ... ({len(rows) - len(shown)} more rows)")
 
 
-def make_requests(
-    num_requests: int, adapter_ids: Sequence[int], max_tokens: int, gen: torch.Generator
-) -> list[Request]:
-    """A mixed batch in random order.
-
-    The adapter ids cycle through ``0, id_1, ..., id_L`` (so one request in L + 1 has
-    no adapter, and every adapter is used when there are enough requests), then are
-    shuffled; each prompt has 1 to ``max_tokens`` tokens.
-    """
-    cycle = [0, *adapter_ids]
-    ids = [cycle[i % len(cycle)] for i in range(num_requests)]
-    ids = [ids[i] for i in torch.randperm(num_requests, generator=gen).tolist()]
-    lengths = torch.randint(1, max_tokens + 1, (num_requests,), generator=gen).tolist()
-    requests, first = [], 0
-    for i, (lora_id, n) in enumerate(zip(ids, lengths)):
-        requests.append(Request(i, lora_id, first, n))
-        first += n
-    return requests
-
-
-def random_weights(num_slots: int, rows: int, cols: int, dtype, device, gen) -> torch.Tensor:
-    """``[L, rows, cols]`` Gaussian weights scaled by 1/sqrt(cols), so outputs stay O(1)."""
-    w = torch.randn(num_slots, rows, cols, generator=gen, dtype=torch.float64)
-    return (w / cols**0.5).to(dtype=dtype, device=device).contiguous()
+def _short(tokens: Sequence[int], shown: int = 4) -> str:
+    return " ".join(str(t) for t in tokens[:shown]) + (" ..." if len(tokens) > shown else "")
 
 
 # -- the demo -----------------------------------------------------------------------------
@@ -179,187 +385,295 @@ def _parser(defaults: Defaults) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m punica_numba demo",
         description=(
-            "Run a mixed multi-LoRA batch through the shrink and expand kernels and check "
-            "every request against the float64 reference. "
-            f"Defaults are for this machine ({machine})."
+            "Serve a mixed batch of requests over several PEFT LoRA adapters through the "
+            "multi-LoRA engine, check every request's logits against PEFT, and compare "
+            f"throughput. Defaults are for this machine ({machine})."
         ),
     )
-    parser.add_argument(
-        "--requests", type=int, default=defaults.requests, help="requests in the batch"
+    add = parser.add_argument
+    add("--requests", type=int, default=defaults.requests, help="requests in the batch")
+    add("--adapters", type=int, default=defaults.adapters, help="PEFT adapters (= GPU slots)")
+    add("--max-rank", type=int, default=defaults.max_rank, help="largest adapter rank")
+    add("--hidden", type=int, default=defaults.hidden, help="model hidden size")
+    add("--intermediate", type=int, default=defaults.intermediate, help="MLP width")
+    add("--layers", type=int, default=defaults.layers, help="decoder layers")
+    add("--heads", type=int, default=defaults.heads, help="attention heads")
+    add("--kv-heads", type=int, default=defaults.kv_heads, help="key/value heads (GQA)")
+    add("--vocab", type=int, default=defaults.vocab, help="vocabulary size")
+    add("--max-prompt", type=int, default=defaults.max_prompt, help="most prompt tokens")
+    add("--new-tokens", type=int, default=defaults.new_tokens, help="tokens to generate")
+    add(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=str(defaults.dtype).replace("torch.", ""),
+        help="model and adapter dtype",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random batch and weights")
-    parser.add_argument(
-        "--hidden", type=int, default=defaults.hidden, help="hidden size H (= output width)"
-    )
-    parser.add_argument("--rank", type=int, default=defaults.rank, help="LoRA rank r")
-    parser.add_argument(
-        "--loras", type=int, default=defaults.loras, help="adapters, one per GPU slot"
-    )
-    parser.add_argument(
-        "--max-tokens", type=int, default=defaults.max_tokens, help="most prompt tokens per request"
-    )
+    add("--seed", type=int, default=0, help="seed of the model, adapters and batch")
+    add("--rows", type=int, default=16, help="most rows printed per table (0 = all)")
+    add("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name, lowest in (
-        ("requests", 1),
-        ("hidden", 1),
-        ("rank", 1),
-        ("loras", 1),
-        ("max_tokens", 1),
+    for name in (
+        "requests",
+        "adapters",
+        "max_rank",
+        "hidden",
+        "intermediate",
+        "layers",
+        "heads",
+        "kv_heads",
+        "vocab",
+        "max_prompt",
+        "new_tokens",
     ):
-        if getattr(args, name) < lowest:
-            parser.error(
-                f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}"
-            )
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.vocab < 2:
+        parser.error("--vocab must be >= 2 (token 0 is padding)")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        parser.error("--hidden must be a multiple of --heads, and --heads of --kv-heads")
+    if args.rows < 0:
+        parser.error("--rows must be >= 0")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo; return 0 when the kernels agree with the reference everywhere, else 1."""
-    defaults = DEFAULTS[SIMULATOR]
-    parser = _parser(defaults)
+    """Run the demo; return 0 when every request agrees with PEFT, 1 when one does not,
+    2 when PEFT or transformers is not installed."""
+    parser = _parser(DEFAULTS[SIMULATOR])
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    try:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as err:
+        print(
+            f"the demo needs PEFT and transformers ({err}); install them with "
+            "pip install 'punica-numba[peft]'",
+            file=sys.stderr,
+        )
+        return 2
+    with tempfile.TemporaryDirectory(prefix="punica_numba_demo_") as folder:
+        return _run(args, Path(folder))
 
-    device, dtype = device_of(), defaults.dtype
-    rtol = RTOL[dtype]
+
+def _run(args: argparse.Namespace, folder: Path) -> int:
+    device, dtype = device_of(), getattr(torch, args.dtype)
+    rows = args.rows
     gen = torch.Generator().manual_seed(args.seed)  # CPU generator: the same batch everywhere
     if SIMULATOR:
         machine = "Numba CUDA simulator (CPU; every CUDA thread is a Python thread)"
     else:
         machine = f"CUDA GPU ({torch.cuda.get_device_name(device)})"
     print(f"punica_numba demo on the {machine}")
-    print(
-        f"{args.requests} requests, {args.loras} adapters of rank {args.rank}, "
-        f"hidden size {args.hidden}, {str(dtype).replace('torch.', '')} weights, seed {args.seed}"
-    )
 
-    # 1. Requests, and the adapters loaded into GPU slots (in a shuffled order).
-    adapter_ids = list(range(FIRST_ADAPTER_ID, FIRST_ADAPTER_ID + args.loras))
-    order = torch.randperm(args.loras, generator=gen).tolist()
-    lora_index_to_id = [adapter_ids[i] for i in order]  # slot -> adapter id
-    slot_of_id = {lora_id: slot for slot, lora_id in enumerate(lora_index_to_id)}
-    requests = make_requests(args.requests, adapter_ids, args.max_tokens, gen)
-    num_tokens = sum(r.num_tokens for r in requests)
-
-    print(f"\nGPU slots (lora_index_to_id): {lora_index_to_id}")
-    print("\nRequests")
-    rows = [
-        (
-            r.index,
-            r.adapter_id if r.adapter_id else "0 (none)",
-            slot_of_id.get(r.adapter_id, -1),
-            r.num_tokens,
-            token_runs(r.tokens),
-        )
-        for r in requests
-    ]
-    for line in format_table(["request", "adapter id", "slot", "tokens", "token indices"], rows):
-        print("  " + line)
-
-    # 2. Ids -> slots.
-    mapping = LoRAMapping(
-        index_mapping=[r.adapter_id for r in requests for _ in r.tokens],  # [T]
-        prompt_mapping=[r.adapter_id for r in requests],  # [P]: one sampled row per request
-        is_prefill=True,
-    )
-    indices = convert_mapping(
-        mapping,
-        lora_index_to_id,
-        max_loras=args.loras + 1,  # vLLM passes the slot count plus one (a padding block)
-        vocab_size=VOCAB_SIZE,
-        extra_vocab_size=0,
+    # 1. The model, and the engine built on it (before PEFT wraps its projections).
+    model = tiny_llama(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        max_positions=args.max_prompt + args.new_tokens,
+        seed=args.seed,
+        dtype=dtype,
         device=device,
     )
-    slots = indices.base_indices  # [T] int64, -1 = no LoRA
+    print(
+        f"Model: Llama with random weights, {args.layers} layers, hidden {args.hidden}, "
+        f"MLP {args.intermediate}, {args.heads} heads / {args.kv_heads} KV heads, vocabulary "
+        f"{args.vocab}, {args.dtype}"
+    )
+    specs = adapter_specs(args.adapters, args.max_rank)
+    requests = make_requests(args.requests, specs, args.max_prompt, args.vocab, gen)
+    names = peft_names(requests, specs)
+    engine = MultiLoRAEngine(
+        model,
+        max_loras=args.adapters,
+        max_lora_rank=args.max_rank,
+        max_num_batched_tokens=sum(len(r.prompt) for r in requests),
+        max_batches=len(requests),
+    )
 
-    # 3. Sort and segment.
-    meta = LoRAKernelMeta.make(max_loras=args.loras, max_num_tokens=num_tokens, device=device)
-    meta.prepare_tensors(slots)
-    print(f"\nToken -> LoRA segments ({num_tokens} tokens, sorted by slot)")
-    rows = [
+    # 2. PEFT creates the adapters and saves them.
+    peft_model = create_peft_adapters(model, specs, folder, args.seed)
+    print(f"{len(specs)} PEFT LoRA adapters saved to {folder}")
+
+    # 3. The engine loads them from disk, into slots in a shuffled order.
+    for k in torch.randperm(len(specs), generator=gen).tolist():
+        engine.load_adapter(specs[k].adapter_id, folder / specs[k].name)
+    _print_slots(engine, specs, args.max_rank, rows)
+    _print_requests(engine, requests, names, rows)
+
+    # 4. The batch through the engine; the prefill's segments are printed on the way.
+    def show_segments(step: int) -> None:
+        if step == 0:
+            _print_segments(engine, rows)
+
+    if not SIMULATOR:  # compile the kernels before anything is timed
+        engine.generate(requests, 2)
+    generations, engine_seconds = _timed(
+        lambda: engine.generate(
+            requests,
+            args.new_tokens,
+            keep_logits=True,
+            progress=not args.no_progress,
+            on_step=show_segments,
+        ),
+        device,
+    )
+
+    # 5. PEFT's own forward, on the same tokens, as the reference.
+    checks = check_against_peft(peft_model, requests, generations, names, dtype)
+    _print_checks(requests, generations, names, checks, args, rows)
+    failed = [i for i, c in enumerate(checks) if not c.agrees]
+
+    # 6. Throughput: the same batch through PEFT generate, the plain model, the engine.
+    base_requests = [Request(r.prompt, 0) for r in requests]
+    if not SIMULATOR:  # warm up each path once
+        hf_generate(peft_model, requests, 2, adapter_names=names)
+        with peft_model.disable_adapter():
+            hf_generate(peft_model, requests, 2)
+    peft_tokens, peft_seconds = _timed(
+        lambda: hf_generate(peft_model, requests, args.new_tokens, adapter_names=names), device
+    )
+    with peft_model.disable_adapter():
+        _, hf_seconds = _timed(lambda: hf_generate(peft_model, requests, args.new_tokens), device)
+    _, base_seconds = _timed(
+        lambda: engine.generate(base_requests, args.new_tokens, progress=False), device
+    )
+    same = sum(g.tokens == t for g, t in zip(generations, peft_tokens))
+    print(
+        f"\nGreedy tokens identical to PEFT generate's for {same} of {len(requests)} requests "
+        "(where logits nearly tie, rounding may flip a choice; the check above decides)."
+    )
+    _print_throughput(
+        len(requests),
+        args.new_tokens,
+        [
+            ("punica_numba engine", "mixed", engine_seconds),
+            ("PEFT generate(adapter_names=...)", "mixed", peft_seconds),
+            ("transformers generate", "none", hf_seconds),
+            ("punica_numba engine", "none", base_seconds),
+        ],
+    )
+
+    if not failed:
+        print(f"\nAll {len(requests)} requests agree with PEFT.")
+        return 0
+    print(f"\nMISMATCH: requests {failed} differ from PEFT by more than their bound.")
+    return 1
+
+
+def check_against_peft(
+    peft_model,
+    requests: Sequence[Request],
+    generations: Sequence[Generation],
+    names: Sequence[str],
+    dtype: torch.dtype,
+) -> list[Agreement]:
+    """Each request's engine logits against PEFT's mixed-batch forward on the same tokens.
+
+    PEFT runs in the engine's dtype and, when that is not float32, once more on a
+    float32 copy of the same weights (the "exact" logits; see :func:`agreement`).
+    """
+    same_dtype = peft_logits(peft_model, requests, generations, names)
+    if dtype == torch.float32:
+        exact = same_dtype
+    else:
+        exact_model = copy.deepcopy(peft_model).to(torch.float32)
+        exact = peft_logits(exact_model, requests, generations, names)
+        del exact_model
+    return [agreement(g.logits, p, e) for g, p, e in zip(generations, same_dtype, exact)]
+
+
+def _print_slots(engine: MultiLoRAEngine, specs: Sequence[AdapterSpec], rank: int, rows: int):
+    by_id = {s.adapter_id: s for s in specs}
+    print(f"\nGPU slots (max_lora_rank {rank}; scaling folded into B)")
+    table = []
+    for slot, lora_id in enumerate(engine.lora_index_to_id):
+        s = by_id[lora_id]
+        rule = "alpha/sqrt(r)" if s.use_rslora else "alpha/r"
+        targets = "all" if s.target_modules == LORA_MODULES else ",".join(s.target_modules)
+        targets = targets.replace("_proj", "")
+        table.append(
+            (slot, lora_id, s.name, s.rank, s.lora_alpha, f"{s.scaling:g} ({rule})", targets)
+        )
+    headers = ["slot", "adapter id", "PEFT name", "rank", "alpha", "scaling", "targets"]
+    _print_table(headers, table, rows)
+
+
+def _print_requests(engine: MultiLoRAEngine, requests, names, rows: int) -> None:
+    slot_of = {lora_id: slot for slot, lora_id in enumerate(engine.lora_index_to_id)}
+    print(f"\nRequests ({len(requests)}; adapter id 0 = none)")
+    table = [
+        (i, r.adapter_id or "0 (none)", names[i], slot_of.get(r.adapter_id, -1), len(r.prompt))
+        for i, r in enumerate(requests)
+    ]
+    _print_table(["request", "adapter id", "PEFT name", "slot", "prompt tokens"], table, rows)
+
+
+def _print_segments(engine: MultiLoRAEngine, rows: int) -> None:
+    meta = engine.punica.token_mapping_meta
+    print(f"\nPrefill: token -> LoRA segments ({meta.num_tokens} tokens, sorted by slot)")
+    table = [
         ("-1 (no LoRA)" if s.slot == -1 else s.slot, s.start, s.count, token_runs(s.tokens))
         for s in meta.segments()
     ]
-    for line in format_table(["slot", "start", "count", "token indices"], rows):
-        print("  " + line)
+    _print_table(["slot", "start", "count", "token indices"], table, rows)
 
-    # 4. The LoRA output, computed by the reference and by the kernels.
-    hidden, rank, width = args.hidden, args.rank, args.hidden  # output width N = H
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype=dtype, device=device)  # [T, H]
-    lora_a = random_weights(args.loras, rank, hidden, dtype, device, gen)  # [L, r, H]
-    lora_b = random_weights(args.loras, width, rank, dtype, device, gen)  # [L, N, r]
-    y0 = torch.zeros(num_tokens, width, dtype=torch.float64, device=device)  # [T, N]
-    want = reference.add_lora_linear(
-        y0, x, [lora_a], [lora_b], None, 1.0, [width], slots
-    )  # [T, N] fp64
-    magnitude = reference.add_lora_linear(
-        y0, x.abs(), [lora_a.abs()], [lora_b.abs()], None, 1.0, [width], slots
-    )  # [T, N] fp64
 
-    buffer = torch.zeros(1, num_tokens, rank, dtype=torch.float32, device=device)  # [1, T, r]
-    y = torch.zeros(num_tokens, width, dtype=dtype, device=device)  # [T, N]
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        # Numba warns that a small grid under-uses a GPU; this demo's grids are small.
-        # The message starts with a terminal colour code, hence the leading ".*".
-        warnings.filterwarnings("ignore", message=".*Grid size .* low occupancy")
-        ops.lora_shrink(x, [lora_a], buffer, *meta.meta_args(num_tokens), 1.0)
-        ops.lora_expand(
-            buffer, [lora_b], y, *meta.meta_args(num_tokens), offset_start=0, add_inputs=True
-        )
-    if not SIMULATOR:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start  # the first launches: JIT compilation included
-
-    err = (y.to(torch.float64) - want).abs()  # [T, N]
-    ok = err <= rtol * magnitude  # [T, N]; rows without a LoRA must be exactly 0
+def _print_checks(requests, generations, names, checks, args, rows: int) -> None:
     print(
-        f"\nLoRA output per request: kernels (shrink + expand, {seconds:.2f} s with JIT "
-        f"compilation) vs. float64 reference"
+        f"\nPer request: the engine's logits at the {args.new_tokens} generated positions vs. "
+        "PEFT's mixed-batch forward\n  (adapter_names=[...]) on the same tokens. engine err = "
+        "max |engine - PEFT in float32|;"
     )
-    print(
-        "  |delta| = norm of the request's LoRA output rows; magnitude = the reference on "
-        f"absolute values;\n  a request agrees when every element is within {rtol:g} x magnitude"
-    )
-    rows, all_agree = [], True
-    for r in requests:
-        tokens = slice(r.first_token, r.first_token + r.num_tokens)
-        agrees = bool(ok[tokens].all())
-        all_agree &= agrees
-        rel = (err[tokens] / magnitude[tokens].clamp_min(1e-300)).max().item()
-        rows.append(
-            (
-                r.index,
-                r.adapter_id,
-                slot_of_id.get(r.adapter_id, -1),
-                f"{want[tokens].norm().item():.4f}",
-                f"{err[tokens].max().item():.2e}",
-                f"{rel:.1e}",
-                "agrees" if agrees else "DIFFERS",
-            )
-        )
-    headers = [
-        "request",
-        "adapter id",
-        "slot",
-        "|delta|",
-        "max |kernel - ref|",
-        "max err / magnitude",
-        "result",
-    ]
-    for line in format_table(headers, rows):
-        print("  " + line)
-
-    if all_agree:
+    if args.dtype == "float32":
         print(
-            f"\nAll {len(requests)} requests agree with the reference "
-            f"(within {rtol:g} x magnitude)."
+            "  PEFT err is 0 (PEFT in float32 is the reference itself). Agrees when engine err "
+            f"<= bound =\n  {REL_FLOOR:g} x max |logit|."
         )
-        return 0
-    bad = [r.index for r, row in zip(requests, rows) if row[-1] != "agrees"]
-    print(
-        f"\nMISMATCH: requests {bad} differ from the reference by more than {rtol:g} x magnitude."
-    )
-    return 1
+    else:
+        print(
+            f"  PEFT err = the same for PEFT's own forward in {args.dtype}. Agrees when engine "
+            f"err <= bound =\n  {NOISE_FACTOR:g} x PEFT err + {REL_FLOOR:g} x max |logit|."
+        )
+    table = [
+        (
+            i,
+            r.adapter_id,
+            names[i],
+            _short(g.tokens),
+            f"{c.engine_err:.2e}",
+            f"{c.peft_err:.2e}",
+            f"{c.bound:.2e}",
+            "agrees" if c.agrees else "DIFFERS",
+        )
+        for i, (r, g, c) in enumerate(zip(requests, generations, checks))
+    ]
+    headers = ["request", "adapter id", "PEFT name", "new tokens"]
+    headers += ["engine err", "PEFT err", "bound", "result"]
+    _print_table(headers, table, rows)
+    failed = [i for i, c in enumerate(checks) if not c.agrees]
+    if failed and rows and len(table) > rows:
+        print(f"  requests that differ: {failed}")
+
+
+def _print_throughput(requests: int, new_tokens: int, runs) -> None:
+    """``runs``: (path, adapters, seconds); the first is the one the others are compared to."""
+    total = requests * new_tokens
+    print(f"\nThroughput: {requests} requests x {new_tokens} new tokens = {total} tokens")
+    first = runs[0][2]
+    table = [
+        (path, adapters, f"{seconds:.2f}", f"{total / seconds:.1f}", f"{seconds / first:.2f}")
+        for path, adapters, seconds in runs
+    ]
+    _print_table(["path", "adapters", "seconds", "tokens/s", "time vs. engine"], table)
+    if SIMULATOR:
+        print(
+            "  (on the simulator every CUDA thread is a Python thread: the engine's numbers "
+            "say nothing about a GPU)"
+        )
