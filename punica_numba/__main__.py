@@ -1,7 +1,7 @@
 """The command line: ``python -m punica_numba COMMAND [ARGS]``.
 
 Commands:
-    demo   run a mixed multi-LoRA batch through the kernels and check it (punica_numba.demo)
+    demo   serve a mixed batch over PEFT adapters, check it against PEFT (punica_numba.demo)
     bench  time shrink and expand against the copy-bandwidth limit (punica_numba.bench)
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 #: command -> one-line help; each command is a module with ``main(argv) -> int``.
 COMMANDS = {
-    "demo": "run a mixed multi-LoRA batch through shrink/expand and check it "
-    "against the float64 reference",
+    "demo": "serve a mixed batch over PEFT adapters through the engine; check it "
+    "against PEFT and time it",
     "bench": "time shrink and expand (CUDA-graph replay) against the copy-bandwidth limit "
     "and torch baselines",
 }
