@@ -33,7 +33,7 @@ from punica_numba.parallel import (
     wrapper_for_slots,
 )
 
-from .strategies import assign_slots
+from .strategies import DEVICE, assign_slots
 from .tolerance import assert_close
 
 WORLD = 2
@@ -158,7 +158,7 @@ def test_sharded_layer_matches_unsharded_gloo(index):
 
 
 def _layers(cls, full, **kw):
-    wrapper = wrapper_for_slots([0], full.loras, "cpu")
+    wrapper = wrapper_for_slots([0], full.loras, DEVICE)
     return [cls.from_full(full, wrapper, rank, WORLD, **kw) for rank in range(WORLD)]
 
 
@@ -198,7 +198,7 @@ def test_gather_restores_the_unsharded_column_order_on_four_ranks(monkeypatch):
 
     slices, shards = qkv_output_slices(4, 2, 3, 4)  # (12, 6, 6), shards (4, 2, 2)
     full = LoRALinear.random(slices, 5, 2, 1, bias=False)
-    wrapper = wrapper_for_slots([-1], 1, "cpu")
+    wrapper = wrapper_for_slots([-1], 1, DEVICE)
     ranks = [
         ColumnParallelLinearWithLoRA.from_full(full, wrapper, k, 4, shards=shards) for k in range(4)
     ]
@@ -221,7 +221,7 @@ def test_shard_helpers_and_their_errors():
         qkv_output_slices(3, 1, 2, 2)
     with pytest.raises(ValueError, match="one slice"):
         RowParallelLinearWithLoRA.from_full(
-            LoRALinear.random((2, 2), 4, 2, 1), wrapper_for_slots([0], 1, "cpu"), 0, WORLD
+            LoRALinear.random((2, 2), 4, 2, 1), wrapper_for_slots([0], 1, DEVICE), 0, WORLD
         )
 
 
