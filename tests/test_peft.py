@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from punica_numba import demo
+from punica_numba._cuda import device_of
 from punica_numba.engine import LORA_MODULES, MultiLoRAEngine, Request, packed_layers, tiny_llama
 from punica_numba.peft import LoRASlots, read_peft_adapter
 
@@ -98,10 +99,12 @@ def world(tmp_path_factory):
 
 # -- references -------------------------------------------------------------------------
 
+DEVICE = device_of()  # where the engine and the plain model live
+
 
 def teacher_forced(request: Request, tokens: list[int]) -> torch.Tensor:
     """The sequence the engine's logits were computed on: prompt + generated tokens but the last."""
-    return torch.tensor([*request.prompt, *tokens[:-1]])
+    return torch.tensor([*request.prompt, *tokens[:-1]], device=DEVICE)
 
 
 def generated_rows(logits: torch.Tensor, request: Request, steps: int) -> torch.Tensor:
@@ -219,7 +222,8 @@ def test_engine_without_adapters_generates_what_the_model_generates(world):
     ]
     got = world.engine.generate(requests, 4, keep_logits=True)
     for r, g in zip(requests, got):
-        want = world.plain.generate(torch.tensor([r.prompt]), max_new_tokens=4, do_sample=False)[
+        prompt = torch.tensor([r.prompt], device=DEVICE)
+        want = world.plain.generate(prompt, max_new_tokens=4, do_sample=False)[
             0, len(r.prompt) :
         ].tolist()
         assert g.tokens == want
