@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._cuda import KERNEL_DTYPES, SIMULATOR
+from ._cuda import SIMULATOR
 
 __all__ = [
     "check_device",
@@ -116,6 +116,3 @@ def check_same_device(named_tensors: dict[str, torch.Tensor]) -> None:
     for name, device in devices.items():
         if device != first:
             raise ValueError(f"{name} is on {device} but {first_name} is on {first}")
-
-
-FLOAT_DTYPES = KERNEL_DTYPES

@@ -20,6 +20,21 @@ from punica_numba.meta import LoRAKernelMeta
 from .strategies import DEVICE, DTYPES, KERNEL_LIMITS, random_tensor, slot_lists
 from .tolerance import assert_close
 
+#: The six metadata arguments of lora_shrink / lora_expand, as ``meta_args`` returns them.
+META_ARG_NAMES = (
+    "token_lora_mapping",
+    "token_indices_sorted_by_lora_ids",
+    "num_tokens_per_lora",
+    "lora_token_start_loc",
+    "lora_ids",
+    "no_lora_flag_cpu",
+)
+
+
+def meta_kwargs(meta: LoRAKernelMeta, num_tokens: int) -> dict:
+    """``meta.meta_args(num_tokens)`` as keyword arguments of the ops."""
+    return dict(zip(META_ARG_NAMES, meta.meta_args(num_tokens)))
+
 
 @dataclass
 class Problem:

@@ -38,6 +38,7 @@ from punica_numba.ops import prepare_expand, prepare_shrink
 from punica_numba.wrapper import PunicaWrapperNumba
 
 from .conftest import PROFILE
+from .op_cases import meta_kwargs
 from .strategies import DEVICE, DTYPES
 
 # -- the valid calls ---------------------------------------------------------------------
@@ -116,23 +117,13 @@ def _meta(d: Dims) -> LoRAKernelMeta:
     return meta
 
 
-META_ARGS = (
-    "token_lora_mapping",
-    "token_indices_sorted_by_lora_ids",
-    "num_tokens_per_lora",
-    "lora_token_start_loc",
-    "lora_ids",
-    "no_lora_flag_cpu",
-)
-
-
 def _shrink(d: Dims, fn) -> Call:
     meta = _meta(d)
     args = dict(
         inputs=_randn((d.T, d.H), d.dtype),
         lora_a_weights=[_randn((d.L, d.R, d.H), d.dtype) for _ in range(2)],
         output_tensor=torch.zeros(2, d.T, d.R, device=DEVICE),
-        **dict(zip(META_ARGS, meta.meta_args(d.T))),
+        **meta_kwargs(meta, d.T),
         scaling=0.5,
     )
     return Call(fn.__name__, fn, args, (meta,))
@@ -144,7 +135,7 @@ def _expand(d: Dims, fn) -> Call:
         inputs=_randn((2, d.T, d.R)),
         lora_b_weights=[_randn((d.L, n, d.R), d.dtype) for n in d.widths],
         output_tensor=_randn((d.T, 1 + sum(d.widths)), d.dtype),
-        **dict(zip(META_ARGS, meta.meta_args(d.T))),
+        **meta_kwargs(meta, d.T),
         offset_start=1,
         add_inputs=True,
     )

@@ -9,6 +9,7 @@ import torch
 
 from punica_numba import LoRAKernelMeta, lora_expand, lora_shrink
 
+from .op_cases import meta_kwargs
 from .strategies import DEVICE
 
 T, H, R, L = 5, 12, 4, 3
@@ -28,19 +29,7 @@ def shrink_args(**change):
         lora_a_weights=[torch.randn(L, R, H, device=DEVICE)],
         output_tensor=torch.zeros(1, T, R, device=DEVICE),
     )
-    args.update(
-        zip(
-            (
-                "token_lora_mapping",
-                "token_indices_sorted_by_lora_ids",
-                "num_tokens_per_lora",
-                "lora_token_start_loc",
-                "lora_ids",
-                "no_lora_flag_cpu",
-            ),
-            meta.meta_args(T),
-        )
-    )
+    args.update(meta_kwargs(meta, T))
     args["scaling"] = 0.5
     args.update(change)
     return args
@@ -53,19 +42,7 @@ def expand_args(**change):
         lora_b_weights=[torch.randn(L, 6, R, device=DEVICE), torch.randn(L, 3, R, device=DEVICE)],
         output_tensor=torch.zeros(T, 12, device=DEVICE),
     )
-    args.update(
-        zip(
-            (
-                "token_lora_mapping",
-                "token_indices_sorted_by_lora_ids",
-                "num_tokens_per_lora",
-                "lora_token_start_loc",
-                "lora_ids",
-                "no_lora_flag_cpu",
-            ),
-            meta.meta_args(T),
-        )
-    )
+    args.update(meta_kwargs(meta, T))
     args.update(offset_start=1, add_inputs=True)
     args.update(change)
     return args
