@@ -250,10 +250,25 @@ def prepare_shrink(
     no_lora = _check_devices_and_metadata(
         inputs, output_tensor, weights, "lora_a_weights", num_tokens, num_loras, metadata
     )
-    meta_facts = host_facts_of(lora_ids)
     if no_lora or num_tokens == 0 or rank == 0:
         return _nothing
+    return _shrink_launch(inputs, weights, output_tensor, metadata, scaling)
 
+
+def _shrink_launch(
+    inputs: torch.Tensor,
+    weights: list[torch.Tensor],
+    output_tensor: torch.Tensor,
+    metadata: tuple,
+    scaling: float,
+) -> Callable[[], None]:
+    """The launch of a shrink whose arguments are already checked (by :func:`prepare_shrink`
+    or the wrapper): ``inputs`` [T, H] contiguous, ``weights`` [L, r, H] views of its dtype,
+    ``output_tensor`` [>= S, T, r], ``metadata`` vLLM's six tensors fitting T rows and L
+    slots, at least one token with a LoRA, T > 0 and r > 0. ``scaling`` is a float."""
+    num_tokens, rank = inputs.shape[0], weights[0].shape[1]
+    num_tokens_per_lora, lora_ids = metadata[2], metadata[4]
+    meta_facts = host_facts_of(lora_ids)
     config = choose_launch_config("shrink", num_tokens, meta_facts and meta_facts.active_slots)
     # Packed 8-byte words when x and every A allow it; else one element at a time.
     words = [_words(t) for t in (inputs, *weights)]
@@ -385,10 +400,27 @@ def prepare_expand(
     no_lora = _check_devices_and_metadata(
         inputs, output_tensor, weights, "lora_b_weights", num_tokens, num_loras, metadata
     )
-    meta_facts = host_facts_of(lora_ids)
     if no_lora or num_tokens == 0 or sum(widths) == 0:
         return _nothing
+    return _expand_launch(inputs, weights, output_tensor, metadata, offset_start, add_inputs)
 
+
+def _expand_launch(
+    inputs: torch.Tensor,
+    weights: list[torch.Tensor],
+    output_tensor: torch.Tensor,
+    metadata: tuple,
+    offset_start: int,
+    add_inputs: bool,
+) -> Callable[[], None]:
+    """The launch of an expand whose arguments are already checked (by :func:`prepare_expand`
+    or the wrapper): ``inputs`` [>= S, T, r], ``weights`` [L, N_s, r] views, ``output_tensor``
+    [T, >= offset_start + sum(N_s)] contiguous, ``metadata`` vLLM's six tensors fitting T
+    rows and L slots, at least one token with a LoRA, T > 0 and sum(N_s) > 0."""
+    num_tokens = inputs.shape[1]
+    widths = [w.shape[1] for w in weights]
+    num_tokens_per_lora, lora_ids = metadata[2], metadata[4]
+    meta_facts = host_facts_of(lora_ids)
     config = choose_launch_config("expand", num_tokens, meta_facts and meta_facts.active_slots)
     words = [_words(w) for w in weights]  # B in packed 8-byte words when every slice allows
     packed = all(w is not None for w in words)
