@@ -8,19 +8,25 @@ shapes, sizes, devices and values raise ``ValueError``.
 
 from __future__ import annotations
 
+import functools
 import numbers
+import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from ._cuda import SIMULATOR
+from ._cuda import KERNEL_DTYPES, SIMULATOR
 
 __all__ = [
+    "Stack",
     "check_device",
     "check_int",
+    "check_kernel_tensor",
     "check_real",
     "check_same_device",
     "check_sequence",
+    "check_stack",
     "check_tensor",
     "check_weight",
 ]
@@ -59,6 +65,18 @@ def check_tensor(
     return t
 
 
+def check_kernel_tensor(name: str, t, device: torch.device) -> torch.Tensor:
+    """A tensor of a dtype the kernels take, on ``device`` exactly (the caller's kernel
+    device, e.g. ``cuda:0``); return it unchanged. The cheap check of the hot path."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} must be {_dtype_names(KERNEL_DTYPES)}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but the kernels run on {device} here")
+    return t
+
+
 def check_weight(name: str, w, *, dtypes=None) -> torch.Tensor:
     """A stacked LoRA weight ``[L, N, K]`` or vLLM's ``[L, 1, N, K]``, contiguous; returned
     as an ``[L, N, K]`` view."""
@@ -68,6 +86,62 @@ def check_weight(name: str, w, *, dtypes=None) -> torch.Tensor:
             raise ValueError(f"{name} must be [L, N, K] or [L, 1, N, K], got {tuple(w.shape)}")
         return w[:, 0]
     return w
+
+
+class Stack(NamedTuple):
+    """A checked stacked LoRA weight: its ``[L, N, K]`` view and the facts read off it."""
+
+    view: torch.Tensor  # [L, N, K], contiguous
+    num_loras: int  # L
+    rows: int  # N: output rows per slot (the rank for LoRA-A, the width for LoRA-B)
+    cols: int  # K: the reduced dimension (hidden size for LoRA-A, the rank for LoRA-B)
+    dtype: torch.dtype
+    device: torch.device
+
+
+class _Known(NamedTuple):
+    """What :func:`check_stack` remembers of one weight tensor."""
+
+    tensor: weakref.ref  # the tensor itself, weakly: the entry goes when it does
+    layout: tuple  # (data_ptr, shape, strides, dtype, device) when it was checked
+    stack: Stack
+
+
+#: id(weight tensor) -> what was learned when it was checked. A serving engine hands the
+#: same weight tensors to every call, so their checks and views are made once.
+_KNOWN_STACKS: dict[int, _Known] = {}
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """Everything a tensor's checks and views depend on; equal means the same memory, read
+    the same way (a live entry keeps the old memory alive, so no new tensor reuses it)."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def check_stack(name: str, w, index: int | None = None) -> Stack:
+    """A stacked LoRA weight ``[L, N, K]`` or vLLM's ``[L, 1, N, K]``: contiguous, of a
+    kernel dtype, on the kernels' device; returned as a :class:`Stack`.
+
+    ``index`` makes the name ``name[index]`` (built only for a message). The answer is
+    remembered per tensor and reused while the tensor lives and its data pointer, shape,
+    strides, dtype and device stay as they were checked; anything else is checked again.
+    """
+    known = _KNOWN_STACKS.get(id(w))
+    if known is not None and known.tensor() is w and known.layout == _layout(w):
+        return known.stack
+    view = check_weight(name if index is None else f"{name}[{index}]", w, dtypes=KERNEL_DTYPES)
+    num_loras, rows, cols = view.shape
+    stack = Stack(view, num_loras, rows, cols, w.dtype, w.device)
+    key = id(w)
+    _KNOWN_STACKS[key] = _Known(weakref.ref(w, functools.partial(_forget, key)), _layout(w), stack)
+    return stack
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    """A remembered weight was freed: drop its entry (and the view that holds its memory)."""
+    known = _KNOWN_STACKS.get(key)
+    if known is not None and known.tensor is ref:
+        del _KNOWN_STACKS[key]
 
 
 def check_device(name: str, device, *, kernels: bool = True) -> torch.device:
@@ -96,6 +170,8 @@ def check_sequence(name: str, seq, *, min_len: int = 1) -> Sequence:
 
 def check_int(name: str, value, *, minimum: int | None = None) -> int:
     """An int (not a bool), at least ``minimum``."""
+    if type(value) is int and (minimum is None or value >= minimum):
+        return value  # the common case, without the slower ABC check below
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
@@ -104,6 +180,9 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
 
 
 def check_real(name: str, value) -> float:
+    """A real number (not a bool), as a float."""
+    if type(value) is float:
+        return value  # the common case, without the slower ABC check below
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
