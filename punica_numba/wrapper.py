@@ -20,39 +20,24 @@ Differences from vLLM v0.8–0.9 (../shared/SPEC.md §7), each on purpose:
 
 from __future__ import annotations
 
-import contextlib
-import re
 from collections.abc import Sequence
 
 import torch
 
 from ._checks import (
+    Stack,
     check_device,
     check_int,
+    check_kernel_tensor,
     check_real,
     check_sequence,
-    check_tensor,
-    check_weight,
+    check_stack,
 )
-from ._cuda import KERNEL_DTYPES
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta
-from .ops import prepare_expand, prepare_shrink
+from .ops import _expand_launch, _shrink_launch
 
 __all__ = ["PunicaWrapperNumba"]
-
-
-@contextlib.contextmanager
-def _argument_names(**ours):
-    """Re-raise an op's ValueError / TypeError with the wrapper's argument names, so the
-    message names what the caller passed (``lora_b_stacked``, not ``lora_b_weights``)."""
-    try:
-        yield
-    except (ValueError, TypeError) as error:
-        message = str(error)
-        for op_name, name in ours.items():
-            message = re.sub(rf"\b{op_name}\b", name, message)
-        raise type(error)(message) from None
 
 
 class PunicaWrapperNumba:
@@ -101,6 +86,10 @@ class PunicaWrapperNumba:
         self.is_prefill = False
         self.token_mapping_meta = LoRAKernelMeta.make(self._max_loras, n, self.device)
         self.prompt_mapping_meta = LoRAKernelMeta.make(self._max_loras, n, self.device)
+        # The device every tensor of a layer call must be on, exactly as the buffers have it
+        # (``cuda:0`` where ``device`` may say ``cuda``).
+        self._kernel_device = self._token_lora_indices.device
+        self._meta_args_made: dict[tuple, tuple] = {}  # see _meta_views
 
     # -- metadata ----------------------------------------------------------------------
 
@@ -210,6 +199,11 @@ class PunicaWrapperNumba:
         return self._long_lora_indices[: self.indices_len[0]]
 
     # -- the layers' calls -------------------------------------------------------------
+    #
+    # Each method checks every argument once, in one pass, with the wrapper's own
+    # argument names, and only then launches: the checked launch halves of the ops
+    # (``_shrink_launch`` / ``_expand_launch``) take the checked values as they are,
+    # and the metadata is this wrapper's own, so none of it is checked twice.
 
     def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, scale: float, **kwargs):
         """``y[s] += scale * x @ A_s[slot]^T`` per token: the first half of a LoRA layer.
@@ -218,7 +212,14 @@ class PunicaWrapperNumba:
             x: [..., H] (flattened to [T, H]); y: [S, T, r] fp32; A_s: [L, (1,) r, H]
             for s, t with l = slot(t) != -1:  y[s, t] += scale * x[t] @ A_s[l].T
         """
-        self._plan_shrink(y, x, lora_a_stacked, scale)()
+        x2 = self._flat(x)
+        a = self._lora_a(lora_a_stacked, x2)
+        rows, rank = x2.shape[0], a[0].rows
+        self._check_buffer("y", y, len(a), rows, rank)
+        scale = check_real("scale", scale)
+        meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_a_stacked", a))
+        if meta is not None and rank:
+            _shrink_launch(x2, [s.view for s in a], y, meta, scale)()
 
     def add_expand(
         self,
@@ -241,10 +242,23 @@ class PunicaWrapperNumba:
                                     + x[s, t] @ B_s[l].T + bias_s[l]
             Rows without a LoRA and columns outside the slices are untouched.
         """
-        y2 = self._rows(y, "y")
-        bias = self._check_bias(lora_bias_stacked, output_slices, y2)
-        self._plan_expand(y2, x, lora_b_stacked, output_slices, offset_start, add_inputs)()
-        self._add_bias(y2, bias, output_slices, offset_start)
+        y2 = self._rows(y)
+        check_kernel_tensor("x", x, self._kernel_device)
+        if x.ndim != 3:
+            raise ValueError(f"x must be [S, T, r], got shape {tuple(x.shape)}")
+        b = self._lora_b(lora_b_stacked, output_slices, x.shape[2], "x")
+        self._check_expand_input("x", x, b)
+        rows = x.shape[1]
+        self._check_rows(y2, rows, "x")
+        offset_start = check_int("offset_start", offset_start, minimum=0)
+        if not isinstance(add_inputs, bool):
+            raise TypeError(f"add_inputs must be a bool, got {type(add_inputs).__name__}")
+        widths = self._check_columns(y2, offset_start, b)
+        bias = self._check_bias(lora_bias_stacked, widths)
+        meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_b_stacked", b))
+        if meta is not None and sum(widths):
+            _expand_launch(x, [s.view for s in b], y2, meta, offset_start, add_inputs)()
+        self._add_bias(y2, bias, widths, offset_start)
 
     def add_lora_embedding(
         self,
@@ -260,11 +274,21 @@ class PunicaWrapperNumba:
             x: [T, r] (the LoRA dtype); y: [T, D]; B: [L, (1,) D, r]
             for t with l = slot(t) != -1:  y[t] = (y[t] if add_inputs else 0) + x[t] @ B[l].T
         """
-        check_tensor("x", x, ndim=2)
-        width = check_weight("lora_b_stacked", lora_b_stacked).shape[1]
-        self._plan_expand(
-            self._rows(y, "y"), x.unsqueeze(0), (lora_b_stacked,), (width,), 0, add_inputs
-        )()
+        y2 = self._rows(y)
+        check_kernel_tensor("x", x, self._kernel_device)
+        if x.ndim != 2:
+            raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+        b = [self._one_lora_b(lora_b_stacked, None, x.shape[1], "x", None)]
+        x3 = x.unsqueeze(0)  # [1, T, r]
+        self._check_expand_input("x", x3, b)
+        rows = x.shape[0]
+        self._check_rows(y2, rows, "x")
+        if not isinstance(add_inputs, bool):
+            raise TypeError(f"add_inputs must be a bool, got {type(add_inputs).__name__}")
+        widths = self._check_columns(y2, 0, b)
+        meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_b_stacked", b))
+        if meta is not None and widths[0]:
+            _expand_launch(x3, [b[0].view], y2, meta, 0, add_inputs)()
 
     def add_lora_linear(
         self,
@@ -288,30 +312,32 @@ class PunicaWrapperNumba:
             for t with l = slot(t) != -1, each slice s:
                 y[t, c_s:c_s+N_s] += bias_s[l] + (buffer[s, t] + scale * x[t] @ A_s[l].T) @ B_s[l].T
         """
-        check_sequence("lora_a_stacked", lora_a_stacked)
-        check_sequence("lora_b_stacked", lora_b_stacked)
-        check_sequence("output_slices", output_slices)
-        if not len(lora_a_stacked) == len(lora_b_stacked) == len(output_slices):
+        y2 = self._rows(y)
+        x2 = self._flat(x)
+        rows = x2.shape[0]
+        self._check_rows(y2, rows, "x")
+        a = self._lora_a(lora_a_stacked, x2)
+        rank = a[0].rows
+        b = self._lora_b(lora_b_stacked, output_slices, rank, "lora_a_stacked")
+        if len(a) != len(b):
             raise ValueError(
                 f"lora_a_stacked, lora_b_stacked and output_slices must have one entry per "
-                f"slice; got {len(lora_a_stacked)}, {len(lora_b_stacked)}, {len(output_slices)}"
+                f"slice; got {len(a)}, {len(b)}, {len(output_slices)}"
             )
-        y2 = self._rows(y, "y")
-        bias = self._check_bias(lora_bias_stacked, output_slices, y2)
-        flat_x = self._flat(x)
-        if buffer is None:
-            check_tensor("lora_b_stacked[0]", lora_b_stacked[0], ndim=(3, 4))
-            rank = lora_b_stacked[0].shape[-1]
-            buffer = torch.zeros(
-                len(output_slices), flat_x.shape[0], rank, dtype=torch.float32, device=flat_x.device
-            )
-        shrink = self._plan_shrink(buffer, flat_x, lora_a_stacked, scale, y_name="buffer")
-        expand = self._plan_expand(
-            y2, buffer, lora_b_stacked, output_slices, 0, True, x_name="buffer"
+        widths = self._check_columns(y2, 0, b)
+        bias = self._check_bias(lora_bias_stacked, widths)
+        scale = check_real("scale", scale)
+        if buffer is not None:
+            self._check_buffer("buffer", buffer, len(b), rows, rank)
+            self._check_expand_input("buffer", buffer, b)
+        meta = self._meta_args(
+            self.token_mapping_meta, rows, "x", ("lora_a_stacked", a), ("lora_b_stacked", b)
         )
-        shrink()
-        expand()
-        self._add_bias(y2, bias, output_slices, 0)
+        if meta is not None:
+            if buffer is None:  # [S, T, r] fp32
+                buffer = torch.zeros(len(b), rows, rank, dtype=torch.float32, device=x2.device)
+            _shrink_then_expand(x2, a, buffer, b, y2, meta, scale)
+        self._add_bias(y2, bias, widths, 0)
 
     def add_lora_logits(
         self,
@@ -331,71 +357,122 @@ class PunicaWrapperNumba:
             for p with l = sampler_slot(p) != -1:
                 y[p, :V_b] += scale * (x[p] @ A[l].T) @ B[l].T
         """
-        y2 = self._rows(y, "y")
-        flat_x = self._flat(x)
-        if flat_x.shape[0] > self.max_num_batched_tokens:
-            raise ValueError(
-                f"x has {flat_x.shape[0]} rows, more than max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}"
-            )
-        check_tensor("lora_a_stacked", lora_a_stacked, ndim=(3, 4))
-        check_tensor("lora_b_stacked", lora_b_stacked, ndim=(3, 4))
-        rows = flat_x.shape[0]
-        if buffer is None:
-            buffer = torch.zeros(
-                rows, lora_b_stacked.shape[-1], dtype=torch.float32, device=flat_x.device
-            )
-        check_tensor("buffer", buffer, ndim=2)
-        meta = self.prompt_mapping_meta.meta_args(rows)
-        self._check_rows(y2, rows)
+        y2 = self._rows(y)
+        x2 = self._flat(x)
+        rows = x2.shape[0]
+        self._check_rows(y2, rows, "x")
+        a = [self._one_lora_a(lora_a_stacked, x2, None, None)]
+        rank = a[0].rows
+        b = [self._one_lora_b(lora_b_stacked, None, rank, "lora_a_stacked", None)]
+        self._check_columns(y2, 0, b)
         scale = check_real("scale", scale)
-        with _argument_names(inputs="x", lora_a_weights="lora_a_stacked", output_tensor="buffer"):
-            shrink = prepare_shrink(flat_x, [lora_a_stacked], buffer.unsqueeze(0), *meta, scale)
-        with _argument_names(inputs="buffer", lora_b_weights="lora_b_stacked", output_tensor="y"):
-            expand = prepare_expand(
-                buffer.unsqueeze(0), [lora_b_stacked], y2, *meta, offset_start=0, add_inputs=True
-            )
-        shrink()
-        expand()
+        if buffer is not None:
+            check_kernel_tensor("buffer", buffer, self._kernel_device)
+            if buffer.ndim != 2:
+                raise ValueError(f"buffer must be [P, r], got shape {tuple(buffer.shape)}")
+            self._check_buffer("buffer", buffer.unsqueeze(0), 1, rows, rank)
+            self._check_expand_input("buffer", buffer.unsqueeze(0), b)
+        meta = self._meta_args(
+            self.prompt_mapping_meta, rows, "x", ("lora_a_stacked", a), ("lora_b_stacked", b)
+        )
+        if meta is not None:
+            if buffer is None:  # [P, r] fp32
+                buffer = torch.zeros(rows, rank, dtype=torch.float32, device=x2.device)
+            _shrink_then_expand(x2, a, buffer.unsqueeze(0), b, y2, meta, scale)
 
-    # -- helpers -----------------------------------------------------------------------
+    # -- checks: each argument once ----------------------------------------------------
 
-    def _rows(self, y: torch.Tensor, name: str) -> torch.Tensor:
+    def _rows(self, y) -> torch.Tensor:
         """``y`` as a ``[rows, columns]`` view of the same memory (it is written in place)."""
-        check_tensor(name, y, dtypes=KERNEL_DTYPES)
+        check_kernel_tensor("y", y, self._kernel_device)
         if y.ndim < 1 or not y.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous tensor, got strides {y.stride()}")
-        return y.view(-1, y.shape[-1])
+            raise ValueError(f"y must be a contiguous tensor, got strides {y.stride()}")
+        return y if y.ndim == 2 else y.view(-1, y.shape[-1])
 
-    def _flat(self, x: torch.Tensor) -> torch.Tensor:
-        check_tensor("x", x, dtypes=KERNEL_DTYPES)
+    def _flat(self, x) -> torch.Tensor:
+        """``x`` as a contiguous ``[T, H]``: itself, a view, or (when strided) a copy."""
+        check_kernel_tensor("x", x, self._kernel_device)
         if x.ndim < 2:
             raise ValueError(f"x must be [..., H], got shape {tuple(x.shape)}")
-        return x.reshape(-1, x.shape[-1])
-
-    def _check_rows(self, y2: torch.Tensor, rows: int) -> None:
-        if y2.shape[0] != rows:
-            raise ValueError(f"y has {y2.shape[0]} rows but x has {rows}; they must match")
-
-    def _token_meta_args(self, rows: int):
-        if rows > self.max_num_batched_tokens:
+        x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
             raise ValueError(
-                f"x has {rows} token rows, more than max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}"
+                f"x must be contiguous, got strides {x2.stride()} for shape {tuple(x2.shape)}"
             )
-        return self.token_mapping_meta.meta_args(rows)
+        return x2
 
-    def _plan_shrink(self, y, x, lora_a_stacked, scale, y_name="y"):
-        flat_x = self._flat(x)
+    @staticmethod
+    def _check_rows(y2: torch.Tensor, rows: int, x_name: str) -> None:
+        if y2.shape[0] != rows:
+            raise ValueError(f"y has {y2.shape[0]} rows but {x_name} has {rows}; they must match")
+
+    def _stack(self, name: str, w, index: int | None) -> Stack:
+        """One stacked weight (``name[index]``, or ``name`` when index is None), on our device."""
+        stack = check_stack(name, w, index)
+        if stack.device != self._kernel_device:
+            raise ValueError(
+                f"{_indexed(name, index)} is on {stack.device}, but the kernels run on "
+                f"{self._kernel_device} here"
+            )
+        return stack
+
+    def _one_lora_a(self, w, x2, first: Stack | None, index: int | None) -> Stack:
+        """A LoRA-A stack ``[L, r, H]`` for ``x2`` (its dtype and H), like ``first``."""
+        a = self._stack("lora_a_stacked", w, index)
+        if a.dtype != x2.dtype:
+            raise TypeError(
+                f"{_indexed('lora_a_stacked', index)} is {a.dtype} but x is {x2.dtype}; "
+                "they must match"
+            )
+        if a.cols != x2.shape[1]:
+            raise ValueError(
+                f"{_indexed('lora_a_stacked', index)} has K={a.cols} but x has hidden size "
+                f"{x2.shape[1]}"
+            )
+        if first is not None and (a.num_loras, a.rows) != (first.num_loras, first.rows):
+            raise ValueError(
+                f"{_indexed('lora_a_stacked', index)} is {tuple(a.view.shape)} but "
+                f"lora_a_stacked[0] is {tuple(first.view.shape)}; all slices need the same "
+                "L and rank"
+            )
+        return a
+
+    def _lora_a(self, lora_a_stacked, x2) -> list[Stack]:
+        """The LoRA-A slices for ``x2``: one dtype (x's), H, slot count and rank."""
         check_sequence("lora_a_stacked", lora_a_stacked)
-        meta = self._token_meta_args(flat_x.shape[0])
-        scale = check_real("scale", scale)
-        with _argument_names(inputs="x", lora_a_weights="lora_a_stacked", output_tensor=y_name):
-            return prepare_shrink(flat_x, lora_a_stacked, y, *meta, scale)
+        stacks = []
+        for s, w in enumerate(lora_a_stacked):
+            stacks.append(self._one_lora_a(w, x2, stacks[0] if stacks else None, s))
+        return stacks
 
-    def _plan_expand(
-        self, y2, x, lora_b_stacked, output_slices, offset_start, add_inputs, x_name="x"
-    ):
+    def _one_lora_b(self, w, width, rank: int, rank_of: str, index: int | None, first=None):
+        """A LoRA-B stack ``[L, N, r]``: N == ``width`` (unless None), rank ``rank`` (that
+        of ``rank_of``), and the dtype and slot count of ``first`` (unless None)."""
+        b = self._stack("lora_b_stacked", w, index)
+        if width is not None and b.rows != width:
+            raise ValueError(
+                f"output_slices[{index}] is {width} but lora_b_stacked[{index}] has {b.rows} "
+                "output rows"
+            )
+        if first is not None and b.dtype != first.dtype:
+            raise TypeError(
+                f"lora_b_stacked[{index}] is {b.dtype} but lora_b_stacked[0] is {first.dtype}"
+            )
+        if first is not None and b.num_loras != first.num_loras:
+            raise ValueError(
+                f"lora_b_stacked[{index}] holds {b.num_loras} slots but lora_b_stacked[0] holds "
+                f"{first.num_loras}"
+            )
+        if b.cols != rank:
+            raise ValueError(
+                f"{_indexed('lora_b_stacked', index)} has rank {b.cols} but {rank_of} has rank "
+                f"{rank}"
+            )
+        return b
+
+    def _lora_b(self, lora_b_stacked, output_slices, rank: int, rank_of: str) -> list[Stack]:
+        """The LoRA-B slices: one per entry of ``output_slices``, each as wide as its entry,
+        of rank ``rank``, one dtype and slot count."""
         check_sequence("lora_b_stacked", lora_b_stacked)
         check_sequence("output_slices", output_slices)
         if len(lora_b_stacked) != len(output_slices):
@@ -403,42 +480,106 @@ class PunicaWrapperNumba:
                 f"lora_b_stacked has {len(lora_b_stacked)} slices but output_slices has "
                 f"{len(output_slices)}"
             )
-        for s, (b, width) in enumerate(zip(lora_b_stacked, output_slices)):
-            rows = check_weight(f"lora_b_stacked[{s}]", b).shape[1]
-            if rows != width:
-                raise ValueError(
-                    f"output_slices[{s}] is {width} but lora_b_stacked[{s}] has {rows} output rows"
-                )
-        check_tensor(x_name, x, ndim=3)
-        self._check_rows(y2, x.shape[1])
-        meta = self._token_meta_args(x.shape[1])
-        with _argument_names(inputs=x_name, lora_b_weights="lora_b_stacked", output_tensor="y"):
-            return prepare_expand(
-                x,
-                list(lora_b_stacked),
-                y2,
-                *meta,
-                offset_start=offset_start,
-                add_inputs=add_inputs,
+        stacks = []
+        for s, (w, width) in enumerate(zip(lora_b_stacked, output_slices)):
+            first = stacks[0] if stacks else None
+            stacks.append(self._one_lora_b(w, width, rank, rank_of, s, first))
+        return stacks
+
+    def _check_buffer(self, name: str, out, slices: int, rows: int, rank: int) -> None:
+        """A shrink output: ``[>= slices, rows, rank]``, contiguous, of a kernel dtype."""
+        check_kernel_tensor(name, out, self._kernel_device)
+        if out.ndim != 3:
+            raise ValueError(f"{name} must be 3-D [S, T, r], got shape {tuple(out.shape)}")
+        if not out.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous, got strides {out.stride()} for shape "
+                f"{tuple(out.shape)}"
+            )
+        shape = out.shape
+        if shape[0] < slices or shape[1] != rows or shape[2] != rank:
+            raise ValueError(
+                f"{name} must be [S >= {slices}, T={rows}, r={rank}], got {tuple(shape)}"
             )
 
-    def _check_bias(self, lora_bias_stacked, output_slices, y2) -> list | None:
-        """Check the bias tuple now, so that a bad one is rejected before any launch."""
+    @staticmethod
+    def _check_expand_input(name: str, x: torch.Tensor, b: list[Stack]) -> None:
+        """An expand input ``[>= S, T, r]`` (rank checked with B): B's dtype, or fp32."""
+        if x.dtype != b[0].dtype and x.dtype != torch.float32:
+            raise TypeError(
+                f"{name} is {x.dtype} but lora_b_stacked are {b[0].dtype}; {name} must have "
+                "the weights' dtype or be float32"
+            )
+        if x.shape[0] < len(b):
+            raise ValueError(
+                f"{name} has {x.shape[0]} slice(s), fewer than the {len(b)} of lora_b_stacked"
+            )
+
+    @staticmethod
+    def _check_columns(y2: torch.Tensor, offset_start: int, b: list[Stack]) -> list[int]:
+        """``y`` wide enough for the slices from ``offset_start``; return their widths."""
+        widths = [s.rows for s in b]
+        if y2.shape[1] < offset_start + sum(widths):
+            raise ValueError(
+                f"y has {y2.shape[1]} columns, too few for offset_start={offset_start} plus "
+                f"slices of widths {widths}"
+            )
+        return widths
+
+    def _meta_args(self, meta: LoRAKernelMeta, rows: int, x_name: str, *weights):
+        """The six metadata arguments for ``rows`` activation rows, or None when there is
+        nothing to launch (no row, or no token with a LoRA).
+
+        ``weights`` are ``(name, stacks)`` pairs. The metadata is this wrapper's own, so
+        its host-side facts are trusted: rows must fit the buffers and the prepared
+        tokens, and every weight must hold the slots in use. No device sync.
+        """
+        if rows > self.max_num_batched_tokens:
+            raise ValueError(
+                f"{x_name} has {rows} rows, more than max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}"
+            )
+        facts = meta.host
+        if facts.num_tokens > rows:
+            raise ValueError(
+                f"the metadata was prepared for {facts.num_tokens} tokens, more than the "
+                f"{rows} rows of {x_name}"
+            )
+        for name, stacks in weights:
+            if facts.max_slot_in_use >= stacks[0].num_loras:
+                raise ValueError(
+                    f"the metadata uses slot {facts.max_slot_in_use}, but {name} hold only "
+                    f"{stacks[0].num_loras} slot(s)"
+                )
+        if facts.max_slot_in_use < 0 or rows == 0:
+            return None
+        return self._meta_views(meta, rows)
+
+    def _meta_views(self, meta: LoRAKernelMeta, rows: int) -> tuple:
+        """``meta.meta_args(rows)``, made once per row count and kept: they are views of
+        buffers the metadata allocates once and only ever writes in place."""
+        known = self._meta_args_made.get((id(meta), rows))
+        if known is None:  # (the entry holds ``meta`` itself, so its id is not reused)
+            known = self._meta_args_made[(id(meta), rows)] = (meta, meta.meta_args(rows))
+        return known[1]
+
+    def _check_bias(self, lora_bias_stacked, widths: list[int]) -> list | None:
+        """Check the bias tuple now, so that a bad one is rejected before any launch;
+        return each slice's bias as ``[L, N_s]`` (or None)."""
         if lora_bias_stacked is None:
             return None
         check_sequence("lora_bias_stacked", lora_bias_stacked)
-        check_sequence("output_slices", output_slices)
-        if len(lora_bias_stacked) != len(output_slices):
+        if len(lora_bias_stacked) != len(widths):
             raise ValueError(
                 f"lora_bias_stacked has {len(lora_bias_stacked)} slices but output_slices has "
-                f"{len(output_slices)}"
+                f"{len(widths)}"
             )
         biases = []
-        for s, (bias, width) in enumerate(zip(lora_bias_stacked, output_slices)):
+        for s, (bias, width) in enumerate(zip(lora_bias_stacked, widths)):
             if bias is None:
                 biases.append(None)
                 continue
-            check_tensor(f"lora_bias_stacked[{s}]", bias, dtypes=KERNEL_DTYPES)
+            check_kernel_tensor(f"lora_bias_stacked[{s}]", bias, self._kernel_device)
             good = bias.ndim in (2, 3) and bias.shape[0] == self._max_loras
             flat = bias.reshape(self._max_loras, -1) if good else bias
             if not good or flat.shape != (self._max_loras, width):
@@ -447,21 +588,16 @@ class PunicaWrapperNumba:
                     f"{tuple(bias.shape)}"
                 )
             biases.append(flat)
-        if y2.shape[0] > self.max_num_batched_tokens:
-            raise ValueError(
-                f"y has {y2.shape[0]} rows, more than max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}"
-            )
         return biases
 
-    def _add_bias(self, y2, biases, output_slices, offset_start: int) -> None:
+    def _add_bias(self, y2, biases, widths: list[int], offset_start: int) -> None:
         """``y[t, c_s:c_s+N_s] += bias_s[slot(t)]`` for rows with a LoRA; no host sync."""
         if biases is None:
             return
         slots = self._token_lora_indices[: y2.shape[0]]  # [T]; -1 past this step's tokens
         has_lora = (slots >= 0).unsqueeze(1)  # [T, 1]
         column = offset_start
-        for bias, width in zip(biases, output_slices):
+        for bias, width in zip(biases, widths):
             if bias is not None:
                 rows = bias[slots.clamp(min=0)]  # [T, N_s]
                 window = y2[:, column : column + width]
@@ -469,6 +605,24 @@ class PunicaWrapperNumba:
                     has_lora, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)
                 )
             column += width
+
+
+def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
+    """``buffer += scale * x2 @ A^T`` then ``y2 += buffer @ B^T``, slice by slice, on
+    checked arguments. Both launches are made ready before either runs; a step with
+    nothing to do (rank 0, or no column) is skipped, as the ops skip it."""
+    launches = []
+    if a[0].rows:
+        launches.append(_shrink_launch(x2, [s.view for s in a], buffer, meta, scale))
+    if any(s.rows for s in b):
+        launches.append(_expand_launch(buffer, [s.view for s in b], y2, meta, 0, True))
+    for launch in launches:
+        launch()
+
+
+def _indexed(name: str, index: int | None) -> str:
+    """``name[index]``, or ``name`` for a lone tensor (index None); for messages."""
+    return name if index is None else f"{name}[{index}]"
 
 
 def _fill_front(buffer: torch.Tensor, values: torch.Tensor, rest: int) -> None:
