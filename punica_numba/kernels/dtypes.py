@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import float32, int16, int64
+from numba.cuda.types import float16
 
 from .._cuda import cuda
 
@@ -27,6 +29,7 @@ __all__ = [
     "loader",
     "storer",
     "word_loader",
+    "memory_type",
     "packing",
     "bf16_bits_to_f32",
     "f32_to_bf16_bits",
@@ -128,6 +131,14 @@ def _element(word, lane):
 def packing(dtype: torch.dtype, packed: bool) -> int:
     """Elements per word: 8 bytes over the element size when packed, else 1."""
     return 8 // torch.tensor([], dtype=dtype).element_size() if packed else 1
+
+
+def memory_type(dtype: torch.dtype, packed: bool):
+    """The Numba type of one word as it sits in memory: an int64 of packed elements, or
+    the element itself (bf16 travels as its int16 bits)."""
+    if packed:
+        return int64
+    return {torch.float16: float16, torch.bfloat16: int16, torch.float32: float32}[dtype]
 
 
 def word_loader(dtype: torch.dtype, packed: bool):

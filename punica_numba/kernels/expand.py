@@ -13,7 +13,8 @@ B once (``r`` elements, in 8-byte words when packed) and the tile's rows of x
 (the same for every thread, so the loads are broadcasts), accumulates ``TILE_M``
 dot products of length ``r`` in fp32 registers, and writes ``TILE_M`` outputs;
 neighbouring threads write neighbouring columns. Every output element is written
-by exactly one thread, once.
+by exactly one thread, once; the old outputs are all read before the first is
+written.
 
 Memory traffic per block: ``THREADS * r`` elements of B, ``TILE_M * r`` of x, and
 ``TILE_M * THREADS`` outputs (read too when ``add_inputs``).
@@ -102,12 +103,14 @@ def build_expand_kernel(
                     for j in range(TILE_M):
                         acc[j] += load_x(x[s, token[j], k * PACK + lane]) * wk
             column = column0 + n
+            # Read every old output before the first store: the compiler cannot move a
+            # load above a store to the same array, so interleaved they would wait for
+            # memory one after another. (Rows past the tile repeat a token: in bounds.)
+            if add_inputs:
+                for j in range(TILE_M):
+                    acc[j] += load_out(out[token[j], column])
             for j in range(TILE_M):
                 if j < rows:
-                    t = token[j]
-                    value = acc[j]
-                    if add_inputs:
-                        value += load_out(out[t, column])
-                    out[t, column] = store_out(value)
+                    out[token[j], column] = store_out(acc[j])
 
     return expand
