@@ -161,7 +161,8 @@ print("rung 0 (torch, per segment) agrees with the reference; other rows/columns
 # The emulation records, for every output element, which block wrote it.
 
 # %%
-CFG = max(launch_configs("expand"), key=lambda c: c.tile_m)  # forced on the library below
+ROWS = [c for c in launch_configs("expand") if c.kernel == "rows"]  # this rung's kernel
+CFG = max(ROWS, key=lambda c: c.tile_m)  # the largest token tile, forced on the library below
 THREADS, TILE_M = CFG.threads, CFG.tile_m
 print(f"launch config: {THREADS} threads/block, TILE_M={TILE_M} tokens, spread={CFG.spread}")
 
@@ -332,6 +333,22 @@ print(f"and, at the tiny size, {agreement} with the emulation of rung 1")
 # that, so on the simulator they agree to the last bit. On a GPU the compiler may fuse
 # a multiply and its add into one FMA, which rounds once instead of twice; the Python
 # emulation does not, so there the checks allow one rounding and say which it was.
+#
+# With many tokens per slot (prefill) the library switches to a second kernel,
+# `punica_numba.kernels.expand_tiled`: a block stages a chunk of the buffer's rows and
+# of `B` in shared memory, and each thread computes a small register tile of outputs
+# from there, so each loaded element is used many times. It adds the same products in
+# the same order, so it gives the same bits as the kernel of this notebook, and the
+# heuristic may move between them from one step to the next:
+
+# %%
+tiled = [c for c in launch_configs("expand") if c.kernel == "tiled"]
+for config in tiled:
+    got_tiled = out0.clone()
+    with force_launch_config("expand", config):
+        lora_expand(x, B, got_tiled, *meta.meta_args(T), offset_start=OFFSET, add_inputs=True)
+    assert torch.equal(got_tiled, got), config
+print(f"{len(tiled)} tiled configuration(s): the same bits as the row kernel")
 
 # %% [markdown]
 # ## `offset_start` and `add_inputs`

@@ -1,11 +1,11 @@
 """Launch configurations and the heuristic that picks one per call.
 
-A configuration fixes what is compiled into a kernel (threads per block, the token
-tile ``tile_m``, the rank group ``tile_n``) and how its grid is shaped. Every
-configuration computes every problem correctly; they differ only in speed. The
-arithmetic order of one output element depends only on ``threads`` (which
-partial sums exist and how the tree adds them), so configurations that share
-``threads`` give bit-identical results.
+A configuration names a kernel (the row kernels for few tokens per slot, the
+shared-memory tiled kernels for many), fixes what is compiled into it (threads
+per block, tiles) and how its grid is shaped. Every configuration computes every
+problem correctly; they differ only in speed, and configurations with equal
+:meth:`LaunchConfig.arithmetic` keys add the same products in the same order, so
+they give bit-identical results.
 
 The heuristic reads only host-side facts (the activation's row count and what
 ``LoRAKernelMeta`` learned while it prepared the mapping), never the device, so
@@ -25,6 +25,7 @@ __all__ = [
     "config_name",
     "force_launch_config",
     "launch_configs",
+    "tile_sizes",
 ]
 
 OPS = ("shrink", "expand")
@@ -32,60 +33,125 @@ OPS = ("shrink", "expand")
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How a kernel is launched. ``threads``, ``tile_m`` and ``tile_n`` are compiled in."""
+    """How a kernel is launched: which kernel, what is compiled into it, the grid's shape.
 
-    threads: int  # threads per block (a power of two)
+    ``kernel="rows"`` is the row kernel (:mod:`.kernels.shrink`, :mod:`.kernels.expand`):
+    ``tile_m`` tokens of one slot per block; shrink takes ``tile_n`` ranks per group,
+    expand one column per thread. ``kernel="tiled"`` is the shared-memory tile of
+    expand (:mod:`.kernels.expand_tiled`): ``tile_m`` tokens x ``tile_n`` columns per
+    block, ``micro`` outputs per thread, ``chunk`` ranks staged at a time.
+    The heuristic picks it from ``from_tokens_per_slot`` tokens per active slot and
+    ``from_tokens`` rows on (a big tile needs enough tiles to fill the GPU).
+    """
+
+    kernel: str  # "rows" or "tiled"
+    threads: int  # threads per block
     tile_m: int  # tokens of one slot per block
-    tile_n: int  # ranks per group (shrink only; expand ignores it)
-    spread: bool  # spread rank / column groups over grid.z (True) or loop inside the block
+    tile_n: int  # ranks (shrink) or columns (tiled expand) per block or group
+    spread: bool = True  # spread rank / column groups over grid.z, or loop inside the block
+    micro: tuple[int, int] = (1, 1)  # tiled: the register tile of one thread
+    chunk: int = 0  # tiled: ranks staged in shared memory at a time
+    from_tokens_per_slot: float = 0.0
+    from_tokens: int = 0  # and where the activation has at least this many rows
+
+    def columns_per_block(self, op: str) -> int:
+        """Ranks (shrink) or output columns (expand) one block covers per group."""
+        return self.threads if op == "expand" and self.kernel == "rows" else self.tile_n
+
+    def arithmetic(self, op: str) -> tuple:
+        """Launches whose configurations have equal keys give bit-identical results.
+
+        Every expand adds ``x[k] * B[n, k]`` for k = 0, 1, ... into one accumulator;
+        the shrink adds ``threads`` strided partial sums with a tree.
+        """
+        if op == "expand":
+            return ("sequential",)
+        return ("tree", self.threads)
 
 
 #: The simulator runs every thread as a Python thread: small blocks, and loops inside
-#: the block instead of more blocks. Same arithmetic per element as threads=16 implies.
-_SIMULATOR_CONFIGS = (
-    LaunchConfig(threads=16, tile_m=4, tile_n=4, spread=False),
-    LaunchConfig(threads=16, tile_m=1, tile_n=4, spread=False),
-)
-_GPU_CONFIGS = (
-    LaunchConfig(threads=256, tile_m=1, tile_n=4, spread=True),  # decode: a token per slot
-    LaunchConfig(threads=128, tile_m=1, tile_n=4, spread=True),
-    LaunchConfig(threads=128, tile_m=4, tile_n=4, spread=True),
-    LaunchConfig(threads=128, tile_m=16, tile_n=2, spread=True),  # prefill: many per slot
-)
+#: the block instead of more blocks.
+_SIMULATOR_CONFIGS = {
+    "shrink": (
+        LaunchConfig("rows", threads=16, tile_m=1, tile_n=4, spread=False),
+        LaunchConfig("rows", threads=16, tile_m=4, tile_n=4, spread=False, from_tokens_per_slot=2),
+    ),
+    "expand": (
+        LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
+        LaunchConfig("rows", threads=16, tile_m=4, tile_n=16, spread=False, from_tokens_per_slot=2),
+        LaunchConfig("tiled", 8, tile_m=4, tile_n=8, micro=(2, 2), chunk=4, from_tokens_per_slot=3),
+    ),
+}
+#: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v3).
+_GPU_CONFIGS = {
+    "shrink": (
+        LaunchConfig("rows", threads=256, tile_m=1, tile_n=4),  # decode: a token per slot
+        LaunchConfig("rows", threads=256, tile_m=16, tile_n=2, from_tokens_per_slot=20),
+    ),
+    "expand": (
+        LaunchConfig("rows", threads=256, tile_m=1, tile_n=256),
+        LaunchConfig("rows", threads=128, tile_m=4, tile_n=128, from_tokens_per_slot=2.5),
+        LaunchConfig(
+            "tiled", 128, tile_m=16, tile_n=128, micro=(4, 4), chunk=16, from_tokens_per_slot=12
+        ),
+        LaunchConfig(
+            "tiled", 256, tile_m=32, tile_n=128, micro=(4, 4), chunk=16, from_tokens_per_slot=24
+        ),
+        LaunchConfig(
+            "tiled",
+            256,
+            tile_m=64,
+            tile_n=128,
+            micro=(8, 4),
+            chunk=16,
+            from_tokens_per_slot=48,
+            from_tokens=2048,
+        ),
+    ),
+}
 
 _forced: dict[str, LaunchConfig] = {}
 
 
 def launch_configs(op: str) -> tuple[LaunchConfig, ...]:
-    """Every configuration the heuristic can pick for ``op`` on this machine."""
+    """Every configuration the heuristic can pick for ``op`` on this machine, in the
+    order of ``from_tokens_per_slot``."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    return _SIMULATOR_CONFIGS if SIMULATOR else _GPU_CONFIGS
+    return (_SIMULATOR_CONFIGS if SIMULATOR else _GPU_CONFIGS)[op]
+
+
+def tile_sizes() -> tuple[int, ...]:
+    """The token tiles of every configuration on this machine (``LoRAKernelMeta`` keeps
+    a tile table for each)."""
+    return tuple(sorted({c.tile_m for op in OPS for c in launch_configs(op)}))
 
 
 def choose_launch_config(op: str, num_tokens: int, active_slots: int | None) -> LaunchConfig:
-    """Pick a configuration from the tokens per active slot (host-side facts only).
+    """Pick a configuration from the tokens per active slot and the row count (host-side
+    facts only): the last one whose ``from_tokens_per_slot`` and ``from_tokens`` both
+    are reached.
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
-    the middle configuration is taken then.
+    every token is then taken to have its own slot.
     """
     configs = launch_configs(op)
     if op in _forced:
         return _forced[op]
-    if active_slots is None or active_slots == 0:
-        return configs[0]
-    per_slot = num_tokens / active_slots
-    small, *_, large = sorted(configs, key=lambda c: c.tile_m)  # stable: the first of a size
-    if per_slot < 2:
-        return small
-    if per_slot >= 4 * large.tile_m:
-        return large
-    return min(configs, key=lambda c: abs(c.tile_m - per_slot))
+    per_slot = num_tokens / active_slots if active_slots else 1.0
+    chosen = configs[0]
+    for config in configs[1:]:
+        if per_slot >= config.from_tokens_per_slot and num_tokens >= config.from_tokens:
+            chosen = config
+    return chosen
 
 
 def config_name(config: LaunchConfig) -> str:
-    """A short label, e.g. ``t256_m1_n4``."""
-    return f"t{config.threads}_m{config.tile_m}_n{config.tile_n}"
+    """A short label, e.g. ``rows_t256_m1_n4`` or ``tiled_t256_m32_n16_u4x4_c64``."""
+    name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
+    if config.kernel == "tiled":
+        name += f"_u{config.micro[0]}x{config.micro[1]}_c{config.chunk}"
+    return name
 
 
 @contextlib.contextmanager

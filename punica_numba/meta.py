@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import check_device, check_int
-from .kernels.segments import TILE_SIZES, tile_grid_bound, tile_table
+from .kernels.segments import tile_grid_bound, tile_table
+from .launch import tile_sizes
 
 __all__ = ["HostFacts", "LoRAKernelMeta", "Segment", "host_facts_of"]
 
@@ -108,7 +109,7 @@ class LoRAKernelMeta:
             max_num_tokens=max_num_tokens,
             _positions=positions,
         )
-        for tile_m in TILE_SIZES:  # [2, bound] each: no tile anywhere yet
+        for tile_m in tile_sizes():  # [2, bound] each: no tile anywhere yet
             bound = tile_grid_bound(max_num_tokens, max_loras + 1, tile_m)
             meta.host.tile_tables[tile_m] = torch.full((2, bound), -1, **i32)
         # Let the ops find the host-side facts from the tensors they are handed.

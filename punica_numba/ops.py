@@ -28,9 +28,14 @@ from ._checks import (
     check_weight,
 )
 from ._cuda import KERNEL_DTYPES, SIMULATOR, KernelLauncher
-from .kernels import MAX_SLICES, build_expand_kernel, build_shrink_kernel
+from .kernels import (
+    MAX_SLICES,
+    build_expand_kernel,
+    build_shrink_kernel,
+    build_tiled_expand_kernel,
+)
 from .kernels.segments import tile_grid_bound, tile_table
-from .launch import choose_launch_config
+from .launch import LaunchConfig, choose_launch_config
 from .meta import host_facts_of
 
 __all__ = [
@@ -142,6 +147,23 @@ def _check_metadata(
 def _launcher(kernel) -> KernelLauncher:
     """One launcher per compiled kernel: it remembers the kernel's raw parameter layout."""
     return KernelLauncher(kernel)
+
+
+def _expand_kernel(config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bool):
+    """The expand kernel ``config`` names, compiled (once) for these dtypes."""
+    if config.kernel == "tiled":
+        return build_tiled_expand_kernel(
+            x_dtype,
+            w_dtype,
+            out_dtype,
+            config.threads,
+            config.tile_m,
+            config.tile_n,
+            *config.micro,
+            config.chunk,
+            packed,
+        )
+    return build_expand_kernel(x_dtype, w_dtype, out_dtype, config.threads, config.tile_m, packed)
 
 
 def _check_devices_and_metadata(
@@ -426,9 +448,7 @@ def _expand_launch(
     packed = all(w is not None for w in words)
     dtype = weights[0].dtype
     weights = words if packed else weights
-    kernel = build_expand_kernel(
-        inputs.dtype, dtype, output_tensor.dtype, config.threads, config.tile_m, packed
-    )
+    kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed)
     table, blocks = _tiles(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m, meta_facts)
     meta = (table, *metadata[1:5])  # the tile table, then what the kernels read of vLLM's six
     launcher = _launcher(kernel)
@@ -441,7 +461,8 @@ def _expand_launch(
             chunk = list(weights[base : base + MAX_SLICES])
             starts = columns[base : base + MAX_SLICES]
             widest = max(widths[base : base + MAX_SLICES])
-            groups = min(-(-widest // config.threads), MAX_GRID_YZ) if config.spread else 1
+            per_block = config.columns_per_block("expand")
+            groups = min(-(-widest // per_block), MAX_GRID_YZ) if config.spread else 1
             grid = (blocks, len(chunk), groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
             starts += [0] * (MAX_SLICES - len(starts))

@@ -1,12 +1,13 @@
 """Determinism: the same inputs give the same bits, run after run and at every launch
-configuration that shares ``threads``.
+configuration with the same arithmetic order.
 
-``punica_numba.launch`` promises that the arithmetic order of an output element depends
-only on ``threads`` (the partial sums and the tree that adds them), not on the token tile
-or the rank group. So each op is run, on fresh copies of the same inputs, under every
-configuration the heuristic can pick (``force_launch_config``), twice under the first;
-every run must be right (the property tests' check passes under each configuration) and
-every run in a group of equal ``threads`` must give bit-identical outputs.
+``punica_numba.launch`` promises that configurations with equal
+``LaunchConfig.arithmetic(op)`` keys add the same products in the same order (every
+expand, row or tiled; the shrinks of equal ``threads``), whatever their token tile,
+rank group or kernel. So each op is run, on fresh copies of the same inputs, under
+every configuration the heuristic can pick (``force_launch_config``), twice under the
+first; every run must be right (the property tests' check passes under each
+configuration) and every run in a group of equal keys must give bit-identical outputs.
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ def _run_under(op: str, config, case) -> torch.Tensor:
 
 def check_deterministic(op: str, case) -> None:
     """Bit-identical outputs across repeated runs and across configurations of equal
-    ``threads``; each configuration alone is right."""
+    arithmetic keys; each configuration alone is right."""
     configs = launch_configs(op)
     runs = [(configs[0], _run_under(op, configs[0], case))]  # the repeat
     runs += [(config, _run_under(op, config, case)) for config in configs]
-    by_threads = defaultdict(list)
+    by_order = defaultdict(list)
     for config, output in runs:
-        by_threads[config.threads].append((config, output))
-    for group in by_threads.values():
+        by_order[config.arithmetic(op)].append((config, output))
+    for group in by_order.values():
         (first, want), *others = group
         for config, got in others:
             differ = got != want
@@ -84,11 +85,19 @@ def test_expand_bits_do_not_depend_on_the_launch(case):
     check_deterministic("expand", case)
 
 
-def test_some_configurations_share_threads():
+def test_some_configurations_share_their_arithmetic():
     """Otherwise the cross-configuration comparison would compare nothing."""
     for op in OPS:
-        threads = [c.threads for c in launch_configs(op)]
-        assert len(threads) > len(set(threads)) or len(threads) == 1, op
+        keys = [c.arithmetic(op) for c in launch_configs(op)]
+        assert len(keys) > len(set(keys)) or len(keys) == 1, op
+
+
+def test_expand_kernels_share_one_arithmetic():
+    """The row and the tiled expand both promise one order: the heuristic may switch
+    between them from one step to the next without changing a bit."""
+    kernels = {c.kernel for c in launch_configs("expand")}
+    assert kernels == {"rows", "tiled"}
+    assert len({c.arithmetic("expand") for c in launch_configs("expand")}) == 1
 
 
 def _large_problem() -> Problem:

@@ -3,10 +3,18 @@
 * :mod:`.dtypes`   fp16 / bf16 / fp32 loads and stores through fp32;
 * :mod:`.segments` from a block index to a tile of one slot's tokens;
 * :mod:`.shrink`   ``x @ A^T`` into the fp32 buffer;
-* :mod:`.expand`   ``buffer @ B^T`` into the layer output.
+* :mod:`.expand`   ``buffer @ B^T`` into the layer output;
+* :mod:`.expand_tiled` the same expand as shared-memory tiles, for many tokens per
+  slot (prefill).
 """
 
 from .expand import build_expand_kernel
+from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
 
-__all__ = ["MAX_SLICES", "build_expand_kernel", "build_shrink_kernel"]
+__all__ = [
+    "MAX_SLICES",
+    "build_expand_kernel",
+    "build_shrink_kernel",
+    "build_tiled_expand_kernel",
+]

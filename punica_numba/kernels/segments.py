@@ -13,18 +13,16 @@ its work up in a *tile table*, made on the device by a few torch operations:
 
 Because ``sum_i ceil(c_i / tile_m) <= ceil(M / tile_m) + len(lora_ids)``, a grid of
 :func:`tile_grid_bound` blocks always suffices. ``LoRAKernelMeta`` refreshes one
-table per tile size in :data:`TILE_SIZES` every time it prepares a mapping, so a
-launch only reads it: one lookup per block instead of a walk over all segments.
+table per tile size the launch configurations use (``launch.tile_sizes()``) every
+time it prepares a mapping, so a launch only reads it: one lookup per block instead
+of a walk over all segments.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["TILE_SIZES", "tile_grid_bound", "tile_table"]
-
-#: The token tiles the kernels are built for (see ``punica_numba.launch``).
-TILE_SIZES = (1, 4, 16)
+__all__ = ["tile_grid_bound", "tile_table"]
 
 
 def tile_grid_bound(num_tokens: int, num_segments: int, tile_m: int) -> int:
