@@ -131,7 +131,9 @@ def check_stack(name: str, w, index: int | None = None) -> Stack:
         return known.stack
     view = check_weight(name if index is None else f"{name}[{index}]", w, dtypes=KERNEL_DTYPES)
     num_loras, rows, cols = view.shape
-    stack = Stack(view, num_loras, rows, cols, w.dtype, w.device)
+    # detach(): a view of ``w`` made by indexing refers to ``w`` itself, which would keep
+    # it alive through this entry, so that the entry could never be dropped.
+    stack = Stack(view.detach(), num_loras, rows, cols, w.dtype, w.device)
     key = id(w)
     _KNOWN_STACKS[key] = _Known(weakref.ref(w, functools.partial(_forget, key)), _layout(w), stack)
     return stack
