@@ -19,6 +19,7 @@ later change of backend stays local. It does three things:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -75,6 +76,7 @@ if not hasattr(np, "row_stack"):  # pragma: no cover - depends on numpy version
     np.row_stack = np.vstack
 
 from numba import cuda  # noqa: E402  (must follow the simulator switch)
+from numba.cuda import types as _numba_types  # noqa: E402
 from numba.cuda.core import config as _numba_cuda_config  # noqa: E402
 
 #: True when kernels run on Numba's CUDA simulator rather than a GPU.
@@ -154,8 +156,9 @@ class KernelLauncher:
     like ours, ../shared/NUMBA.md §4). Here the first launch of each combination of
     argument types goes through the dispatcher, which compiles the kernel; later
     launches pass the kernel's raw parameters straight to ``cuda.core.launch``
-    (a few µs). The raw parameters follow Numba's calling convention for arrays:
-    ``meminfo, parent, nitems, itemsize, data, *shape, *strides_in_bytes``.
+    (a few µs). The raw parameters follow Numba's calling convention for arrays
+    (:func:`array_params`), and scalars are passed as the C type the kernel was
+    compiled for.
 
     On the simulator there is nothing to save: every launch goes through the
     dispatcher with numpy views.
@@ -166,63 +169,100 @@ class KernelLauncher:
 
     def __init__(self, dispatcher):
         self.dispatcher = dispatcher
+        # overload key -> (cuda.core kernel, ((raw index, C type), ...) of the scalars)
         self._compiled: dict[tuple, tuple] = {}
         self._configs: dict[tuple, object] = {}
-
-    @staticmethod
-    def _key(args) -> tuple:
-        return tuple(
-            (a.dtype, a.dim(), _layout(a)) if isinstance(a, torch.Tensor) else type(a) for a in args
-        )
 
     def __call__(self, grid: tuple, block: int, args: tuple) -> None:
         if SIMULATOR:
             self.dispatcher[grid, block](*[_as_arg(a) for a in args])
             return
-        key = self._key(args)
+        key, raw = key_and_params(args)
         entry = self._compiled.get(key)
         if entry is None:  # first launch of these types: Numba compiles and launches it
-            numba_args = [_as_arg(a) for a in args]
-            self.dispatcher[grid, block, launch_stream()](*numba_args)
-            types = tuple(self.dispatcher.typeof_pyval(a) for a in numba_args)
-            kernel = self.dispatcher.overloads[types]
-            self._compiled[key] = (kernel._codelibrary.get_cufunc().kernel, kernel.argument_types)
+            self._compile_and_launch(key, grid, block, args)
             return
-        cu_kernel, argument_types = entry
+        cu_kernel, scalars = entry
+        for index, c_type in scalars:
+            raw[index] = c_type(raw[index])
         config = self._configs.get((grid, block))
         if config is None:
             config = self._configs[(grid, block)] = _core_launch_config(grid, block)
-        raw: list = []
-        for ty, a in zip(argument_types, args):
-            if isinstance(a, torch.Tensor):
-                itemsize = a.element_size()
-                raw += [0, 0, a.numel(), itemsize, a.data_ptr(), *a.shape]
-                raw += [s * itemsize for s in a.stride()]
-            elif isinstance(ty, _numba_types.Integer):
-                raw.append(_CTYPES_INT[str(ty)](a))
-            elif ty == _numba_types.float32:
-                raw.append(ctypes.c_float(a))
-            else:  # boolean
-                raw.append(bool(a))
         _core_launch(_core_stream(), config, cu_kernel, *raw)
+
+    def _compile_and_launch(self, key: tuple, grid: tuple, block: int, args: tuple) -> None:
+        """Launch through Numba's dispatcher (which compiles), and remember the compiled
+        kernel with where its scalars sit among the raw parameters, and their C types."""
+        numba_args = [_as_arg(a) for a in args]
+        self.dispatcher[grid, block, launch_stream()](*numba_args)
+        types = tuple(self.dispatcher.typeof_pyval(a) for a in numba_args)
+        kernel = self.dispatcher.overloads[types]
+        scalars, index = [], 0
+        for ty, a in zip(kernel.argument_types, args):
+            if isinstance(a, torch.Tensor):
+                index += 5 + 2 * a.dim()  # see array_params
+            else:
+                scalars.append((index, _c_type(ty)))
+                index += 1
+        self._compiled[key] = (kernel._codelibrary.get_cufunc().kernel, tuple(scalars))
+
+
+def array_params(t: torch.Tensor) -> tuple:
+    """A tensor as the raw parameters of a Numba array argument:
+    ``meminfo, parent, nitems, itemsize, data, *shape, *strides_in_bytes`` (``_prepare_args``)."""
+    itemsize = t.element_size()
+    return (0, 0, t.numel(), itemsize, t.data_ptr(), *t.shape, *[s * itemsize for s in t.stride()])
+
+
+def key_and_params(args) -> tuple[tuple, list]:
+    """One pass over a launch's arguments: the key of its compiled overload (dtype, ndim
+    and layout of each tensor, type of each scalar), and its raw parameters with each
+    scalar still as given (the launcher converts them to the kernel's C types).
+
+    A tensor passed again right after itself (the padding of unused slice slots) is
+    described once.
+    """
+    key, raw = [], []
+    last = params = None
+    for a in args:
+        if a is last:
+            key.append(key[-1])
+            raw += params
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.dim(), "C" if a.is_contiguous() else _layout(a)))
+            params = array_params(a)
+            raw += params
+            last = a
+        else:
+            key.append(type(a))
+            raw.append(a)
+    return tuple(key), raw
 
 
 def _as_arg(a):
     return kernel_array(a) if isinstance(a, torch.Tensor) else a
 
 
-if not SIMULATOR:
-    import ctypes
+_CTYPES_INT = {
+    name: getattr(ctypes, f"c_{name}")
+    for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+}
 
+
+def _c_type(ty):
+    """How a scalar of Numba type ``ty`` is passed: a ctypes integer, c_float or bool."""
+    if isinstance(ty, _numba_types.Integer):
+        return _CTYPES_INT[str(ty)]
+    if ty == _numba_types.float32:
+        return ctypes.c_float
+    return bool
+
+
+if not SIMULATOR:
     from cuda.core import LaunchConfig as _CoreLaunchConfig
     from cuda.core import launch as _core_launch
-    from numba.cuda import types as _numba_types
     from numba.cuda.cudadrv.driver import _to_core_stream
 
-    _CTYPES_INT = {
-        name: getattr(ctypes, f"c_{name}")
-        for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-    }
     _CORE_STREAMS: dict[int, object] = {}
 
     def _core_launch_config(grid, block):
