@@ -1,0 +1,292 @@
+"""The host path of a layer call: checks made once, remembered safely, and raw launch parameters.
+
+A layer call in eager mode spends its time on the host, in Python: checking the
+arguments, and packing the kernels' raw parameters. The wrapper checks each argument
+once, remembers what it learned of each LoRA weight tensor (vLLM hands the same ones
+to every call), and the launcher packs tensors the way Numba's calling convention
+lays them out. These tests pin down that the shortcuts are safe:
+
+1. a remembered weight is checked again as soon as it is not the same tensor, with
+   the same memory read the same way, and forgotten when it is freed;
+2. the wrapper does not check through the public ops a second time, and a weight it
+   remembers is still rejected after it was changed in place;
+3. the raw parameters follow Numba's convention (checked against numpy's own view of
+   the memory), and the launcher's GPU path packs and converts them, here with the
+   driver stubbed out.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from numba.cuda import types as nt
+
+from punica_numba import _checks, _cuda
+from punica_numba._checks import check_stack
+from punica_numba._cuda import array_params, key_and_params
+from punica_numba.mapping import LoRAMapping
+from punica_numba.wrapper import PunicaWrapperNumba
+
+from .strategies import DEVICE
+
+T, H, R, L, N = 5, 12, 4, 3, 7
+
+# -- 1. what check_stack remembers ----------------------------------------------------------
+
+
+def _weight(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype=dtype, device=DEVICE)
+
+
+def test_the_same_tensor_is_checked_once():
+    w = _weight(L, 1, R, H)
+    first = check_stack("w", w)
+    assert check_stack("w", w) is first
+    assert first.view.shape == (L, R, H) and (first.num_loras, first.rows, first.cols) == (L, R, H)
+    assert first.view.data_ptr() == w.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["new data of another shape", "resized", "a view of another shape"],
+)
+def test_a_tensor_changed_in_place_is_checked_again(change):
+    w = _weight(L, 1, R, H)
+    check_stack("w", w)
+    if change == "new data of another shape":
+        w.data = _weight(L, 1, R + 1, H)
+    elif change == "resized":
+        w.resize_(L - 1, 1, R, H)
+    else:  # the same memory read another way: same data pointer, same version
+        w.data = w.data.view(L, 1, H, R)
+    stack = check_stack("w", w)
+    assert stack.view.shape == w.shape[:1] + w.shape[2:]
+    assert stack.view.data_ptr() == w.data_ptr()
+
+
+def test_a_tensor_made_invalid_in_place_is_rejected():
+    w = _weight(L, 1, R, H)
+    check_stack("w", w)
+    w.transpose_(2, 3)  # [L, 1, H, R], not contiguous
+    with pytest.raises(ValueError, match=r"w\[0\] must be contiguous"):
+        check_stack("w", w, 0)
+
+
+def test_a_rejected_tensor_is_not_remembered():
+    w = _weight(L, 2, R, H)
+    with pytest.raises(ValueError, match="w"):
+        check_stack("w", w)
+    assert id(w) not in _checks._KNOWN_STACKS
+
+
+def test_a_freed_tensor_is_forgotten_with_its_memory():
+    w = _weight(L, 1, R, H)
+    key = id(w)
+    view = weakref.ref(check_stack("w", w).view)
+    assert key in _checks._KNOWN_STACKS
+    del w
+    gc.collect()
+    assert key not in _checks._KNOWN_STACKS
+    assert view() is None  # nothing keeps the freed weight's memory alive
+
+
+def test_a_new_tensor_at_a_reused_id_is_checked_afresh():
+    """Free tensors until a new one of another shape gets an id that was remembered."""
+    seen = {}
+    for _ in range(200):
+        w = _weight(L, 1, R, H)
+        check_stack("w", w)
+        seen[id(w)] = True
+        del w
+        other = _weight(L, 1, R + 2, H + 1)
+        if id(other) in seen:
+            assert check_stack("other", other).view.shape == (L, R + 2, H + 1)
+            return
+    pytest.skip("no id was reused in 200 tries")
+
+
+# -- 2. the wrapper checks once, and re-checks changed weights ------------------------------
+
+
+def _wrapper() -> PunicaWrapperNumba:
+    wrapper = PunicaWrapperNumba(T + 3, 4, DEVICE, max_loras=L)
+    slots = [11 + s if s >= 0 else 0 for s in (0, 2, -1, 1, 2)]
+    wrapper.update_metadata(LoRAMapping(slots, slots), [11, 12, 13], L + 1, 32, 0)
+    return wrapper
+
+
+def _linear_args():
+    y = _weight(T, N)
+    x = _weight(T, H)
+    a = (_weight(L, 1, R, H),)
+    b = (_weight(L, 1, N, R),)
+    return y, x, a, b
+
+
+def test_add_lora_linear_does_not_go_through_the_checking_ops(monkeypatch):
+    """The public ops check everything; the wrapper has checked already and calls only
+    their launch halves."""
+    import punica_numba.ops as ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the wrapper called a checking op")
+
+    for name in ("prepare_shrink", "prepare_expand", "_check_metadata", "_weights"):
+        monkeypatch.setattr(ops, name, refuse)
+    wrapper = _wrapper()
+    y, x, a, b = _linear_args()
+    y0 = y.clone()
+    wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,))
+    assert not torch.equal(y, y0)
+
+
+def test_a_second_call_does_not_check_the_weights_again(monkeypatch):
+    wrapper = _wrapper()
+    y, x, a, b = _linear_args()
+    wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,))
+    checked = []
+    real = _checks.check_weight
+    monkeypatch.setattr(_checks, "check_weight", lambda *a, **k: checked.append(a) or real(*a, **k))
+    wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,))
+    assert checked == []
+
+
+@pytest.mark.parametrize("change", ["A transposed in place", "B given new, wider data"])
+def test_a_remembered_weight_changed_in_place_is_rejected(change):
+    wrapper = _wrapper()
+    y, x, a, b = _linear_args()
+    wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,))  # remembers a and b
+    if change == "A transposed in place":
+        a[0].transpose_(-1, -2)
+        error, name = ValueError, r"lora_a_stacked\[0\]"
+    else:
+        b[0].data = _weight(L, 1, N + 1, R)
+        error, name = ValueError, r"lora_b_stacked\[0\]"
+    y0 = y.clone()
+    with pytest.raises(error, match=name):
+        wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,))
+    assert torch.equal(y, y0)
+
+
+# -- 3. raw launch parameters ----------------------------------------------------------------
+
+
+def _numpy_params(t: torch.Tensor) -> tuple:
+    """Numba's array parameters, read off numpy's view of the same memory."""
+    view = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return (0, 0, view.size, view.itemsize, view.ctypes.data, *view.shape, *view.strides)
+
+
+CPU_TENSORS = {
+    "2-D fp32": lambda: torch.randn(3, 5),
+    "3-D bf16": lambda: torch.randn(2, 3, 4).to(torch.bfloat16),
+    "1-D int32 slice": lambda: torch.arange(10, dtype=torch.int32)[2:7],
+    "transposed": lambda: torch.randn(4, 6).t(),
+    "every other column": lambda: torch.randn(4, 6, dtype=torch.float16)[:, ::2],
+    "int64 words": lambda: torch.randn(3, 8).to(torch.bfloat16).view(torch.int64),
+}
+
+
+@pytest.mark.parametrize("name", CPU_TENSORS)
+def test_array_params_follow_numbas_convention(name):
+    t = CPU_TENSORS[name]()
+    assert array_params(t) == _numpy_params(t)
+
+
+def test_the_overload_key_tells_layouts_dtypes_and_scalars_apart():
+    c = torch.randn(4, 6)
+    keys = {
+        key_and_params((t,))[0]
+        for t in (c, c.t(), c[:, ::2], c.double(), c.unsqueeze(0), c.to(torch.bfloat16))
+    }
+    assert len(keys) == 6
+    assert key_and_params((c, 1, np.float32(1), True))[0][1:] == (int, np.float32, bool)
+
+
+def test_a_repeated_tensor_packs_like_a_new_one():
+    a, b = torch.randn(2, 3), torch.randn(5)
+    args = (a, a, a, b, 7, a, np.float32(0.5), False)
+    key, raw = key_and_params(args)
+    want = []
+    for arg in args:
+        want += _numpy_params(arg) if isinstance(arg, torch.Tensor) else (arg,)
+    assert raw == want
+    assert key == tuple(key_and_params((arg,))[0][0] for arg in args)
+
+
+class _FakeKernel:
+    """What the launcher reads of a compiled overload."""
+
+    def __init__(self, argument_types):
+        self.argument_types = argument_types
+        cufunc = type("CuFunc", (), {"kernel": "the cuda.core kernel"})()
+        self._codelibrary = type("Library", (), {"get_cufunc": lambda self: cufunc})()
+
+
+class _FakeDispatcher:
+    """A Numba dispatcher that 'compiles' one overload and records its launches."""
+
+    def __init__(self, argument_types):
+        kernel = _FakeKernel(argument_types)
+        self.overloads = collections.defaultdict(lambda: kernel)  # every typing: the one
+        self.launches = []
+
+    def __getitem__(self, config):
+        return lambda *args: self.launches.append((config, args))
+
+    def typeof_pyval(self, value):
+        return type(value)
+
+
+def test_the_gpu_path_packs_raw_parameters(monkeypatch):
+    """The launcher's GPU path with the driver stubbed: the first launch goes through the
+    dispatcher, later ones pass raw parameters, scalars as the kernel's C types."""
+    sent = []
+    monkeypatch.setattr(_cuda, "SIMULATOR", False)
+    monkeypatch.setattr(_cuda, "launch_stream", lambda: 0)
+    monkeypatch.setattr(_cuda, "_core_stream", lambda: "stream", raising=False)
+    monkeypatch.setattr(_cuda, "_core_launch_config", lambda g, b: (g, b), raising=False)
+    monkeypatch.setattr(_cuda, "_core_launch", lambda *a: sent.append(a), raising=False)
+
+    x, w, table = torch.randn(4, 8), torch.randn(3, 2, 8), torch.zeros(2, 5, dtype=torch.int32)
+    types = (
+        nt.Array(nt.float32, 2, "C"),
+        nt.Array(nt.float32, 3, "C"),
+        nt.Array(nt.float32, 3, "C"),
+        nt.int32,
+        nt.Array(nt.int32, 2, "C"),
+        nt.float32,
+        nt.boolean,
+        nt.int64,
+    )
+    dispatcher = _FakeDispatcher(types)
+    launcher = _cuda.KernelLauncher(dispatcher)
+    args = (x, w, w, 3, table, np.float32(0.25), True, 2**40)
+
+    launcher((2, 1, 1), 32, args)  # compiles: through the dispatcher
+    assert len(dispatcher.launches) == 1 and sent == []
+    launcher((2, 1, 1), 32, args)
+    ((stream, config, kernel, *raw),) = sent
+    assert (stream, config, kernel) == ("stream", ((2, 1, 1), 32), "the cuda.core kernel")
+
+    want, scalars = [], []  # scalars: their places among the raw parameters
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            want += _numpy_params(arg)
+        else:
+            scalars.append(len(want))
+            want.append(arg)
+    assert len(raw) == len(want)
+    for i, (got, expected) in enumerate(zip(raw, want)):
+        if i in scalars:
+            assert getattr(got, "value", got) == expected
+        else:
+            assert type(got) is int and got == expected
+    converted = [type(raw[i]) for i in scalars]
+    assert converted == [ctypes.c_int32, ctypes.c_float, bool, ctypes.c_int64]
