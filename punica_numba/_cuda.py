@@ -219,8 +219,8 @@ def key_and_params(args) -> tuple[tuple, list]:
     and layout of each tensor, type of each scalar), and its raw parameters with each
     scalar still as given (the launcher converts them to the kernel's C types).
 
-    A tensor passed again right after itself (the padding of unused slice slots) is
-    described once.
+    A tensor that repeats the tensor argument before it (the padding of unused slice
+    slots) is described once.
     """
     key, raw = [], []
     last = params = None
