@@ -97,6 +97,7 @@ class Stack(NamedTuple):
     cols: int  # K: the reduced dimension (hidden size for LoRA-A, the rank for LoRA-B)
     dtype: torch.dtype
     device: torch.device
+    launch: dict  # what the ops work out once about passing it to a kernel (ops._weight_forms)
 
 
 class _Known(NamedTuple):
@@ -133,7 +134,7 @@ def check_stack(name: str, w, index: int | None = None) -> Stack:
     num_loras, rows, cols = view.shape
     # detach(): a view of ``w`` made by indexing refers to ``w`` itself, which would keep
     # it alive through this entry, so that the entry could never be dropped.
-    stack = Stack(view.detach(), num_loras, rows, cols, w.dtype, w.device)
+    stack = Stack(view.detach(), num_loras, rows, cols, w.dtype, w.device, {})
     key = id(w)
     _KNOWN_STACKS[key] = _Known(weakref.ref(w, functools.partial(_forget, key)), _layout(w), stack)
     return stack

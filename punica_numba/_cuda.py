@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -175,7 +176,7 @@ class KernelLauncher:
 
     def __call__(self, grid: tuple, block: int, args: tuple) -> None:
         if SIMULATOR:
-            self.dispatcher[grid, block](*[_as_arg(a) for a in args])
+            self.dispatcher[grid, block](*[_as_arg(a) for a in _unpacked(args)])
             return
         key, raw = key_and_params(args)
         entry = self._compiled.get(key)
@@ -193,6 +194,7 @@ class KernelLauncher:
     def _compile_and_launch(self, key: tuple, grid: tuple, block: int, args: tuple) -> None:
         """Launch through Numba's dispatcher (which compiles), and remember the compiled
         kernel with where its scalars sit among the raw parameters, and their C types."""
+        args = _unpacked(args)
         numba_args = [_as_arg(a) for a in args]
         self.dispatcher[grid, block, launch_stream()](*numba_args)
         types = tuple(self.dispatcher.typeof_pyval(a) for a in numba_args)
@@ -214,6 +216,34 @@ def array_params(t: torch.Tensor) -> tuple:
     return (0, 0, t.numel(), itemsize, t.data_ptr(), *t.shape, *[s * itemsize for s in t.stride()])
 
 
+class PackedTensors(NamedTuple):
+    """Tensor arguments described once, for launches that pass the same tensors again and
+    again (a ``LoRAKernelMeta``'s buffers): the launcher splices ``key`` and ``params``
+    in where the tensors would go, instead of describing each tensor on every launch.
+    Only for tensors whose data pointer, shape and strides never change."""
+
+    tensors: tuple
+    key: tuple
+    params: tuple
+
+
+def pack_tensors(tensors) -> PackedTensors:
+    """Describe ``tensors`` (consecutive kernel arguments) once."""
+    key, raw = key_and_params(tensors)
+    return PackedTensors(tuple(tensors), key, tuple(raw))
+
+
+def _unpacked(args) -> list:
+    """The launch's arguments with every :class:`PackedTensors` replaced by its tensors."""
+    flat = []
+    for a in args:
+        if type(a) is PackedTensors:
+            flat += a.tensors
+        else:
+            flat.append(a)
+    return flat
+
+
 def key_and_params(args) -> tuple[tuple, list]:
     """One pass over a launch's arguments: the key of its compiled overload (dtype, ndim
     and layout of each tensor, type of each scalar), and its raw parameters with each
@@ -228,6 +258,10 @@ def key_and_params(args) -> tuple[tuple, list]:
         if a is last:
             key.append(key[-1])
             raw += params
+        elif type(a) is PackedTensors:
+            key += a.key
+            raw += a.params
+            last = None
         elif isinstance(a, torch.Tensor):
             key.append((a.dtype, a.dim(), "C" if a.is_contiguous() else _layout(a)))
             params = array_params(a)
@@ -236,6 +270,7 @@ def key_and_params(args) -> tuple[tuple, list]:
         else:
             key.append(type(a))
             raw.append(a)
+            last = None  # only a tensor right after itself is a repeat
     return tuple(key), raw
 
 

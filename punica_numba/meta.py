@@ -48,6 +48,8 @@ class HostFacts:
     max_slot_in_use: int = -1  # the largest slot in it, -1 if none
     active_slots: int = 0  # distinct slots other than -1 in it
     tile_tables: dict = field(default_factory=dict)  # tile_m -> [2, bound] int32 (device)
+    # tile_m -> the kernels' metadata arguments, described once (see ops._kernel_metadata)
+    kernel_metadata: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ._checks import (
     check_tensor,
     check_weight,
 )
-from ._cuda import KERNEL_DTYPES, SIMULATOR, KernelLauncher
+from ._cuda import KERNEL_DTYPES, SIMULATOR, KernelLauncher, pack_tensors
 from .kernels import (
     MAX_SLICES,
     build_expand_kernel,
@@ -200,6 +200,48 @@ def _tiles(num_tokens: int, counts, lora_ids, tile_m: int, facts) -> tuple[torch
     return table, blocks
 
 
+def _kernel_metadata(table: torch.Tensor, metadata: tuple, facts, tile_m: int) -> tuple:
+    """What the kernels read of the metadata: the tile table, then the sorted tokens,
+    counts, starts and slot ids of vLLM's six.
+
+    A ``LoRAKernelMeta``'s tensors are fixed buffers (a step refills them in place), and
+    the wrapper hands the same tensor objects to every call of a step; then they are
+    described for the launcher once (:func:`~punica_numba._cuda.pack_tensors`) and
+    reused while the same objects come back.
+    """
+    tensors = (table, *metadata[1:5])
+    if SIMULATOR or facts is None:
+        return tensors
+    known = facts.kernel_metadata.get(tile_m)
+    if known is None or any(a is not b for a, b in zip(known.tensors, tensors)):
+        known = facts.kernel_metadata[tile_m] = pack_tensors(tensors)
+    return (known,)
+
+
+def _weight_forms(weights, memos) -> list[tuple]:
+    """Each weight as a kernel can take it: ``(words, elements)``, its packed int64 words
+    (None when its rows do not allow them) and itself, each a kernel argument.
+
+    With ``memos`` (one lasting dict per weight, kept by the wrapper with each checked
+    weight view) both are worked out once and described for the launcher once
+    (:func:`~punica_numba._cuda.pack_tensors`): a checked view's memory and layout never
+    change, and the wrapper hands the same views to every call.
+    """
+    if memos is None or SIMULATOR:
+        return [(_words(w), w) for w in weights]
+    forms = []
+    for w, memo in zip(weights, memos):
+        form = memo.get("forms")
+        if form is None:
+            words = _words(w)
+            form = memo["forms"] = (
+                None if words is None else pack_tensors((words,)),
+                pack_tensors((w,)),
+            )
+        forms.append(form)
+    return forms
+
+
 def _words(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` viewed as int64 words (8 bytes: 4 fp16/bf16 or 2 fp32 elements), or None
     when its rows are not whole, 8-byte-aligned words."""
@@ -283,23 +325,28 @@ def _shrink_launch(
     output_tensor: torch.Tensor,
     metadata: tuple,
     scaling: float,
+    memos: Sequence[dict] | None = None,
 ) -> Callable[[], None]:
     """The launch of a shrink whose arguments are already checked (by :func:`prepare_shrink`
     or the wrapper): ``inputs`` [T, H] contiguous, ``weights`` [L, r, H] views of its dtype,
     ``output_tensor`` [>= S, T, r], ``metadata`` vLLM's six tensors fitting T rows and L
-    slots, at least one token with a LoRA, T > 0 and r > 0. ``scaling`` is a float."""
+    slots, at least one token with a LoRA, T > 0 and r > 0. ``scaling`` is a float.
+    ``memos``: one lasting dict per weight, where what is worked out about passing it to
+    a kernel is kept (see :func:`_weight_forms`)."""
     num_tokens, rank = inputs.shape[0], weights[0].shape[1]
     num_tokens_per_lora, lora_ids = metadata[2], metadata[4]
     meta_facts = host_facts_of(lora_ids)
     config = choose_launch_config("shrink", num_tokens, meta_facts and meta_facts.active_slots)
     # Packed 8-byte words when x and every A allow it; else one element at a time.
-    words = [_words(t) for t in (inputs, *weights)]
-    packed = all(w is not None for w in words)
-    x, weights = (words[0], words[1:]) if packed else (inputs, weights)
+    x_words = _words(inputs)
+    forms = _weight_forms(weights, memos)
+    packed = x_words is not None and all(words is not None for words, _ in forms)
+    x = x_words if packed else inputs
+    weights = [words if packed else elements for words, elements in forms]
     kernel = build_shrink_kernel(inputs.dtype, config.threads, config.tile_m, config.tile_n, packed)
     rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
     table, blocks = _tiles(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m, meta_facts)
-    meta = (table, *metadata[1:5])  # the tile table, then what the kernels read of vLLM's six
+    meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)
     scaling32 = np.float32(scaling)
 
@@ -434,23 +481,25 @@ def _expand_launch(
     metadata: tuple,
     offset_start: int,
     add_inputs: bool,
+    memos: Sequence[dict] | None = None,
 ) -> Callable[[], None]:
     """The launch of an expand whose arguments are already checked (by :func:`prepare_expand`
     or the wrapper): ``inputs`` [>= S, T, r], ``weights`` [L, N_s, r] views, ``output_tensor``
     [T, >= offset_start + sum(N_s)] contiguous, ``metadata`` vLLM's six tensors fitting T
-    rows and L slots, at least one token with a LoRA, T > 0 and sum(N_s) > 0."""
+    rows and L slots, at least one token with a LoRA, T > 0 and sum(N_s) > 0. ``memos``
+    as for :func:`_shrink_launch`."""
     num_tokens = inputs.shape[1]
     widths = [w.shape[1] for w in weights]
     num_tokens_per_lora, lora_ids = metadata[2], metadata[4]
     meta_facts = host_facts_of(lora_ids)
     config = choose_launch_config("expand", num_tokens, meta_facts and meta_facts.active_slots)
-    words = [_words(w) for w in weights]  # B in packed 8-byte words when every slice allows
-    packed = all(w is not None for w in words)
     dtype = weights[0].dtype
-    weights = words if packed else weights
+    forms = _weight_forms(weights, memos)  # B in packed 8-byte words when every slice allows
+    packed = all(words is not None for words, _ in forms)
+    weights = [words if packed else elements for words, elements in forms]
     kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed)
     table, blocks = _tiles(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m, meta_facts)
-    meta = (table, *metadata[1:5])  # the tile table, then what the kernels read of vLLM's six
+    meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)
     columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
 

@@ -219,7 +219,7 @@ class PunicaWrapperNumba:
         scale = check_real("scale", scale)
         meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_a_stacked", a))
         if meta is not None and rank:
-            _shrink_launch(x2, [s.view for s in a], y, meta, scale)()
+            _shrink_launch(x2, [s.view for s in a], y, meta, scale, [s.launch for s in a])()
 
     def add_expand(
         self,
@@ -257,7 +257,9 @@ class PunicaWrapperNumba:
         bias = self._check_bias(lora_bias_stacked, widths)
         meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_b_stacked", b))
         if meta is not None and sum(widths):
-            _expand_launch(x, [s.view for s in b], y2, meta, offset_start, add_inputs)()
+            _expand_launch(
+                x, [s.view for s in b], y2, meta, offset_start, add_inputs, [s.launch for s in b]
+            )()
         self._add_bias(y2, bias, widths, offset_start)
 
     def add_lora_embedding(
@@ -288,7 +290,7 @@ class PunicaWrapperNumba:
         widths = self._check_columns(y2, 0, b)
         meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_b_stacked", b))
         if meta is not None and widths[0]:
-            _expand_launch(x3, [b[0].view], y2, meta, 0, add_inputs)()
+            _expand_launch(x3, [b[0].view], y2, meta, 0, add_inputs, [b[0].launch])()
 
     def add_lora_linear(
         self,
@@ -613,9 +615,13 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     nothing to do (rank 0, or no column) is skipped, as the ops skip it."""
     launches = []
     if a[0].rows:
-        launches.append(_shrink_launch(x2, [s.view for s in a], buffer, meta, scale))
+        launches.append(
+            _shrink_launch(x2, [s.view for s in a], buffer, meta, scale, [s.launch for s in a])
+        )
     if any(s.rows for s in b):
-        launches.append(_expand_launch(buffer, [s.view for s in b], y2, meta, 0, True))
+        launches.append(
+            _expand_launch(buffer, [s.view for s in b], y2, meta, 0, True, [s.launch for s in b])
+        )
     for launch in launches:
         launch()
 
