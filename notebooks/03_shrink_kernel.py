@@ -198,6 +198,12 @@ assert len(rows) == sum(-(-c // TILE_M) for s, c in zip(ids, counts) if s != -1)
 #    steps with a barrier between them;
 # 3. thread `tid < TILE_M * TILE_N` adds one finished dot product into `out`.
 #
+# On a GPU the library does step 2 differently: the 32 threads of a warp add their
+# partials with five register shuffles (`cuda.shfl_down_sync`, no barrier), and only
+# the warps' sums meet in shared memory. The simulator has no shuffles, so there the
+# kernel uses the tree, exactly as emulated here; on a GPU the sums are added in
+# another (also fixed) order and agree within fp32 rounding.
+#
 # The emulation computes in float32 like the kernel, and counts every element it
 # loads from global memory. (The library's kernel reads `x` and `A` in 8-byte words,
 # four bf16 elements per load, when every row is a whole number of words; a word is

@@ -62,7 +62,8 @@ class LaunchConfig:
         """Launches whose configurations have equal keys give bit-identical results.
 
         Every expand adds ``x[k] * B[n, k]`` for k = 0, 1, ... into one accumulator;
-        the shrink adds ``threads`` strided partial sums with a tree.
+        the shrink adds ``threads`` strided partial sums (warp shuffles, then the warps'
+        sums, on the GPU; a tree on the simulator).
         """
         if op == "expand":
             return ("sequential",)

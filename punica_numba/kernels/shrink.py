@@ -12,9 +12,10 @@ Inside a block, thread ``tid`` walks the hidden dimension one *word* at a time,
 holding ``PACK`` elements read with a single 8-byte load. It loads ``UNROLL``
 strides' words before it uses any, so that many loads are in flight at once. It keeps ``TILE_M *
 TILE_N`` partial dot products in registers; the block then adds its threads'
-partials with a tree in shared memory, in a fixed order, so the result is the
-same bits on every run: no atomics. Each output element is written by exactly
-one thread: read, add, write.
+partials in a fixed order (on the GPU by warp shuffles, then the warps' sums in
+shared memory; on the simulator, which has no shuffles, by a tree in shared
+memory), so the result is the same bits on every run: no atomics. Each output
+element is written by exactly one thread: read, add, write.
 
 Memory traffic per block: ``TILE_M`` rows of x and ``TILE_N`` rows of A, each read
 once; ``TILE_M * TILE_N`` outputs read and written.
@@ -27,7 +28,7 @@ import functools
 import torch
 from numba import float32, int64
 
-from .._cuda import cuda
+from .._cuda import SIMULATOR, cuda
 from .dtypes import memory_type, packing, word_loader
 
 __all__ = ["MAX_SLICES", "build_shrink_kernel"]
@@ -56,6 +57,11 @@ def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: i
     # out of registers, and the H200 measured 13 -> 21 µs at T=64 over 8 LoRAs.
     UNROLL = 4 if TILE_M == 1 else 1
     X_WORDS, W_WORDS = UNROLL * TILE_M, UNROLL * TILE_N  # words held per thread
+    # On the GPU the partial sums are added with warp shuffles, which the simulator does
+    # not have; there it is a shared-memory tree. Either order is fixed for THREADS.
+    WARP_SUM = not SIMULATOR and threads % 32 == 0
+    TREE_WIDTH = threads // 32 if WARP_SUM else threads  # partials per dot product kept
+    FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
 
     @cuda.jit
@@ -90,7 +96,7 @@ def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: i
         partial = cuda.local.array(PARTIALS, float32)
         xw = cuda.local.array(X_WORDS, WORD)
         ww = cuda.local.array(W_WORDS, WORD)
-        tree = cuda.shared.array((PARTIALS, THREADS), float32)
+        tree = cuda.shared.array((PARTIALS, TREE_WIDTH), float32)
 
         for n0 in range(cuda.blockIdx.z * TILE_N, rank, cuda.gridDim.z * TILE_N):
             for p in range(PARTIALS):
@@ -112,17 +118,34 @@ def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: i
                                 for j in range(TILE_M):
                                     partial[j * TILE_N + q] += load(xw[u * TILE_M + j], lane) * wk
 
-            # Sum the THREADS partials of each dot product: a tree in shared memory.
-            for p in range(PARTIALS):
-                tree[p, tid] = partial[p]
-            cuda.syncthreads()
-            stride = THREADS // 2
-            while stride > 0:
-                if tid < stride:
-                    for p in range(PARTIALS):
-                        tree[p, tid] += tree[p, tid + stride]
+            # Sum the THREADS partials of each dot product, in a fixed order.
+            if WARP_SUM:
+                # GPU: a butterfly of shuffles inside each warp (no barrier), then the
+                # warps' sums in shared memory, added in warp order.
+                for p in range(PARTIALS):
+                    value = partial[p]
+                    for step in range(5):  # offsets 16, 8, 4, 2, 1; unrolled
+                        value += cuda.shfl_down_sync(FULL_MASK, value, 16 >> step)
+                    if tid % 32 == 0:
+                        tree[p, tid // 32] = value
                 cuda.syncthreads()
-                stride //= 2
+                if tid < PARTIALS:
+                    total = tree[tid, 0]
+                    for warp in range(1, TREE_WIDTH):
+                        total += tree[tid, warp]
+                    tree[tid, 0] = total
+            else:
+                # Simulator (no warp shuffles there): a tree in shared memory.
+                for p in range(PARTIALS):
+                    tree[p, tid] = partial[p]
+                cuda.syncthreads()
+                stride = THREADS // 2
+                while stride > 0:
+                    if tid < stride:
+                        for p in range(PARTIALS):
+                            tree[p, tid] += tree[p, tid + stride]
+                    cuda.syncthreads()
+                    stride //= 2
 
             if tid < PARTIALS:
                 j = tid // TILE_N
