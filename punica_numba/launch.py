@@ -87,7 +87,7 @@ _SIMULATOR_CONFIGS = {
 _GPU_CONFIGS = {
     "shrink": (
         LaunchConfig("rows", threads=256, tile_m=1, tile_n=4),  # decode: a token per slot
-        LaunchConfig("rows", threads=256, tile_m=16, tile_n=2, from_tokens_per_slot=20),
+        LaunchConfig("rows", threads=256, tile_m=16, tile_n=2, from_tokens_per_slot=12),
     ),
     "expand": (
         LaunchConfig("rows", threads=256, tile_m=1, tile_n=256),
@@ -148,7 +148,7 @@ def choose_launch_config(op: str, num_tokens: int, active_slots: int | None) -> 
 
 
 def config_name(config: LaunchConfig) -> str:
-    """A short label, e.g. ``rows_t256_m1_n4`` or ``tiled_t256_m32_n16_u4x4_c64``."""
+    """A short label, e.g. ``rows_t256_m1_n4`` or ``tiled_t256_m64_n128_u8x4_c16``."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.kernel == "tiled":
         name += f"_u{config.micro[0]}x{config.micro[1]}_c{config.chunk}"
