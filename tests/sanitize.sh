@@ -23,8 +23,11 @@
 #   memcheck sees the true end of each buffer (a caching allocator hands out pieces of
 #   larger blocks, and a read past a tensor's end would land inside the block unseen).
 #   It also makes initcheck see fresh, uninitialised memory for every torch.empty.
-# * initcheck runs with --track-unused-memory no: reporting allocations that were never
-#   fully written is noise for tests that allocate outputs and write only some rows.
+# * --report-api-errors no: cuda-bindings probes the driver with cuGetProcAddress for
+#   entry points it may lack, and each probe's CUDA_ERROR_INVALID_VALUE would count as
+#   an error; the kernels' memory accesses are what is checked here.
+# * The CUDA-graph test is left out: without torch's caching allocator (above) every
+#   allocation is a cudaMalloc, which a stream capture does not allow.
 # * racecheck checks shared memory (the shrink's reduction tree); --racecheck-report all
 #   prints both the hazards and racecheck's analysis of them.
 set -uo pipefail
@@ -60,14 +63,16 @@ for tool in "${TOOLS[@]}"; do
     case "$tool" in
         memcheck) extra=(--leak-check no) ;;
         racecheck) extra=(--racecheck-report all) ;;
-        initcheck) extra=(--track-unused-memory no) ;;
+        initcheck) extra=() ;;
         synccheck) extra=() ;;
         *) echo "sanitize.sh: unknown tool $tool" >&2; exit 2 ;;
     esac
     log="$LOGS/$tool.log"
     rm -f "$log"
-    "$SANITIZER" --tool "$tool" --target-processes all "${extra[@]}" --log-file "$log" \
-        "$PYTHON" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}" -k 'not offsets_past' \
+    "$SANITIZER" --tool "$tool" --target-processes all --report-api-errors no "${extra[@]}" \
+        --log-file "$log" \
+        "$PYTHON" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}" \
+        -k 'not offsets_past and not cuda_graph' \
         >"$LOGS/$tool.pytest.txt" 2>&1
     pytest_rc=$?
     result=$(grep -E ' in [0-9.]+s' "$LOGS/$tool.pytest.txt" | tail -n 1)
