@@ -1,0 +1,95 @@
+"""The launch heuristic and its configuration tables (pure host logic, both machines).
+
+The GPU table is checked here too, on any machine: ``launch_configs`` reads which
+table applies from ``punica_numba.launch.SIMULATOR``, which the tests switch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from punica_numba import LoRAKernelMeta, launch
+from punica_numba._cuda import device_of
+from punica_numba.launch import (
+    choose_launch_config,
+    config_name,
+    force_launch_config,
+    launch_configs,
+    tile_sizes,
+)
+
+OPS = ("shrink", "expand")
+
+
+@pytest.fixture(params=[True, False], ids=["simulator-table", "gpu-table"])
+def table(request, monkeypatch):
+    """Run a test against the simulator's table, then the GPU's."""
+    monkeypatch.setattr(launch, "SIMULATOR", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_thresholds_start_at_zero_and_never_fall(op, table):
+    configs = launch_configs(op)
+    assert configs[0].from_tokens_per_slot == 0 and configs[0].from_tokens == 0
+    thresholds = [c.from_tokens_per_slot for c in configs]
+    assert thresholds == sorted(thresholds), thresholds
+    names = [config_name(c) for c in configs]
+    assert len(set(names)) == len(names), names
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_the_heuristic_picks_the_last_threshold_reached(op, table):
+    configs = launch_configs(op)
+    assert choose_launch_config(op, 1, 1) == configs[0]
+    assert choose_launch_config(op, 64, 64) == configs[0]  # a token per slot
+    assert choose_launch_config(op, 64, None) == configs[0]  # foreign metadata
+    assert choose_launch_config(op, 64, 0) == configs[0]  # no active slot
+    assert choose_launch_config(op, 1 << 20, 1) == configs[-1]
+    for config in configs:
+        tokens = max(config.from_tokens, 1 << 12)
+        slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
+        chosen = choose_launch_config(op, tokens, slots)
+        assert chosen.from_tokens_per_slot >= config.from_tokens_per_slot, (config, chosen)
+
+
+def test_from_tokens_holds_back_a_config(monkeypatch):
+    """A big tile waits for enough rows (256 tokens of one slot fill only four 64-token
+    tiles), whatever the tokens per slot."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    gated = [c for c in launch_configs("expand") if c.from_tokens]
+    assert gated, "the GPU table gates a configuration on the row count"
+    config = gated[0]
+    rows = config.from_tokens - 1
+    assert choose_launch_config("expand", rows, 1) != config
+    assert choose_launch_config("expand", config.from_tokens, 1) == config
+
+
+def test_every_expand_shares_one_arithmetic_and_shrink_groups_by_threads(table):
+    assert len({c.arithmetic("expand") for c in launch_configs("expand")}) == 1
+    for c in launch_configs("shrink"):
+        assert c.arithmetic("shrink") == ("tree", c.threads)
+
+
+def test_meta_keeps_a_tile_table_for_every_tile_size():
+    meta = LoRAKernelMeta.make(max_loras=3, max_num_tokens=8, device=device_of())
+    assert set(tile_sizes()) <= set(meta.host.tile_tables)
+    for op in OPS:
+        for config in launch_configs(op):
+            assert config.tile_m in meta.host.tile_tables, config
+
+
+def test_forcing_a_configuration_is_scoped_and_checked():
+    shrink_configs = launch_configs("shrink")
+    with force_launch_config("shrink", shrink_configs[-1]):
+        assert choose_launch_config("shrink", 1, 1) == shrink_configs[-1]
+        with force_launch_config("shrink", shrink_configs[0]):
+            assert choose_launch_config("shrink", 1 << 20, 1) == shrink_configs[0]
+        assert choose_launch_config("shrink", 1, 1) == shrink_configs[-1]
+    assert choose_launch_config("shrink", 1, 1) == shrink_configs[0]
+    foreign = next(c for c in launch_configs("expand") if c not in shrink_configs)
+    with pytest.raises(ValueError, match="not one of the configurations"):
+        with force_launch_config("shrink", foreign):
+            pass
+    with pytest.raises(ValueError, match="op must be one of"):
+        launch_configs("gemm")
