@@ -92,14 +92,6 @@ def test_some_configurations_share_their_arithmetic():
         assert len(keys) > len(set(keys)) or len(keys) == 1, op
 
 
-def test_expand_kernels_share_one_arithmetic():
-    """The row and the tiled expand both promise one order: the heuristic may switch
-    between them from one step to the next without changing a bit."""
-    kernels = {c.kernel for c in launch_configs("expand")}
-    assert kernels == {"rows", "tiled"}
-    assert len({c.arithmetic("expand") for c in launch_configs("expand")}) == 1
-
-
 def _large_problem() -> Problem:
     T, L = 512, 16
     return Problem(assign_slots("zipf", T, L, seed=7), T, L, seed=11)
