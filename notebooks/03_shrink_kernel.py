@@ -143,6 +143,12 @@ print("rung 0 (torch, per segment) agrees with the reference")
 # on the device, with a `cumsum` of tiles per segment and a `searchsorted` of the block
 # numbers (`punica_numba.kernels.segments.tile_table`), when it prepares the metadata;
 # a block then does a single lookup, `table[:, blockIdx.x]`. Both must agree.
+#
+# The table holds more than the segment and offset the walk finds: the tile's slot,
+# the position of its first token in the sorted order, its number of tokens, and that
+# first token's row. Each is a read the block would otherwise make *after* learning its
+# segment, and every read waits a trip to memory for the one before it. At decode,
+# where a block has one token and little else to do, that chain is most of its time.
 
 # %%
 # The library picks a configuration per call from host-side facts (punica_numba.launch);
@@ -153,7 +159,7 @@ print(f"launch config: {THREADS} threads/block, TILE_M={TILE_M} tokens, TILE_N={
 
 
 def tile_of_block(block, ids, counts, tile_m):
-    """(segment, first token within it) of this block's tile, or (-1, 0)."""
+    """(segment, offset of the tile's first token in it) of this block's tile, or (-1, 0)."""
     tiles_before = 0
     for segment, (slot, count) in enumerate(zip(ids, counts)):
         if slot == -1:
@@ -166,20 +172,27 @@ def tile_of_block(block, ids, counts, tile_m):
 
 
 T = TINY["T"]
-ids = meta.active_lora_ids.cpu().numpy()
-counts = meta.num_tokens_per_lora.cpu().numpy()
+_, order_t, counts_t, starts_t, ids_t, _ = meta.meta_args(T)
+ids, counts, starts, order = (t.tolist() for t in (ids_t, counts_t, starts_t, order_t))
 bound = tile_grid_bound(T, len(ids), TILE_M)
-table = tile_table(meta.active_lora_ids, meta.num_tokens_per_lora, TILE_M, bound)  # [2, B]
+table = tile_table(ids_t, counts_t, starts_t, order_t, TILE_M, bound)  # [4, B]
 rows = []
 for block in range(bound):
-    mine = tile_of_block(block, ids.tolist(), counts.tolist(), TILE_M)
-    library = tuple(table[:, block].tolist())
-    assert mine == library, (block, mine, library)
-    if mine[0] != -1:
-        seg, first = mine
-        last = min(first + TILE_M, counts[seg]) - 1
-        rows.append(f"| {block} | {seg} | {ids[seg]} | {first} .. {last} |")
-lines = ["| block | segment | slot | tokens of the segment |", "| ---: | ---: | ---: | :--- |"]
+    seg, first = tile_of_block(block, ids, counts, TILE_M)
+    library = tuple(table[:, block].tolist())  # slot, position, rows, first token
+    if seg == -1:
+        assert library == (-1, 0, 0, 0), (block, library)
+        continue
+    position, size = starts[seg] + first, min(TILE_M, counts[seg] - first)
+    assert library == (ids[seg], position, size, order[position]), (block, library)
+    rows.append(
+        f"| {block} | {seg} | {ids[seg]} | {first} .. {first + size - 1} | {position} "
+        f"| {size} | {order[position]} |"
+    )
+lines = [
+    "| block | segment | slot | tokens of the segment | position | rows | first token |",
+    "| ---: | ---: | ---: | :--- | ---: | ---: | ---: |",
+]
 display(Markdown("\n".join(lines + rows)))
 print(f"{len(rows)} blocks have a tile; the grid bound is {bound}; the others exit at once")
 assert len(rows) == sum(-(-c // TILE_M) for s, c in zip(ids, counts) if s != -1) <= bound

@@ -173,20 +173,18 @@ def expand_emulated(x, B, out, meta, T, offset, add_inputs, writer):
     ws = [b.float().cpu().numpy() for b in B]
     o = out.float().cpu().numpy().copy()
     order = meta.token_indices_sorted_by_lora_ids.cpu().numpy()
-    counts = meta.num_tokens_per_lora.cpu().numpy()
-    starts = meta.lora_token_start_loc.cpu().numpy()
-    ids = meta.active_lora_ids.cpu().numpy()
+    _, _, counts, starts, ids, _ = meta.meta_args(T)
     columns = [offset + sum(w.shape[1] for w in ws[:s]) for s in range(len(ws))]  # c_s
     widest = max(w.shape[1] for w in ws)
     groups = -(-widest // THREADS) if CFG.spread else 1  # gridDim.z
     blocks = tile_grid_bound(T, len(ids), TILE_M)
-    table = tile_table(meta.active_lora_ids, meta.num_tokens_per_lora, TILE_M, blocks).cpu()
+    table = tile_table(ids, counts, starts, meta.token_indices_sorted_by_lora_ids, TILE_M, blocks)
     for block_x in range(blocks):  # blockIdx.x
-        segment, first = table[:, block_x].tolist()  # the block's lookup in the tile table
-        if segment == -1:
+        # the block's lookup in the tile table: slot, sorted position, rows, first token
+        slot, position, rows, first_token = table[:, block_x].tolist()
+        if slot == -1:
             continue
-        slot, rows = ids[segment], min(TILE_M, counts[segment] - first)
-        tokens = [order[starts[segment] + first + min(j, rows - 1)] for j in range(TILE_M)]
+        tokens = [first_token] + [order[position + min(j, rows - 1)] for j in range(1, TILE_M)]
         for block_y, w in enumerate(ws):  # blockIdx.y: the slice
             for block_z in range(groups):  # blockIdx.z: a group of columns
                 for tid in range(THREADS):  # threadIdx.x

@@ -20,6 +20,7 @@ from ._cuda import KERNEL_DTYPES, SIMULATOR
 
 __all__ = [
     "Stack",
+    "check_bool",
     "check_device",
     "check_int",
     "check_kernel_tensor",
@@ -180,6 +181,13 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """A bool (not an int, not a one-element tensor)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def check_real(name: str, value) -> float:

@@ -20,12 +20,14 @@ import numpy as np
 import torch
 
 from ._checks import (
+    Stack,
+    check_bool,
     check_int,
     check_real,
     check_same_device,
     check_sequence,
+    check_stack,
     check_tensor,
-    check_weight,
 )
 from ._cuda import KERNEL_DTYPES, SIMULATOR, KernelLauncher, pack_tensors
 from .kernels import (
@@ -52,15 +54,16 @@ _INDEX_DTYPES = (torch.int32,)
 MAX_GRID_YZ = 65535
 
 
-def _weights(name: str, weights, dtypes) -> list[torch.Tensor]:
-    """Check a list of stacked LoRA weights; return them as ``[L, N, K]`` views."""
+def _weights(name: str, weights) -> list[Stack]:
+    """Check a list of stacked LoRA weights of one dtype; return them as :class:`Stack`\\ s
+    (their ``[L, N, K]`` views, and a place to keep what a launch works out about them)."""
     check_sequence(name, weights)
-    squeezed = []
+    stacks = []
     for s, w in enumerate(weights):
-        squeezed.append(check_weight(f"{name}[{s}]", w, dtypes=dtypes))
+        stacks.append(check_stack(name, w, s))
         if w.dtype != weights[0].dtype:
             raise TypeError(f"{name}[{s}] is {w.dtype} but {name}[0] is {weights[0].dtype}")
-    return squeezed
+    return stacks
 
 
 def _check_metadata(
@@ -175,13 +178,13 @@ def _check_devices_and_metadata(
         {
             "inputs": inputs,
             "output_tensor": output_tensor,
-            **{f"{weights_name}[{s}]": w for s, w in enumerate(weights)},
+            **{f"{weights_name}[{s}]": w.view for s, w in enumerate(weights)},
         }
     )
     return _check_metadata(num_rows, num_loras, weights_name, inputs.device, *metadata)
 
 
-def _tiles(num_tokens: int, counts, lora_ids, tile_m: int, facts) -> tuple[torch.Tensor, int]:
+def _tiles(num_tokens: int, metadata: tuple, tile_m: int, facts) -> tuple[torch.Tensor, int]:
     """The tile table for ``tile_m`` and the number of blocks along the tile axis.
 
     The table is the metadata's own when it is a ``LoRAKernelMeta`` (refreshed when it
@@ -191,25 +194,25 @@ def _tiles(num_tokens: int, counts, lora_ids, tile_m: int, facts) -> tuple[torch
     once. On the simulator the table sits in host memory and an idle block would
     still cost a Python thread per CUDA thread, so the grid is exact.
     """
+    _, sorted_tokens, counts, starts, lora_ids, _ = metadata
     blocks = tile_grid_bound(num_tokens, lora_ids.shape[0], tile_m)
     table = facts.tile_tables.get(tile_m) if facts is not None else None
     if table is None or table.shape[1] < blocks:
-        table = tile_table(lora_ids, counts, tile_m, blocks)
+        table = tile_table(lora_ids, counts, starts, sorted_tokens, tile_m, blocks)
     if SIMULATOR:
         blocks = int((table[0, :blocks] >= 0).sum())
     return table, blocks
 
 
 def _kernel_metadata(table: torch.Tensor, metadata: tuple, facts, tile_m: int) -> tuple:
-    """What the kernels read of the metadata: the tile table, then the sorted tokens,
-    counts, starts and slot ids of vLLM's six.
+    """What the kernels read of the metadata: the tile table and the sorted tokens.
 
     A ``LoRAKernelMeta``'s tensors are fixed buffers (a step refills them in place), and
     the wrapper hands the same tensor objects to every call of a step; then they are
     described for the launcher once (:func:`~punica_numba._cuda.pack_tensors`) and
     reused while the same objects come back.
     """
-    tensors = (table, *metadata[1:5])
+    tensors = (table, metadata[1])
     if SIMULATOR or facts is None:
         return tensors
     known = facts.kernel_metadata.get(tile_m)
@@ -218,25 +221,25 @@ def _kernel_metadata(table: torch.Tensor, metadata: tuple, facts, tile_m: int) -
     return (known,)
 
 
-def _weight_forms(weights, memos) -> list[tuple]:
+def _weight_forms(weights: Sequence[Stack]) -> list[tuple]:
     """Each weight as a kernel can take it: ``(words, elements)``, its packed int64 words
-    (None when its rows do not allow them) and itself, each a kernel argument.
+    (None when its rows do not allow them) and its view, each a kernel argument.
 
-    With ``memos`` (one lasting dict per weight, kept by the wrapper with each checked
-    weight view) both are worked out once and described for the launcher once
-    (:func:`~punica_numba._cuda.pack_tensors`): a checked view's memory and layout never
-    change, and the wrapper hands the same views to every call.
+    On the GPU both are worked out once per checked weight, described for the launcher
+    once (:func:`~punica_numba._cuda.pack_tensors`) and kept in ``Stack.launch``: a
+    checked view's memory and layout never change, and a serving engine hands the same
+    weights to every call (``check_stack`` returns the same Stack for them).
     """
-    if memos is None or SIMULATOR:
-        return [(_words(w), w) for w in weights]
+    if SIMULATOR:
+        return [(_words(w.view), w.view) for w in weights]
     forms = []
-    for w, memo in zip(weights, memos):
-        form = memo.get("forms")
+    for w in weights:
+        form = w.launch.get("forms")
         if form is None:
-            words = _words(w)
-            form = memo["forms"] = (
+            words = _words(w.view)
+            form = w.launch["forms"] = (
                 None if words is None else pack_tensors((words,)),
-                pack_tensors((w,)),
+                pack_tensors((w.view,)),
             )
         forms.append(form)
     return forms
@@ -275,7 +278,7 @@ def prepare_shrink(
     (the wrapper's ``add_lora_linear``) check all of them before it changes anything.
     """
     check_tensor("inputs", inputs, ndim=2, dtypes=KERNEL_DTYPES, contiguous=True)
-    weights = _weights("lora_a_weights", lora_a_weights, KERNEL_DTYPES)
+    weights = _weights("lora_a_weights", lora_a_weights)
     check_tensor("output_tensor", output_tensor, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
     scaling = check_real("scaling", scaling)
     if weights[0].dtype != inputs.dtype:
@@ -283,16 +286,16 @@ def prepare_shrink(
             f"lora_a_weights are {weights[0].dtype} but inputs are {inputs.dtype}; they must match"
         )
     num_tokens, hidden = inputs.shape
-    num_loras, rank, _ = weights[0].shape
+    num_loras, rank = weights[0].num_loras, weights[0].rows
     for s, w in enumerate(weights):
-        if w.shape[2] != hidden:
+        if w.cols != hidden:
             raise ValueError(
-                f"lora_a_weights[{s}] has K={w.shape[2]} but inputs have hidden size {hidden}"
+                f"lora_a_weights[{s}] has K={w.cols} but inputs have hidden size {hidden}"
             )
-        if w.shape[:2] != (num_loras, rank):
+        if (w.num_loras, w.rows) != (num_loras, rank):
             raise ValueError(
-                f"lora_a_weights[{s}] is {tuple(w.shape)} but lora_a_weights[0] is "
-                f"{tuple(weights[0].shape)}; all slices need the same L and rank"
+                f"lora_a_weights[{s}] is {tuple(w.view.shape)} but lora_a_weights[0] is "
+                f"{tuple(weights[0].view.shape)}; all slices need the same L and rank"
             )
     if output_tensor.shape[0] < len(weights):
         raise ValueError(
@@ -321,31 +324,29 @@ def prepare_shrink(
 
 def _shrink_launch(
     inputs: torch.Tensor,
-    weights: list[torch.Tensor],
+    weights: Sequence[Stack],
     output_tensor: torch.Tensor,
     metadata: tuple,
     scaling: float,
-    memos: Sequence[dict] | None = None,
 ) -> Callable[[], None]:
     """The launch of a shrink whose arguments are already checked (by :func:`prepare_shrink`
-    or the wrapper): ``inputs`` [T, H] contiguous, ``weights`` [L, r, H] views of its dtype,
-    ``output_tensor`` [>= S, T, r], ``metadata`` vLLM's six tensors fitting T rows and L
-    slots, at least one token with a LoRA, T > 0 and r > 0. ``scaling`` is a float.
-    ``memos``: one lasting dict per weight, where what is worked out about passing it to
-    a kernel is kept (see :func:`_weight_forms`)."""
-    num_tokens, rank = inputs.shape[0], weights[0].shape[1]
-    num_tokens_per_lora, lora_ids = metadata[2], metadata[4]
-    meta_facts = host_facts_of(lora_ids)
+    or the wrapper): ``inputs`` [T, H] contiguous, ``weights`` Stacks of [L, r, H] of its
+    dtype, ``output_tensor`` [>= S, T, r], ``metadata`` vLLM's six tensors fitting T rows
+    and L slots, at least one token with a LoRA, T > 0 and r > 0. ``scaling`` is a float."""
+    num_tokens, rank = inputs.shape[0], weights[0].rows
+    meta_facts = host_facts_of(metadata[4])
     config = choose_launch_config("shrink", num_tokens, meta_facts and meta_facts.active_slots)
     # Packed 8-byte words when x and every A allow it; else one element at a time.
     x_words = _words(inputs)
-    forms = _weight_forms(weights, memos)
+    forms = _weight_forms(weights)
     packed = x_words is not None and all(words is not None for words, _ in forms)
     x = x_words if packed else inputs
     weights = [words if packed else elements for words, elements in forms]
-    kernel = build_shrink_kernel(inputs.dtype, config.threads, config.tile_m, config.tile_n, packed)
+    kernel = build_shrink_kernel(
+        inputs.dtype, output_tensor.dtype, config.threads, config.tile_m, config.tile_n, packed
+    )
     rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
-    table, blocks = _tiles(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m, meta_facts)
+    table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)
     scaling32 = np.float32(scaling)
@@ -422,33 +423,30 @@ def prepare_expand(
 ) -> Callable[[], None]:
     """Check the arguments of :func:`lora_expand` and return the launch, not yet run."""
     check_tensor("inputs", inputs, ndim=3, dtypes=KERNEL_DTYPES)
-    weights = _weights("lora_b_weights", lora_b_weights, KERNEL_DTYPES)
+    weights = _weights("lora_b_weights", lora_b_weights)
     check_tensor("output_tensor", output_tensor, ndim=2, dtypes=KERNEL_DTYPES, contiguous=True)
     offset_start = check_int("offset_start", offset_start, minimum=0)
-    if not isinstance(add_inputs, bool):
-        raise TypeError(f"add_inputs must be a bool, got {type(add_inputs).__name__}")
+    add_inputs = check_bool("add_inputs", add_inputs)
     if inputs.dtype not in (weights[0].dtype, torch.float32):
         raise TypeError(
             f"inputs are {inputs.dtype} but lora_b_weights are {weights[0].dtype}; inputs must "
             "have the weights' dtype or be float32"
         )
     _, num_tokens, rank = inputs.shape
-    num_loras = weights[0].shape[0]
+    num_loras = weights[0].num_loras
     for s, w in enumerate(weights):
-        if w.shape[0] != num_loras:
+        if w.num_loras != num_loras:
             raise ValueError(
-                f"lora_b_weights[{s}] holds {w.shape[0]} slots but lora_b_weights[0] holds "
+                f"lora_b_weights[{s}] holds {w.num_loras} slots but lora_b_weights[0] holds "
                 f"{num_loras}"
             )
-        if w.shape[2] != rank:
-            raise ValueError(
-                f"lora_b_weights[{s}] has rank {w.shape[2]} but inputs have rank {rank}"
-            )
+        if w.cols != rank:
+            raise ValueError(f"lora_b_weights[{s}] has rank {w.cols} but inputs have rank {rank}")
     if inputs.shape[0] < len(weights):
         raise ValueError(
             f"inputs have {inputs.shape[0]} slice(s), fewer than the {len(weights)} weight slice(s)"
         )
-    widths = [w.shape[1] for w in weights]
+    widths = [w.rows for w in weights]
     if output_tensor.shape[0] != num_tokens:
         raise ValueError(
             f"output_tensor has {output_tensor.shape[0]} rows but inputs have {num_tokens} tokens"
@@ -476,29 +474,27 @@ def prepare_expand(
 
 def _expand_launch(
     inputs: torch.Tensor,
-    weights: list[torch.Tensor],
+    weights: Sequence[Stack],
     output_tensor: torch.Tensor,
     metadata: tuple,
     offset_start: int,
     add_inputs: bool,
-    memos: Sequence[dict] | None = None,
 ) -> Callable[[], None]:
     """The launch of an expand whose arguments are already checked (by :func:`prepare_expand`
-    or the wrapper): ``inputs`` [>= S, T, r], ``weights`` [L, N_s, r] views, ``output_tensor``
-    [T, >= offset_start + sum(N_s)] contiguous, ``metadata`` vLLM's six tensors fitting T
-    rows and L slots, at least one token with a LoRA, T > 0 and sum(N_s) > 0. ``memos``
-    as for :func:`_shrink_launch`."""
+    or the wrapper): ``inputs`` [>= S, T, r], ``weights`` Stacks of [L, N_s, r],
+    ``output_tensor`` [T, >= offset_start + sum(N_s)] contiguous, ``metadata`` vLLM's six
+    tensors fitting T rows and L slots, at least one token with a LoRA, T > 0 and
+    sum(N_s) > 0."""
     num_tokens = inputs.shape[1]
-    widths = [w.shape[1] for w in weights]
-    num_tokens_per_lora, lora_ids = metadata[2], metadata[4]
-    meta_facts = host_facts_of(lora_ids)
+    widths = [w.rows for w in weights]
+    meta_facts = host_facts_of(metadata[4])
     config = choose_launch_config("expand", num_tokens, meta_facts and meta_facts.active_slots)
     dtype = weights[0].dtype
-    forms = _weight_forms(weights, memos)  # B in packed 8-byte words when every slice allows
+    forms = _weight_forms(weights)  # B in packed 8-byte words when every slice allows
     packed = all(words is not None for words, _ in forms)
     weights = [words if packed else elements for words, elements in forms]
     kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed)
-    table, blocks = _tiles(num_tokens, num_tokens_per_lora, lora_ids, config.tile_m, meta_facts)
+    table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)
     columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s

@@ -26,6 +26,7 @@ import torch
 
 from ._checks import (
     Stack,
+    check_bool,
     check_device,
     check_int,
     check_kernel_tensor,
@@ -219,7 +220,7 @@ class PunicaWrapperNumba:
         scale = check_real("scale", scale)
         meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_a_stacked", a))
         if meta is not None and rank:
-            _shrink_launch(x2, [s.view for s in a], y, meta, scale, [s.launch for s in a])()
+            _shrink_launch(x2, a, y, meta, scale)()
 
     def add_expand(
         self,
@@ -251,15 +252,12 @@ class PunicaWrapperNumba:
         rows = x.shape[1]
         self._check_rows(y2, rows, "x")
         offset_start = check_int("offset_start", offset_start, minimum=0)
-        if not isinstance(add_inputs, bool):
-            raise TypeError(f"add_inputs must be a bool, got {type(add_inputs).__name__}")
+        add_inputs = check_bool("add_inputs", add_inputs)
         widths = self._check_columns(y2, offset_start, b)
         bias = self._check_bias(lora_bias_stacked, widths)
         meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_b_stacked", b))
         if meta is not None and sum(widths):
-            _expand_launch(
-                x, [s.view for s in b], y2, meta, offset_start, add_inputs, [s.launch for s in b]
-            )()
+            _expand_launch(x, b, y2, meta, offset_start, add_inputs)()
         self._add_bias(y2, bias, widths, offset_start)
 
     def add_lora_embedding(
@@ -285,12 +283,11 @@ class PunicaWrapperNumba:
         self._check_expand_input("x", x3, b)
         rows = x.shape[0]
         self._check_rows(y2, rows, "x")
-        if not isinstance(add_inputs, bool):
-            raise TypeError(f"add_inputs must be a bool, got {type(add_inputs).__name__}")
+        add_inputs = check_bool("add_inputs", add_inputs)
         widths = self._check_columns(y2, 0, b)
         meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_b_stacked", b))
         if meta is not None and widths[0]:
-            _expand_launch(x3, [b[0].view], y2, meta, 0, add_inputs, [b[0].launch])()
+            _expand_launch(x3, b, y2, meta, 0, add_inputs)()
 
     def add_lora_linear(
         self,
@@ -615,13 +612,9 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     nothing to do (rank 0, or no column) is skipped, as the ops skip it."""
     launches = []
     if a[0].rows:
-        launches.append(
-            _shrink_launch(x2, [s.view for s in a], buffer, meta, scale, [s.launch for s in a])
-        )
+        launches.append(_shrink_launch(x2, a, buffer, meta, scale))
     if any(s.rows for s in b):
-        launches.append(
-            _expand_launch(buffer, [s.view for s in b], y2, meta, 0, True, [s.launch for s in b])
-        )
+        launches.append(_expand_launch(buffer, b, y2, meta, 0, True))
     for launch in launches:
         launch()
 

@@ -98,7 +98,8 @@ def shrink_cases(draw, limits=KERNEL_LIMITS) -> ShrinkCase:
         extra_slices=draw(st.integers(0, 1), label="extra buffer slices"),
         dtype=draw(st.sampled_from(DTYPES), label="dtype"),
         out_dtype=draw(
-            st.sampled_from((torch.float32, torch.float32, torch.float16)), label="buffer dtype"
+            st.sampled_from((torch.float32, torch.float32, torch.float16, torch.bfloat16)),
+            label="buffer dtype",
         ),
         scaling=draw(st.sampled_from((1.0, 0.5, -0.25, 2.0)), label="scaling"),
         four_d=draw(st.booleans(), label="4-D weights"),

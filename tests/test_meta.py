@@ -16,6 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from punica_numba.kernels.segments import tile_table
 from punica_numba.meta import LoRAKernelMeta, Segment, host_facts_of
 
 from .strategies import DEVICE, META_LIMITS, MODES, assign_slots, slot_lists
@@ -344,6 +345,41 @@ def test_reused_meta_shows_no_stale_state(case):
         assert_same(snapshot(meta), as_dict(plain_meta(slots, L, M_max)), context)
         facts = host_facts_of(meta.active_lora_ids)
         assert (facts.num_tokens, facts.max_slot_in_use) == (len(slots), max(slots, default=-1))
+
+
+def plain_tile_table(slots: list[int], tile_m: int, num_blocks: int) -> list[list[int]]:
+    """The tile table, column by column, from a walk over the plain model's segments."""
+    columns = []
+    if any(s != -1 for s in slots):  # else no segment at all: every block exits
+        order, ids, counts, starts = plain_segments(slots)
+        for slot, count, start in zip(ids, counts, starts):
+            if slot == -1:
+                continue
+            for first in range(0, count, tile_m):
+                position = start + first
+                columns.append([slot, position, min(tile_m, count - first), order[position]])
+    assert len(columns) <= num_blocks, "the grid bound is too small"
+    columns += [[-1, 0, 0, 0]] * (num_blocks - len(columns))
+    return [list(row) for row in zip(*columns)] if columns else [[], [], [], []]
+
+
+@given(case=batch_sequences())
+def test_tile_tables_match_a_walk_over_the_segments(case):
+    """After every prepare, each table the meta keeps (one per tile size) holds, for
+    block b, tile b's slot, sorted position, row count and first token; and a table
+    made from vLLM's six tensors alone (the ops' path for other metadata) agrees."""
+    batches, L, M_max = case
+    meta = LoRAKernelMeta.make(L, M_max, DEVICE)
+    for step, slots in enumerate(batches):
+        meta.prepare_tensors(mapping_tensor(slots))
+        _, order, counts, starts, ids, _ = meta.meta_args(len(slots))
+        for tile_m, table in host_facts_of(meta.active_lora_ids).tile_tables.items():
+            want = plain_tile_table(slots, tile_m, table.shape[1])
+            context = f"step {step}, tile_m={tile_m}, slots={slots}"
+            assert table.tolist() == want, context
+            if any(s != -1 for s in slots):
+                made = tile_table(ids, counts, starts, order, tile_m, table.shape[1])
+                assert made.tolist() == want, context
 
 
 BAD_CALLS = ("too many tokens", "slot below -1", "slot >= L", "2-D", "float", "list")

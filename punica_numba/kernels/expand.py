@@ -13,8 +13,8 @@ B once (``r`` elements, in 8-byte words when packed) and the tile's rows of x
 (the same for every thread, so the loads are broadcasts), accumulates ``TILE_M``
 dot products of length ``r`` in fp32 registers, and writes ``TILE_M`` outputs;
 neighbouring threads write neighbouring columns. Every output element is written
-by exactly one thread, once; the old outputs are all read before the first is
-written.
+by exactly one thread, once; a thread reads its old outputs before anything
+else, so that trip to memory overlaps the loads of B and x.
 
 Memory traffic per block: ``THREADS * r`` elements of B, ``TILE_M * r`` of x, and
 ``TILE_M * THREADS`` outputs (read too when ``add_inputs``).
@@ -29,6 +29,7 @@ from numba import float32, int64
 
 from .._cuda import cuda
 from .dtypes import loader, packing, storer, word_loader
+from .segments import read_tile, tile_token
 
 __all__ = ["build_expand_kernel"]
 
@@ -49,30 +50,11 @@ def build_expand_kernel(
     THREADS, TILE_M, PACK = threads, tile_m, packing(w_dtype, packed)
 
     @cuda.jit
-    def expand(
-        x,
-        w0,
-        w1,
-        w2,
-        out,
-        slice_base,
-        col0,
-        col1,
-        col2,
-        tiles,
-        sorted_tokens,
-        counts,
-        starts,
-        lora_ids,
-        add_inputs,
-    ):
+    def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
         # x: [S, M, r]; w*: [L, N_s, r/PACK] words; out: [M, W]; col*: first column of a slice
-        segment = tiles[0, cuda.blockIdx.x]
-        if segment == -1:
+        slot, position, rows, first_token = read_tile(tiles)
+        if slot == -1:
             return
-        first = tiles[1, cuda.blockIdx.x]
-        slot = lora_ids[segment]
-        rows = min(TILE_M, counts[segment] - first)
         s_local = cuda.blockIdx.y
         if s_local == 0:
             w = w0
@@ -87,13 +69,21 @@ def build_expand_kernel(
         width = w.shape[1]
         words = w.shape[2]
 
-        token = cuda.local.array(TILE_M, int64)
+        token = cuda.local.array(TILE_M, int64)  # the tile's token rows
         for j in range(TILE_M):  # j in [0, TILE_M), unrolled
-            token[j] = sorted_tokens[starts[segment] + first + min(j, rows - 1)]
+            token[j] = tile_token(sorted_tokens, position, rows, first_token, j)
 
         acc = cuda.local.array(TILE_M, float32)
+        old = cuda.local.array(TILE_M, float32)
         n_first = cuda.blockIdx.z * THREADS + cuda.threadIdx.x
         for n in range(n_first, width, cuda.gridDim.z * THREADS):  # n in [0, N_s)
+            column = column0 + n
+            # Read the old outputs first: their trip to memory overlaps the loads of B
+            # and x instead of following them. (Rows past the tile repeat a token: in
+            # bounds, never stored.)
+            if add_inputs:
+                for j in range(TILE_M):
+                    old[j] = load_out(out[token[j], column])
             for j in range(TILE_M):
                 acc[j] = float32(0.0)
             for k in range(words):  # k in [0, r/PACK)
@@ -102,13 +92,9 @@ def build_expand_kernel(
                     wk = load_w(ww, lane)
                     for j in range(TILE_M):
                         acc[j] += load_x(x[s, token[j], k * PACK + lane]) * wk
-            column = column0 + n
-            # Read every old output before the first store: the compiler cannot move a
-            # load above a store to the same array, so interleaved they would wait for
-            # memory one after another. (Rows past the tile repeat a token: in bounds.)
-            if add_inputs:
+            if add_inputs:  # the old output is added last (the op's order)
                 for j in range(TILE_M):
-                    acc[j] += load_out(out[token[j], column])
+                    acc[j] += old[j]
             for j in range(TILE_M):
                 if j < rows:
                     out[token[j], column] = store_out(acc[j])

@@ -21,7 +21,8 @@ what it reads from there for a small register tile of outputs:
 The arithmetic order of each output is the row kernel's: one fp32 accumulator,
 starting at 0, adding ``x[k] * B[n, k]`` for k = 0, 1, ..., r-1 (the zero padding
 adds exact zeros), then the old output when ``add_inputs``. So both kernels give
-the same bits, and the launch heuristic may pick either.
+the same bits, and the launch heuristic may pick either. (The old outputs are
+read first of all, though, so that their trip to memory overlaps the staging.)
 
 Memory traffic per block: ``TILE_M * r`` elements of x, ``TILE_N * r`` of B,
 ``TILE_M * TILE_N`` outputs (read too when ``add_inputs``).
@@ -36,6 +37,7 @@ from numba import float32, int64
 
 from .._cuda import cuda
 from .dtypes import loader, memory_type, packing, storer, word_loader
+from .segments import read_tile, tile_token
 
 __all__ = ["build_tiled_expand_kernel"]
 
@@ -80,29 +82,12 @@ def build_tiled_expand_kernel(
 
     @cuda.jit
     def expand_tiled(
-        x,
-        w0,
-        w1,
-        w2,
-        out,
-        slice_base,
-        col0,
-        col1,
-        col2,
-        tiles,
-        sorted_tokens,
-        counts,
-        starts,
-        lora_ids,
-        add_inputs,
+        x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs
     ):
         # x: [S, M, r]; w*: [L, N_s, r/PACK] words; out: [M, W]; col*: first column of a slice
-        segment = tiles[0, cuda.blockIdx.x]
-        if segment == -1:
+        slot, position, rows, first_token = read_tile(tiles)
+        if slot == -1:
             return  # the whole block leaves together, before any barrier
-        first = tiles[1, cuda.blockIdx.x]
-        slot = lora_ids[segment]
-        rows = min(TILE_M, counts[segment] - first)
         s_local = cuda.blockIdx.y
         if s_local == 0:
             w = w0
@@ -121,35 +106,48 @@ def build_tiled_expand_kernel(
         tm = tid // GRID_N
         tn = tid % GRID_N
 
-        token = cuda.shared.array(TILE_M, int64)  # the tile's token rows
+        # The token rows this thread touches: those of the x elements it stages and of
+        # the outputs it owns. Each thread reads its own (no barrier to wait at).
+        x_token = cuda.local.array(X_LOADS, int64)
+        for u in range(X_LOADS):
+            j = (tid + u * threads) // CHUNK
+            x_token[u] = tile_token(sorted_tokens, position, rows, first_token, j)
+        out_token = cuda.local.array(MICRO_M, int64)
+        for i in range(MICRO_M):
+            out_token[i] = tile_token(sorted_tokens, position, rows, first_token, tm + GRID_M * i)
+
         xs = cuda.shared.array((CHUNK, TILE_M), float32)  # x chunk, transposed
         ws = cuda.shared.array((CHUNK, TILE_N), float32)  # B chunk, transposed
-        for j in range(tid, TILE_M, threads):
-            # A short tile repeats its last token; those rows are never stored.
-            token[j] = sorted_tokens[starts[segment] + first + min(j, rows - 1)]
-        cuda.syncthreads()
-
         acc = cuda.local.array(MICRO, float32)
+        old = cuda.local.array(MICRO, float32)
         x_regs = cuda.local.array(X_LOADS, X_ELEMENT)  # a chunk's loads, in flight together
         w_regs = cuda.local.array(W_LOADS, W_WORD)
         xr = cuda.local.array(MICRO_M, float32)
         wr = cuda.local.array(MICRO_N, float32)
         for n0 in range(cuda.blockIdx.z * TILE_N, width, cuda.gridDim.z * TILE_N):
+            # The old outputs first, so their trip to memory overlaps the staging loads
+            # (see .expand); rows and columns past the tile repeat in-bounds ones and
+            # are never stored.
+            if add_inputs:
+                for i in range(MICRO_M):
+                    for q in range(MICRO_N):
+                        n = min(n0 + tn + GRID_N * q, width - 1)
+                        old[i * MICRO_N + q] = load_out(out[out_token[i], column0 + n])
             for p in range(MICRO):
                 acc[p] = float32(0.0)
             for k0 in range(0, rank, CHUNK):
                 # Stage the chunk: every load first (into registers), then every shared
-                # store, so the loads are in flight together. Element e of x is (row
-                # e // CHUNK, rank k0 + e % CHUNK); word e of B is (column n0 + e //
-                # WORDS_PER_ROW, word e % WORDS_PER_ROW). Past the rank: a repeat of the
-                # last element, zeroed when stored; past the slice: a harmless repeat.
-                for u in range(X_LOADS):
-                    e = tid + u * threads
-                    x_regs[u] = x[s, token[e // CHUNK], min(k0 + e % CHUNK, rank - 1)]
+                # store, so the loads are in flight together. Word e of B is (column n0
+                # + e // WORDS_PER_ROW, word e % WORDS_PER_ROW); element e of x is (row
+                # e // CHUNK, rank k0 + e % CHUNK). Past the rank: a repeat of the last
+                # element, zeroed when stored; past the slice: a harmless repeat.
                 for u in range(W_LOADS):
                     e = tid + u * threads
                     n = min(n0 + e // WORDS_PER_ROW, width - 1)
                     w_regs[u] = w[slot, n, min(k0 // PACK + e % WORDS_PER_ROW, words - 1)]
+                for u in range(X_LOADS):
+                    e = tid + u * threads
+                    x_regs[u] = x[s, x_token[u], min(k0 + e % CHUNK, rank - 1)]
                 for u in range(X_LOADS):
                     e = tid + u * threads
                     kk = e % CHUNK
@@ -172,21 +170,14 @@ def build_tiled_expand_kernel(
                         for q in range(MICRO_N):
                             acc[i * MICRO_N + q] += xr[i] * wr[q]
                 cuda.syncthreads()  # the chunk buffers are refilled next
-            # Every old output is read before the first store (see .expand); rows and
-            # columns past the tile repeat in-bounds ones and are never stored.
-            if add_inputs:
-                for i in range(MICRO_M):
-                    t = token[tm + GRID_M * i]
-                    for q in range(MICRO_N):
-                        n = min(n0 + tn + GRID_N * q, width - 1)
-                        acc[i * MICRO_N + q] += load_out(out[t, column0 + n])
+            if add_inputs:  # the old output is added last (the op's order)
+                for p in range(MICRO):
+                    acc[p] += old[p]
             for i in range(MICRO_M):
-                j = tm + GRID_M * i
-                if j < rows:
-                    t = token[j]
+                if tm + GRID_M * i < rows:
                     for q in range(MICRO_N):
                         n = n0 + tn + GRID_N * q
                         if n < width:
-                            out[t, column0 + n] = store_out(acc[i * MICRO_N + q])
+                            out[out_token[i], column0 + n] = store_out(acc[i * MICRO_N + q])
 
     return expand_tiled

@@ -8,21 +8,42 @@ its work up in a *tile table*, made on the device by a few torch operations:
 * segment i (slot ``lora_ids[i]`` with ``counts[i]`` tokens) is cut into
   ``ceil(counts[i] / tile_m)`` tiles of up to ``tile_m`` tokens;
 * the tiles of all segments, the ``-1`` segment left out, are numbered in order;
-* ``table[0, b]`` is the segment of tile ``b`` and ``table[1, b]`` the offset of its
-  first token inside the segment; ``table[0, b] = -1`` when there is no tile ``b``.
+* column ``b`` of the table describes tile ``b``: its slot, where its first token
+  sits in the sorted order, how many tokens it has, and that first token's row.
 
 Because ``sum_i ceil(c_i / tile_m) <= ceil(M / tile_m) + len(lora_ids)``, a grid of
 :func:`tile_grid_bound` blocks always suffices. ``LoRAKernelMeta`` refreshes one
 table per tile size the launch configurations use (``launch.tile_sizes()``) every
-time it prepares a mapping, so a launch only reads it: one lookup per block instead
-of a walk over all segments.
+time it prepares a mapping, so a launch only reads it.
+
+Why the table holds what it holds: a block's first steps are a chain of memory
+reads, each waiting for the one before (at decode, with one token per block, the
+chain *is* the kernel's time). Reading the segment number and then its slot, count
+and start, then the sorted token, would be four trips to memory before the first
+activation load; with the slot, position, row count and first token in the table
+it is one (:func:`read_tile`), and a block of one token can load its
+activation straight away (:func:`tile_token`).
 """
 
 from __future__ import annotations
 
 import torch
+from numba import int64
 
-__all__ = ["tile_grid_bound", "tile_table"]
+from .._cuda import cuda
+
+__all__ = [
+    "TABLE_ROWS",
+    "clear_tile_table",
+    "read_tile",
+    "tile_grid_bound",
+    "tile_table",
+    "tile_token",
+]
+
+#: The table's rows: slot (-1: no tile), position of the tile's first token in the
+#: sorted order, tokens in the tile, the first token's row.
+TABLE_ROWS = ("slot", "position", "rows", "first_token")
 
 
 def tile_grid_bound(num_tokens: int, num_segments: int, tile_m: int) -> int:
@@ -33,17 +54,23 @@ def tile_grid_bound(num_tokens: int, num_segments: int, tile_m: int) -> int:
 def tile_table(
     lora_ids: torch.Tensor,
     counts: torch.Tensor,
+    starts: torch.Tensor,
+    sorted_tokens: torch.Tensor,
     tile_m: int,
     num_blocks: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ``[2, num_blocks]`` int32 tile table for these segments (no host sync).
+    """The ``[4, num_blocks]`` int32 tile table for these segments (no host sync).
 
     Semantics:
         tiles[i] = ceil(counts[i] / tile_m) if lora_ids[i] != -1 else 0
         ends = cumsum(tiles)
-        for b < num_blocks: i = the segment with ends[i-1] <= b < ends[i]
-            table[:, b] = (i, (b - ends[i-1]) * tile_m), or (-1, 0) past the last tile
+        for b < num_blocks: i = the segment with ends[i-1] <= b < ends[i],
+            first = (b - ends[i-1]) * tile_m       (offset of the tile in its segment)
+            position = starts[i] + first
+            table[:, b] = (lora_ids[i], position, min(tile_m, counts[i] - first),
+                           sorted_tokens[position])
+        past the last tile: table[:, b] = (-1, 0, 0, 0)
     """
     tiles = torch.where(lora_ids != -1, (counts.to(torch.int64) + tile_m - 1) // tile_m, 0)
     ends = torch.cumsum(tiles, 0)  # [L+1]
@@ -52,8 +79,47 @@ def tile_table(
     real = segment < len(ends)
     segment = segment.clamp(max=len(ends) - 1)
     first = (block - (ends[segment] - tiles[segment])) * tile_m
-    table = torch.stack([torch.where(real, segment, -1), torch.where(real, first, 0)])
+    position = torch.where(real, starts[segment] + first, 0)
+    rows = torch.clamp(counts[segment] - first, max=tile_m)
+    if len(sorted_tokens):
+        token = sorted_tokens[position.clamp(0, len(sorted_tokens) - 1)]
+    else:  # no rows, so no tile either
+        token = torch.zeros_like(position)
+    zero = torch.zeros_like(position)
+    table = torch.stack(
+        [
+            torch.where(real, lora_ids[segment].to(torch.int64), -1),
+            position,
+            torch.where(real, rows, zero),
+            torch.where(real, token.to(torch.int64), zero),
+        ]
+    )
     if out is None:
         return table.to(torch.int32)
     out.copy_(table)
     return out
+
+
+def clear_tile_table(table: torch.Tensor) -> torch.Tensor:
+    """Mark every block of ``table`` as having no tile, ``(-1, 0, 0, 0)``; in place."""
+    table.zero_()
+    table[0].fill_(-1)
+    return table
+
+
+@cuda.jit(device=True)
+def read_tile(tiles):
+    """This block's tile, ``(slot, position, rows, first_token)``: column ``blockIdx.x``
+    of the table, four independent loads. ``slot`` is -1 when there is no tile."""
+    block = cuda.blockIdx.x
+    return tiles[0, block], tiles[1, block], tiles[2, block], tiles[3, block]
+
+
+@cuda.jit(device=True)
+def tile_token(sorted_tokens, position, rows, first_token, j):
+    """The row of token ``j`` of a tile (as int64). Past the tile's ``rows`` tokens it
+    repeats the last one, so that every load a kernel makes with it stays in bounds
+    (those rows are never stored). Token 0 comes from the table: no load."""
+    if j == 0:
+        return int64(first_token)
+    return int64(sorted_tokens[position + min(j, rows - 1)])

@@ -29,7 +29,8 @@ import torch
 from numba import float32, int64
 
 from .._cuda import SIMULATOR, cuda
-from .dtypes import memory_type, packing, word_loader
+from .dtypes import loader, memory_type, packing, storer, word_loader
+from .segments import read_tile, tile_token
 
 __all__ = ["MAX_SLICES", "build_shrink_kernel"]
 
@@ -40,9 +41,16 @@ MAX_SLICES = 3
 
 
 @functools.cache
-def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: int, packed: bool):
-    """Compile-time specialisation: the dtype of x and A, threads per block, tile
-    sizes, and whether x and A arrive as packed int64 words.
+def build_shrink_kernel(
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    threads: int,
+    tile_m: int,
+    tile_n: int,
+    packed: bool,
+):
+    """Compile-time specialisation: the dtypes of x and A and of the output, threads per
+    block, tile sizes, and whether x and A arrive as packed int64 words.
 
     They must be constants because they size local (register) and shared arrays and
     the loops over them, which Numba unrolls only when the trip count is known.
@@ -50,6 +58,7 @@ def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: i
     if threads & (threads - 1):
         raise ValueError(f"threads must be a power of two for the tree reduction, got {threads}")
     load = word_loader(dtype, packed)
+    load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, TILE_M, TILE_N, PACK = threads, tile_m, tile_n, packing(dtype, packed)
     PARTIALS = TILE_M * TILE_N  # dot products one block computes per rank group
     # Strides of K whose loads are issued before any is used: more loads in flight per
@@ -65,16 +74,11 @@ def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: i
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
 
     @cuda.jit
-    def shrink(
-        x, w0, w1, w2, out, slice_base, tiles, sorted_tokens, counts, starts, lora_ids, scaling
-    ):
-        # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [2, B] int32
-        segment = tiles[0, cuda.blockIdx.x]
-        if segment == -1:
+    def shrink(x, w0, w1, w2, out, slice_base, tiles, sorted_tokens, scaling):
+        # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [4, B] int32
+        slot, position, rows, first_token = read_tile(tiles)
+        if slot == -1:
             return  # the whole block leaves together, before any barrier
-        first = tiles[1, cuda.blockIdx.x]
-        slot = lora_ids[segment]
-        rows = min(TILE_M, counts[segment] - first)  # valid tokens in this tile
         s_local = cuda.blockIdx.y
         if s_local == 0:
             w = w0
@@ -87,11 +91,9 @@ def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: i
         words = x.shape[1]
         tid = cuda.threadIdx.x
 
-        # The tile's token rows; a short tile repeats its last token so that every
-        # load stays in bounds (those rows are never stored).
-        token = cuda.local.array(TILE_M, int64)
+        token = cuda.local.array(TILE_M, int64)  # the tile's token rows
         for j in range(TILE_M):  # j in [0, TILE_M), unrolled
-            token[j] = sorted_tokens[starts[segment] + first + min(j, rows - 1)]
+            token[j] = tile_token(sorted_tokens, position, rows, first_token, j)
 
         partial = cuda.local.array(PARTIALS, float32)
         xw = cuda.local.array(X_WORDS, WORD)
@@ -99,6 +101,13 @@ def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: i
         tree = cuda.shared.array((PARTIALS, TREE_WIDTH), float32)
 
         for n0 in range(cuda.blockIdx.z * TILE_N, rank, cuda.gridDim.z * TILE_N):
+            # The thread that will store output (j, n) reads its old value now, so the
+            # read is not one more trip to memory after the sum (rows and ranks past
+            # the tile repeat in-bounds ones and are never stored).
+            old = float32(0.0)
+            if tid < PARTIALS:
+                n = min(n0 + tid % TILE_N, rank - 1)
+                old = load_out(out[out_slice, token[tid // TILE_N], n])
             for p in range(PARTIALS):
                 partial[p] = float32(0.0)
             # k in [0, K/PACK), strided by THREADS; UNROLL strides' loads are issued
@@ -151,7 +160,7 @@ def build_shrink_kernel(dtype: torch.dtype, threads: int, tile_m: int, tile_n: i
                 j = tid // TILE_N
                 n = n0 + tid % TILE_N
                 if j < rows and n < rank:
-                    out[out_slice, token[j], n] += scaling * tree[tid, 0]
+                    out[out_slice, token[j], n] = store_out(old + scaling * tree[tid, 0])
             cuda.syncthreads()  # the tree is reused by the next rank group
 
     return shrink
