@@ -12,6 +12,7 @@ what it reads from there for a small register tile of outputs:
 * threads form a ``GRID_M x GRID_N`` grid; thread (tm, tn) owns the ``MICRO_M x
   MICRO_N`` outputs at tokens ``tm + GRID_M*i`` and columns ``tn + GRID_N*q``, so a
   warp's 32 neighbouring threads own 32 neighbouring columns (coalesced stores);
+* the tile's token rows are read once into shared memory (:func:`.segments.tile_token`);
 * per chunk of ``CHUNK`` ranks: the block loads (all loads first, so they are in
   flight together) and copies ``TILE_M x CHUNK`` elements of x
   and ``TILE_N x CHUNK`` of B into shared memory as fp32 (rows past the tile or the
@@ -21,8 +22,13 @@ what it reads from there for a small register tile of outputs:
 The arithmetic order of each output is the row kernel's: one fp32 accumulator,
 starting at 0, adding ``x[k] * B[n, k]`` for k = 0, 1, ..., r-1 (the zero padding
 adds exact zeros), then the old output when ``add_inputs``. So both kernels give
-the same bits, and the launch heuristic may pick either. (The old outputs are
-read first of all, though, so that their trip to memory overlaps the staging.)
+the same bits, and the launch heuristic may pick either.
+
+Unlike the row kernel, this one reads the old outputs only after the products. A
+trial (v4, docs/benchmarks) read them first, and let each thread read its own token
+rows instead of sharing them: the old outputs then stay in ``MICRO`` more registers
+through the chunk loop, the 64 x 128 tile used 207 registers per thread (one block
+per SM), and on the H200 it took 127 µs instead of 91 at T=4096 over 64 LoRAs.
 
 Memory traffic per block: ``TILE_M * r`` elements of x, ``TILE_N * r`` of B,
 ``TILE_M * TILE_N`` outputs (read too when ``add_inputs``).
@@ -106,48 +112,34 @@ def build_tiled_expand_kernel(
         tm = tid // GRID_N
         tn = tid % GRID_N
 
-        # The token rows this thread touches: those of the x elements it stages and of
-        # the outputs it owns. Each thread reads its own (no barrier to wait at).
-        x_token = cuda.local.array(X_LOADS, int64)
-        for u in range(X_LOADS):
-            j = (tid + u * threads) // CHUNK
-            x_token[u] = tile_token(sorted_tokens, position, rows, first_token, j)
-        out_token = cuda.local.array(MICRO_M, int64)
-        for i in range(MICRO_M):
-            out_token[i] = tile_token(sorted_tokens, position, rows, first_token, tm + GRID_M * i)
-
+        token = cuda.shared.array(TILE_M, int64)  # the tile's token rows
         xs = cuda.shared.array((CHUNK, TILE_M), float32)  # x chunk, transposed
         ws = cuda.shared.array((CHUNK, TILE_N), float32)  # B chunk, transposed
+        for j in range(tid, TILE_M, threads):
+            token[j] = tile_token(sorted_tokens, position, rows, first_token, j)
+        cuda.syncthreads()
+
         acc = cuda.local.array(MICRO, float32)
-        old = cuda.local.array(MICRO, float32)
         x_regs = cuda.local.array(X_LOADS, X_ELEMENT)  # a chunk's loads, in flight together
         w_regs = cuda.local.array(W_LOADS, W_WORD)
         xr = cuda.local.array(MICRO_M, float32)
         wr = cuda.local.array(MICRO_N, float32)
         for n0 in range(cuda.blockIdx.z * TILE_N, width, cuda.gridDim.z * TILE_N):
-            # The old outputs first, so their trip to memory overlaps the staging loads
-            # (see .expand); rows and columns past the tile repeat in-bounds ones and
-            # are never stored.
-            if add_inputs:
-                for i in range(MICRO_M):
-                    for q in range(MICRO_N):
-                        n = min(n0 + tn + GRID_N * q, width - 1)
-                        old[i * MICRO_N + q] = load_out(out[out_token[i], column0 + n])
             for p in range(MICRO):
                 acc[p] = float32(0.0)
             for k0 in range(0, rank, CHUNK):
                 # Stage the chunk: every load first (into registers), then every shared
-                # store, so the loads are in flight together. Word e of B is (column n0
-                # + e // WORDS_PER_ROW, word e % WORDS_PER_ROW); element e of x is (row
-                # e // CHUNK, rank k0 + e % CHUNK). Past the rank: a repeat of the last
-                # element, zeroed when stored; past the slice: a harmless repeat.
+                # store, so the loads are in flight together. Element e of x is (row
+                # e // CHUNK, rank k0 + e % CHUNK); word e of B is (column n0 + e //
+                # WORDS_PER_ROW, word e % WORDS_PER_ROW). Past the rank: a repeat of the
+                # last element, zeroed when stored; past the slice: a harmless repeat.
+                for u in range(X_LOADS):
+                    e = tid + u * threads
+                    x_regs[u] = x[s, token[e // CHUNK], min(k0 + e % CHUNK, rank - 1)]
                 for u in range(W_LOADS):
                     e = tid + u * threads
                     n = min(n0 + e // WORDS_PER_ROW, width - 1)
                     w_regs[u] = w[slot, n, min(k0 // PACK + e % WORDS_PER_ROW, words - 1)]
-                for u in range(X_LOADS):
-                    e = tid + u * threads
-                    x_regs[u] = x[s, x_token[u], min(k0 + e % CHUNK, rank - 1)]
                 for u in range(X_LOADS):
                     e = tid + u * threads
                     kk = e % CHUNK
@@ -170,14 +162,21 @@ def build_tiled_expand_kernel(
                         for q in range(MICRO_N):
                             acc[i * MICRO_N + q] += xr[i] * wr[q]
                 cuda.syncthreads()  # the chunk buffers are refilled next
-            if add_inputs:  # the old output is added last (the op's order)
-                for p in range(MICRO):
-                    acc[p] += old[p]
+            # Every old output is read before the first store (see .expand); rows and
+            # columns past the tile repeat in-bounds ones and are never stored.
+            if add_inputs:
+                for i in range(MICRO_M):
+                    t = token[tm + GRID_M * i]
+                    for q in range(MICRO_N):
+                        n = min(n0 + tn + GRID_N * q, width - 1)
+                        acc[i * MICRO_N + q] += load_out(out[t, column0 + n])
             for i in range(MICRO_M):
-                if tm + GRID_M * i < rows:
+                j = tm + GRID_M * i
+                if j < rows:
+                    t = token[j]
                     for q in range(MICRO_N):
                         n = n0 + tn + GRID_N * q
                         if n < width:
-                            out[out_token[i], column0 + n] = store_out(acc[i * MICRO_N + q])
+                            out[t, column0 + n] = store_out(acc[i * MICRO_N + q])
 
     return expand_tiled
