@@ -303,9 +303,21 @@ if not SIMULATOR:
     def _core_launch_config(grid, block):
         return _CoreLaunchConfig(grid=grid, block=block, shmem_size=0)
 
+    # torch.cuda.current_stream() builds a Stream object through several Python calls,
+    # a few µs on a slow host for every launch. torch's compiler reads the raw handle
+    # straight from the C++ side; so does the launcher, when this torch has it.
+    _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    _current_device = getattr(torch._C, "_cuda_getDevice", None)
+
+    def _current_stream_handle() -> int:
+        """The ``cudaStream_t`` of torch's current stream on the current device."""
+        if _raw_stream is not None and _current_device is not None:
+            return _raw_stream(_current_device())
+        return torch.cuda.current_stream().cuda_stream
+
     def _core_stream():
         """torch's current stream as a cuda.core stream (created once per torch stream)."""
-        handle = torch.cuda.current_stream().cuda_stream
+        handle = _current_stream_handle()
         stream = _CORE_STREAMS.get(handle)
         if stream is None:
             stream = _CORE_STREAMS[handle] = _to_core_stream(launch_stream())

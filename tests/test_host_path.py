@@ -290,3 +290,14 @@ def test_the_gpu_path_packs_raw_parameters(monkeypatch):
             assert type(got) is int and got == expected
     converted = [type(raw[i]) for i in scalars]
     assert converted == [ctypes.c_int32, ctypes.c_float, bool, ctypes.c_int64]
+
+
+@pytest.mark.gpu
+def test_the_launcher_sees_torchs_current_stream():
+    """The launcher reads torch's current stream through a fast path; it must be the
+    stream torch itself reports, also inside a ``torch.cuda.stream`` context."""
+    assert _cuda._current_stream_handle() == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert _cuda._current_stream_handle() == side.cuda_stream
+    assert _cuda._current_stream_handle() == torch.cuda.current_stream().cuda_stream

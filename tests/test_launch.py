@@ -54,15 +54,17 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
 
 
 def test_from_tokens_holds_back_a_config(monkeypatch):
-    """A big tile waits for enough rows (256 tokens of one slot fill only four 64-token
-    tiles), whatever the tokens per slot."""
+    """A configuration gated on the row count waits for that many rows, whatever the
+    tokens per slot (e.g. the shrink's 128-thread blocks pay off only from T=128 on)."""
     monkeypatch.setattr(launch, "SIMULATOR", False)
-    gated = [c for c in launch_configs("expand") if c.from_tokens]
+    gated = [(op, c) for op in OPS for c in launch_configs(op) if c.from_tokens]
     assert gated, "the GPU table gates a configuration on the row count"
-    config = gated[0]
-    rows = config.from_tokens - 1
-    assert choose_launch_config("expand", rows, 1) != config
-    assert choose_launch_config("expand", config.from_tokens, 1) == config
+    for op, config in gated:
+        rows = config.from_tokens
+        # slots such that the tokens per slot just reach this configuration's threshold
+        slots = max(1, int(rows // max(config.from_tokens_per_slot, 1)))
+        assert choose_launch_config(op, rows, slots) == config, (op, config)
+        assert choose_launch_config(op, rows - 1, slots) != config, (op, config)
 
 
 def test_every_expand_shares_one_arithmetic_and_shrink_groups_by_threads(table):
