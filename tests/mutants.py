@@ -98,7 +98,8 @@ def _build(op: str, bug: str, x_dtype, w_dtype, out_dtype):
             else:
                 acc += product
         total = float32(acc16) if fp16_sum else acc
-        out[s, t, n] += (scaling if use_scaling else float32(1.0)) * total
+        old = load_out(out[s, t, n])
+        out[s, t, n] = store_out(old + (scaling if use_scaling else float32(1.0)) * total)
 
     @cuda.jit
     def expand(x, w, out, s, column0, sorted_tokens, counts, starts, lora_ids, add_inputs):
