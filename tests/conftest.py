@@ -5,7 +5,8 @@ Profiles (choose with ``HYPOTHESIS_PROFILE``; the default is ``dev``):
 * ``dev``  a quick local run: few examples, small shapes;
 * ``ci``   what ``make test`` runs: derandomised (the same examples every run), small shapes;
 * ``sim``  more examples, still at the simulator's tiny shapes;
-* ``gpu``  the H200 run: >= 300 examples per property, shapes up to H=8192, T=4096.
+* ``gpu``  the H200 run: >= 300 examples per property, shapes up to H=8192, T=4096;
+* ``sanitize``  3 examples per property, for runs under compute-sanitizer (tests/sanitize.sh).
 
 Shapes depend on the machine as well as the profile: on the simulator every CUDA
 thread is a Python thread, so kernel tests always draw tiny shapes there.
@@ -29,6 +30,11 @@ settings.register_profile(
     derandomize=True,
     print_blob=True,
     suppress_health_check=_SLOW_DRAWS,
+)
+#: Under compute-sanitizer every launch is instrumented and runs many times slower
+#: (racecheck most): a few examples per property (tests/sanitize.sh).
+settings.register_profile(
+    "sanitize", max_examples=3, deadline=None, suppress_health_check=_SLOW_DRAWS
 )
 settings.register_profile("sim", max_examples=40, deadline=None, suppress_health_check=_SLOW_DRAWS)
 settings.register_profile(

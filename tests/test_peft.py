@@ -118,7 +118,7 @@ def peft_mixed_batch(peft_model, requests, generations, names) -> list[torch.Ten
     """PEFT's mixed-batch forward: one right-padded batch, ``adapter_names`` per row."""
     seqs = [teacher_forced(r, g.tokens) for r, g in zip(requests, generations)]
     width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.int64)
+    ids = torch.zeros(len(seqs), width, dtype=torch.int64, device=DEVICE)
     mask = torch.zeros_like(ids)
     for row, s in enumerate(seqs):
         ids[row, : len(s)], mask[row, : len(s)] = s, 1
