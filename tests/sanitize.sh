@@ -29,8 +29,11 @@
 #   an error; the kernels' memory accesses are what is checked here.
 # * The CUDA-graph test is left out: without torch's caching allocator (above) every
 #   allocation is a cudaMalloc, which a stream capture does not allow.
-# * racecheck checks shared memory (the shrink's reduction tree); --racecheck-report all
-#   prints both the hazards and racecheck's analysis of them.
+# * racecheck checks shared memory: the shrink's sums across warps (a tree on the
+#   simulator) and the tiled expand's staged chunks; --racecheck-report all prints both
+#   the hazards and racecheck's analysis of them. It is the slowest tool: at the
+#   sanitize profile, test_ops and the launch tests of test_determinism took 155 s on
+#   an H200.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
