@@ -309,11 +309,17 @@ if not SIMULATOR:
     _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
-    def _current_stream_handle() -> int:
-        """The ``cudaStream_t`` of torch's current stream on the current device."""
-        if _raw_stream is not None and _current_device is not None:
+    if _raw_stream is not None and _current_device is not None:
+
+        def _current_stream_handle() -> int:
+            """The ``cudaStream_t`` of torch's current stream on the current device."""
             return _raw_stream(_current_device())
-        return torch.cuda.current_stream().cuda_stream
+
+    else:
+
+        def _current_stream_handle() -> int:
+            """The ``cudaStream_t`` of torch's current stream (older torch)."""
+            return torch.cuda.current_stream().cuda_stream
 
     def _core_stream():
         """torch's current stream as a cuda.core stream (created once per torch stream)."""

@@ -85,13 +85,12 @@ def tile_table(
         token = sorted_tokens[position.clamp(0, len(sorted_tokens) - 1)]
     else:  # no rows, so no tile either
         token = torch.zeros_like(position)
-    zero = torch.zeros_like(position)
     table = torch.stack(
         [
             torch.where(real, lora_ids[segment].to(torch.int64), -1),
             position,
-            torch.where(real, rows, zero),
-            torch.where(real, token.to(torch.int64), zero),
+            torch.where(real, rows, 0),
+            torch.where(real, token.to(torch.int64), 0),
         ]
     )
     if out is None:
