@@ -37,7 +37,7 @@ class LaunchConfig:
 
     ``kernel="rows"`` is the row kernel (:mod:`.kernels.shrink`, :mod:`.kernels.expand`):
     ``tile_m`` tokens of one slot per block; shrink takes ``tile_n`` ranks per group,
-    expand ``vec`` neighbouring columns per thread. ``kernel="tiled"`` is the shared-memory tile of
+    expand one column per thread. ``kernel="tiled"`` is the shared-memory tile of
     expand (:mod:`.kernels.expand_tiled`): ``tile_m`` tokens x ``tile_n`` columns per
     block, ``micro`` outputs per thread, ``chunk`` ranks staged at a time.
     The heuristic picks it from ``from_tokens_per_slot`` tokens per active slot and
@@ -51,15 +51,12 @@ class LaunchConfig:
     spread: bool = True  # spread rank / column groups over grid.z, or loop inside the block
     micro: tuple[int, int] = (1, 1)  # tiled: the register tile of one thread
     chunk: int = 0  # tiled: ranks staged in shared memory at a time
-    vec: int = 1  # row expand: neighbouring output columns per thread
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
 
     def columns_per_block(self, op: str) -> int:
         """Ranks (shrink) or output columns (expand) one block covers per group."""
-        if op == "expand" and self.kernel == "rows":
-            return self.threads * self.vec
-        return self.tile_n
+        return self.threads if op == "expand" and self.kernel == "rows" else self.tile_n
 
     def arithmetic(self, op: str) -> tuple:
         """Launches whose configurations have equal keys give bit-identical results.
@@ -83,9 +80,6 @@ _SIMULATOR_CONFIGS = {
     "expand": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
         LaunchConfig("rows", threads=16, tile_m=4, tile_n=16, spread=False, from_tokens_per_slot=2),
-        LaunchConfig(
-            "rows", threads=4, tile_m=4, tile_n=16, spread=False, vec=4, from_tokens_per_slot=2.5
-        ),
         LaunchConfig("tiled", 8, tile_m=4, tile_n=8, micro=(2, 2), chunk=4, from_tokens_per_slot=3),
     ),
 }
@@ -151,11 +145,8 @@ def choose_launch_config(op: str, num_tokens: int, active_slots: int | None) -> 
 
 
 def config_name(config: LaunchConfig) -> str:
-    """A short label, e.g. ``rows_t256_m1_n4``, ``rows_t128_m4_n128_v4`` (4 columns per
-    thread) or ``tiled_t256_m64_n128_u8x4_c16``."""
+    """A short label, e.g. ``rows_t256_m1_n4`` or ``tiled_t256_m64_n128_u8x4_c16``."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
-    if config.vec > 1:
-        name += f"_v{config.vec}"
     if config.kernel == "tiled":
         name += f"_u{config.micro[0]}x{config.micro[1]}_c{config.chunk}"
     return name

@@ -152,10 +152,8 @@ def _launcher(kernel) -> KernelLauncher:
     return KernelLauncher(kernel)
 
 
-def _expand_kernel(
-    config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bool, packed_out: bool = False
-):
-    """The expand kernel ``config`` names, compiled (once) for these dtypes and forms."""
+def _expand_kernel(config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bool):
+    """The expand kernel ``config`` names, compiled (once) for these dtypes."""
     if config.kernel == "tiled":
         return build_tiled_expand_kernel(
             x_dtype,
@@ -168,9 +166,7 @@ def _expand_kernel(
             config.chunk,
             packed,
         )
-    return build_expand_kernel(
-        x_dtype, w_dtype, out_dtype, config.threads, config.tile_m, packed, config.vec, packed_out
-    )
+    return build_expand_kernel(x_dtype, w_dtype, out_dtype, config.threads, config.tile_m, packed)
 
 
 def _check_devices_and_metadata(
@@ -258,24 +254,6 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
     if any((stride * size) % 8 for stride in t.stride()[:-1]):
         return None
     return t.view(torch.int64)
-
-
-def _output_words(
-    output_tensor: torch.Tensor, config: LaunchConfig, columns: list, widths: list
-) -> torch.Tensor | None:
-    """The output as int64 words for a row expand with several columns per thread, or
-    None when it must be written element by element: the kernel reads and writes a
-    token's ``vec`` columns as whole 8-byte words, so every slice must start and end on
-    a word, and ``vec`` must hold whole words. fp16 is written by element (there is no
-    fp32 -> fp16 rounding of our own to pack it with)."""
-    if config.kernel != "rows" or config.vec == 1:
-        return None
-    if output_tensor.dtype not in (torch.bfloat16, torch.float32):
-        return None
-    per_word = 8 // output_tensor.element_size()
-    if config.vec % per_word or any(c % per_word for c in columns + widths):
-        return None
-    return _words(output_tensor)
 
 
 def _nothing() -> None:
@@ -515,15 +493,11 @@ def _expand_launch(
     forms = _weight_forms(weights)  # B in packed 8-byte words when every slice allows
     packed = all(words is not None for words, _ in forms)
     weights = [words if packed else elements for words, elements in forms]
-    columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
-    out_words = _output_words(output_tensor, config, columns, widths)
-    out = output_tensor if out_words is None else out_words
-    kernel = _expand_kernel(
-        config, inputs.dtype, dtype, output_tensor.dtype, packed, out_words is not None
-    )
+    kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed)
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)
+    columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
 
     def launch() -> None:
         if blocks == 0:
@@ -537,7 +511,7 @@ def _expand_launch(
             grid = (blocks, len(chunk), groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
             starts += [0] * (MAX_SLICES - len(starts))
-            args = (inputs, *chunk, out, base, *starts, *meta, add_inputs)
+            args = (inputs, *chunk, output_tensor, base, *starts, *meta, add_inputs)
             launcher(grid, config.threads, args)
 
     return launch

@@ -7,7 +7,6 @@ table applies from ``punica_numba.launch.SIMULATOR``, which the tests switch.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from punica_numba import LoRAKernelMeta, launch
 from punica_numba._cuda import device_of
@@ -99,30 +98,3 @@ def test_forcing_a_configuration_is_scoped_and_checked():
             pass
     with pytest.raises(ValueError, match="op must be one of"):
         launch_configs("gemm")
-
-
-def test_the_row_expand_moves_whole_output_words_only_where_every_slice_allows():
-    """With several columns per thread, the row expand reads and writes a token's columns
-    as 8-byte words when each slice starts and ends on a word (bf16, fp32), else element
-    by element; a word that straddled two slices would overwrite the neighbour."""
-    from punica_numba.ops import _output_words
-
-    vec = launch.LaunchConfig("rows", threads=4, tile_m=4, tile_n=16, vec=4)
-    one = launch.LaunchConfig("rows", threads=16, tile_m=4, tile_n=16)
-    bf16 = torch.zeros(3, 24, dtype=torch.bfloat16)
-    words = _output_words(bf16, vec, [0, 8], [8, 16])
-    assert words is not None and words.dtype == torch.int64 and words.shape == (3, 6)
-    assert words.data_ptr() == bf16.data_ptr()
-    fp32 = _output_words(bf16.float(), vec, [0, 8], [8, 16])
-    assert fp32 is not None and fp32.shape == (3, 12)
-    assert _output_words(bf16.float(), vec, [2, 8], [6, 16]) is not None  # 2 fp32 per word
-    refused = [
-        (bf16, one, [0, 8], [8, 16]),  # one column per thread: element by element
-        (bf16.half(), vec, [0, 8], [8, 16]),  # fp16: no packing of our own
-        (bf16, vec, [2, 8], [6, 16]),  # a slice starts inside a word
-        (bf16, vec, [0, 8], [8, 15]),  # ... or ends inside one
-        (torch.zeros(3, 23, dtype=torch.bfloat16), vec, [0], [20]),  # rows of part words
-        (bf16[:, 1:21], vec, [0], [20]),  # rows that do not start on a word
-    ]
-    for out, config, columns, widths in refused:
-        assert _output_words(out, config, columns, widths) is None, (out.shape, columns)

@@ -29,7 +29,6 @@ __all__ = [
     "loader",
     "storer",
     "word_loader",
-    "word_packer",
     "memory_type",
     "packing",
     "bf16_bits_to_f32",
@@ -129,18 +128,6 @@ def _element(word, lane):
     return np.float32(word)
 
 
-@cuda.jit(device=True)
-def _bf16_into_lane(word, lane, value):
-    bits = np.int64(f32_to_bf16_bits(value)) & np.int64(0xFFFF)
-    return word | (bits << np.int64(16 * lane))
-
-
-@cuda.jit(device=True)
-def _f32_into_lane(word, lane, value):
-    bits = np.int64(np.float32(value).view(np.uint32))
-    return word | (bits << np.int64(32 * lane))
-
-
 def packing(dtype: torch.dtype, packed: bool) -> int:
     """Elements per word: 8 bytes over the element size when packed, else 1."""
     return 8 // torch.tensor([], dtype=dtype).element_size() if packed else 1
@@ -162,14 +149,3 @@ def word_loader(dtype: torch.dtype, packed: bool):
             dtype
         ]
     return _bf16_element if dtype == torch.bfloat16 else _element
-
-
-def word_packer(dtype: torch.dtype):
-    """The device function ``(word, lane, value) -> word`` that rounds the fp32 ``value``
-    to ``dtype`` and puts it into lane ``lane`` of an int64 word whose lane is still 0
-    (a word is built from 0, lane by lane). bf16 and fp32 only: packing fp16 would need
-    an fp32 -> fp16 rounding of our own, so fp16 outputs are stored element by element."""
-    packers = {torch.bfloat16: _bf16_into_lane, torch.float32: _f32_into_lane}
-    if dtype not in packers:
-        raise ValueError(f"no word packer for {dtype}")
-    return packers[dtype]
