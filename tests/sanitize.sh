@@ -18,6 +18,10 @@
 #                       racecheck one test of test_ops takes several seconds on an H200)
 #   SANITIZE_TESTS      the pytest targets (default below; the >2**31-element tests are
 #                       left out: 6 GiB tensors under memcheck take too long)
+#   SANITIZE_KERNELS    check only kernels whose names contain one of these words
+#                       (default "shrink expand": the library's kernels are shrink, expand
+#                       and expand_tiled); "all" checks every kernel, the tests' own torch
+#                       kernels (random inputs, references) too, many times slower
 #
 # Notes:
 # * PYTORCH_NO_CUDA_MEMORY_CACHING=1: every torch tensor gets its own cudaMalloc, so
@@ -29,6 +33,9 @@
 #   an error; the kernels' memory accesses are what is checked here.
 # * The CUDA-graph test is left out: without torch's caching allocator (above) every
 #   allocation is a cudaMalloc, which a stream capture does not allow.
+# * racecheck first runs tests/planted_race.py, a kernel with a planted race, under the
+#   same options and filter, and must report it; otherwise the run fails (a filter that
+#   matched nothing would report "0 errors" for kernels it never checked).
 # * racecheck checks shared memory: the shrink's sums across warps (a tree on the
 #   simulator) and the tiled expand's staged chunks; --racecheck-report all prints both
 #   the hazards and racecheck's analysis of them. It is the slowest tool: at the
@@ -62,6 +69,11 @@ if [ ! -x "$SANITIZER" ] && ! command -v "$SANITIZER" >/dev/null; then
     exit 2
 fi
 
+filter=()
+if [ "${SANITIZE_KERNELS:-shrink expand}" != all ]; then
+    for word in ${SANITIZE_KERNELS:-shrink expand}; do filter+=(--kernel-name "kns=$word"); done
+fi
+
 status=0
 for tool in "${TOOLS[@]}"; do
     case "$tool" in
@@ -73,7 +85,19 @@ for tool in "${TOOLS[@]}"; do
     esac
     log="$LOGS/$tool.log"
     rm -f "$log"
-    "$SANITIZER" --tool "$tool" --target-processes all --report-api-errors no "${extra[@]}" \
+    if [ "$tool" = racecheck ]; then
+        control="$LOGS/racecheck.control.log"
+        "$SANITIZER" --tool racecheck --report-api-errors no "${extra[@]}" "${filter[@]}" \
+            --log-file "$control" "$PYTHON" tests/planted_race.py >/dev/null 2>&1
+        found=$(sed -nE 's/.*RACECHECK SUMMARY: .*\(([0-9]+) errors?.*/\1/p' "$control" | head -n 1)
+        if [ "${found:-0}" -lt 1 ]; then
+            echo "racecheck: did not report the planted race of tests/planted_race.py (see $control)"
+            status=1
+            continue
+        fi
+        echo "racecheck: found the planted race ($found error(s)), as it must"
+    fi
+    "$SANITIZER" --tool "$tool" --target-processes all --report-api-errors no "${extra[@]}" "${filter[@]}" \
         --log-file "$log" \
         "$PYTHON" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}" \
         -k 'not offsets_past and not cuda_graph' \
