@@ -363,7 +363,7 @@ def run_case(
     pool = [_argument_set(case, gen, device) for _ in range(pool_size)]
     error = _check(case, pool[0], meta, slots_d)
     ours = time_calls([lambda a=a: _run_op(case, a, meta) for a in pool])
-    chosen = choose_launch_config(case.op, case.T, meta.host.active_slots)
+    chosen = choose_launch_config(case.op, case.T, meta.host.active_slots, case.rank)
     per_config = {}
     for config in launch_configs(case.op) if all_configs else ():
         with force_launch_config(case.op, config):

@@ -37,11 +37,13 @@ class LaunchConfig:
 
     ``kernel="rows"`` is the row kernel (:mod:`.kernels.shrink`, :mod:`.kernels.expand`):
     ``tile_m`` tokens of one slot per block; shrink takes ``tile_n`` ranks per group,
-    expand one column per thread. ``kernel="tiled"`` is the shared-memory tile of
+    expand ``vec`` output columns per thread (a warp's 32 neighbouring columns, ``vec``
+    times over). ``kernel="tiled"`` is the shared-memory tile of
     expand (:mod:`.kernels.expand_tiled`): ``tile_m`` tokens x ``tile_n`` columns per
     block, ``micro`` outputs per thread, ``chunk`` ranks staged at a time.
-    The heuristic picks it from ``from_tokens_per_slot`` tokens per active slot and
-    ``from_tokens`` rows on (a big tile needs enough tiles to fill the GPU).
+    The heuristic picks it from ``from_tokens_per_slot`` tokens per active slot,
+    ``from_tokens`` rows (a big tile needs enough tiles to fill the GPU) and
+    ``from_rank`` on.
     """
 
     kernel: str  # "rows" or "tiled"
@@ -51,12 +53,16 @@ class LaunchConfig:
     spread: bool = True  # spread rank / column groups over grid.z, or loop inside the block
     micro: tuple[int, int] = (1, 1)  # tiled: the register tile of one thread
     chunk: int = 0  # tiled: ranks staged in shared memory at a time
+    vec: int = 1  # row expand: output columns per thread
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
+    from_rank: int = 0  # and where the LoRA rank is at least this
 
     def columns_per_block(self, op: str) -> int:
         """Ranks (shrink) or output columns (expand) one block covers per group."""
-        return self.threads if op == "expand" and self.kernel == "rows" else self.tile_n
+        if op == "expand" and self.kernel == "rows":
+            return self.threads * self.vec
+        return self.tile_n
 
     def arithmetic(self, op: str) -> tuple:
         """Launches whose configurations have equal keys give bit-identical results.
@@ -79,12 +85,16 @@ _SIMULATOR_CONFIGS = {
     ),
     "expand": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
+        LaunchConfig("rows", threads=8, tile_m=1, tile_n=32, spread=False, vec=4, from_tokens=6),
         LaunchConfig("rows", threads=16, tile_m=4, tile_n=16, spread=False, from_tokens_per_slot=2),
-        LaunchConfig("tiled", 8, tile_m=4, tile_n=8, micro=(2, 2), chunk=4, from_tokens_per_slot=3),
+        LaunchConfig(
+            "rows", threads=8, tile_m=2, tile_n=32, spread=False, vec=4, from_tokens_per_slot=3
+        ),
+        LaunchConfig("tiled", 8, 4, 8, micro=(2, 2), chunk=4, from_tokens_per_slot=3, from_rank=4),
     ),
 }
-#: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4): the
-#: fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV.
+#: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 and v5):
+#: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV.
 _GPU_CONFIGS = {
     "shrink": (
         LaunchConfig("rows", threads=256, tile_m=1, tile_n=4),  # decode: a token per slot
@@ -97,13 +107,35 @@ _GPU_CONFIGS = {
         ),
     ),
     "expand": (
-        LaunchConfig("rows", threads=128, tile_m=1, tile_n=128),
+        LaunchConfig("rows", threads=128, tile_m=1, tile_n=128),  # T=1: 3.0 µs, v4's 3.6
+        # From 16 rows on, 4 columns per thread: one load of the buffer feeds 4 products
+        # (T=256 distinct 27.0 -> 16.7 µs, QKV 49.1 -> 26.9, r=64 86.4 -> 82.7).
+        LaunchConfig("rows", threads=128, tile_m=1, tile_n=512, vec=4, from_tokens=16),
         LaunchConfig("rows", threads=128, tile_m=4, tile_n=128, from_tokens_per_slot=2.5),
+        # Many tokens per slot at rank <= 32: 4 tokens x 4 columns per thread beat the
+        # shared-memory tiles (T=4096 on one LoRA 102 -> 76 µs, 1024/32 29.8 -> 23.0) ...
+        LaunchConfig("rows", threads=128, tile_m=4, tile_n=512, vec=4, from_tokens_per_slot=12),
+        # ... but not at r=64, where the tiles reuse each B row across 16 tokens from
+        # shared memory (256/16 at r=64: 18.5 µs tiled, 32 by rows).
         LaunchConfig(
-            "tiled", 128, tile_m=16, tile_n=128, micro=(4, 4), chunk=16, from_tokens_per_slot=12
+            "tiled",
+            128,
+            tile_m=16,
+            tile_n=128,
+            micro=(4, 4),
+            chunk=16,
+            from_tokens_per_slot=12,
+            from_rank=33,
         ),
         LaunchConfig(
-            "tiled", 256, tile_m=32, tile_n=128, micro=(4, 4), chunk=16, from_tokens_per_slot=128
+            "tiled",
+            256,
+            tile_m=32,
+            tile_n=128,
+            micro=(4, 4),
+            chunk=16,
+            from_tokens_per_slot=128,
+            from_rank=33,
         ),
     ),
 }
@@ -125,13 +157,16 @@ def tile_sizes() -> tuple[int, ...]:
     return tuple(sorted({c.tile_m for op in OPS for c in launch_configs(op)}))
 
 
-def choose_launch_config(op: str, num_tokens: int, active_slots: int | None) -> LaunchConfig:
-    """Pick a configuration from the tokens per active slot and the row count (host-side
-    facts only): the last one whose ``from_tokens_per_slot`` and ``from_tokens`` both
-    are reached.
+def choose_launch_config(
+    op: str, num_tokens: int, active_slots: int | None, rank: int = 0
+) -> LaunchConfig:
+    """Pick a configuration from the tokens per active slot, the row count and the rank
+    (host-side facts only): the last one whose ``from_tokens_per_slot``,
+    ``from_tokens`` and ``from_rank`` are all reached.
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
-    every token is then taken to have its own slot.
+    every token is then taken to have its own slot. ``rank`` 0 (not given) reaches
+    no ``from_rank``.
     """
     configs = launch_configs(op)
     if op in _forced:
@@ -139,14 +174,21 @@ def choose_launch_config(op: str, num_tokens: int, active_slots: int | None) -> 
     per_slot = num_tokens / active_slots if active_slots else 1.0
     chosen = configs[0]
     for config in configs[1:]:
-        if per_slot >= config.from_tokens_per_slot and num_tokens >= config.from_tokens:
+        if (
+            per_slot >= config.from_tokens_per_slot
+            and num_tokens >= config.from_tokens
+            and rank >= config.from_rank
+        ):
             chosen = config
     return chosen
 
 
 def config_name(config: LaunchConfig) -> str:
-    """A short label, e.g. ``rows_t256_m1_n4`` or ``tiled_t256_m64_n128_u8x4_c16``."""
+    """A short label, e.g. ``rows_t256_m1_n4``, ``rows_t128_m4_n512_v4`` (4 columns per
+    thread) or ``tiled_t256_m64_n128_u8x4_c16``."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
+    if config.vec > 1:
+        name += f"_v{config.vec}"
     if config.kernel == "tiled":
         name += f"_u{config.micro[0]}x{config.micro[1]}_c{config.chunk}"
     return name

@@ -166,7 +166,9 @@ def _expand_kernel(config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bo
             config.chunk,
             packed,
         )
-    return build_expand_kernel(x_dtype, w_dtype, out_dtype, config.threads, config.tile_m, packed)
+    return build_expand_kernel(
+        x_dtype, w_dtype, out_dtype, config.threads, config.tile_m, packed, config.vec
+    )
 
 
 def _check_devices_and_metadata(
@@ -488,7 +490,9 @@ def _expand_launch(
     num_tokens = inputs.shape[1]
     widths = [w.rows for w in weights]
     meta_facts = host_facts_of(metadata[4])
-    config = choose_launch_config("expand", num_tokens, meta_facts and meta_facts.active_slots)
+    config = choose_launch_config(
+        "expand", num_tokens, meta_facts and meta_facts.active_slots, inputs.shape[2]
+    )
     dtype = weights[0].dtype
     forms = _weight_forms(weights)  # B in packed 8-byte words when every slice allows
     packed = all(words is not None for words, _ in forms)

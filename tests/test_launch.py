@@ -42,15 +42,28 @@ def test_thresholds_start_at_zero_and_never_fall(op, table):
 def test_the_heuristic_picks_the_last_threshold_reached(op, table):
     configs = launch_configs(op)
     assert choose_launch_config(op, 1, 1) == configs[0]
-    assert choose_launch_config(op, 64, 64) == configs[0]  # a token per slot
-    assert choose_launch_config(op, 64, None) == configs[0]  # foreign metadata
-    assert choose_launch_config(op, 64, 0) == configs[0]  # no active slot
-    assert choose_launch_config(op, 1 << 20, 1) == configs[-1]
+    # a token per slot, foreign metadata, no active slot: one token per slot is assumed
+    for slots in (64, None, 0):
+        assert choose_launch_config(op, 64, slots).from_tokens_per_slot == 0, slots
+    assert choose_launch_config(op, 1 << 20, 1, 1 << 10) == configs[-1]
     for config in configs:
         tokens = max(config.from_tokens, 1 << 12)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
-        chosen = choose_launch_config(op, tokens, slots)
+        chosen = choose_launch_config(op, tokens, slots, config.from_rank)
         assert chosen.from_tokens_per_slot >= config.from_tokens_per_slot, (config, chosen)
+
+
+def test_from_rank_holds_back_a_config(table):
+    """The shared-memory tiles of expand pay off only at large ranks (on the H200: r=64
+    yes, r=16 no); below, many tokens per slot go to the row kernel."""
+    gated = [c for c in launch_configs("expand") if c.from_rank]
+    assert gated, "the table gates a configuration on the rank"
+    for config in gated:
+        tokens = max(config.from_tokens, 1 << 12)
+        slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
+        assert choose_launch_config("expand", tokens, slots, config.from_rank) == config
+        below = choose_launch_config("expand", tokens, slots, config.from_rank - 1)
+        assert below != config and below.kernel == "rows", (config, below)
 
 
 def test_from_tokens_holds_back_a_config(monkeypatch):

@@ -5,19 +5,29 @@ Work split (one block = one tile of tokens of one slot, one slice, some columns)
 * ``blockIdx.x``: a tile of up to ``TILE_M`` tokens of one segment, looked up in the
   tile table (:mod:`.segments`);
 * ``blockIdx.y``: the slice, among the (at most ``MAX_SLICES``) slices of this launch;
-* ``blockIdx.z``: the first group of ``THREADS`` output columns; groups stride by
-  ``gridDim.z``, so narrower slices (GQA's k and v) simply have fewer groups.
+* ``blockIdx.z``: the first group of ``THREADS * VEC`` output columns; groups stride
+  by ``gridDim.z``, so narrower slices (GQA's k and v) simply have fewer groups.
 
-Thread ``tid`` owns output column ``n`` for the tile's tokens: it reads row n of
-B once (``r`` elements, in 8-byte words when packed) and the tile's rows of x
-(the same for every thread, so the loads are broadcasts), accumulates ``TILE_M``
-dot products of length ``r`` in fp32 registers, and writes ``TILE_M`` outputs;
-neighbouring threads write neighbouring columns. Every output element is written
-by exactly one thread, once; a thread reads its old outputs before anything
-else, so that trip to memory overlaps the loads of B and x.
+Each thread owns ``VEC`` output columns for the tile's tokens, ``SPAN`` (a warp's
+32) apart, so that a warp's 32 threads own 32 neighbouring columns ``VEC`` times
+over: their loads of B rows and their stores are neighbours. A thread reads its
+``VEC`` rows of B (``r`` elements each, in 8-byte words when packed) and the
+tile's rows of x (the same for every thread, so the loads are broadcasts),
+accumulates ``TILE_M * VEC`` dot products of length ``r`` in fp32 registers, and
+writes ``TILE_M * VEC`` outputs. Every output element is written by exactly one
+thread, once; a thread reads its old outputs before anything else, so that trip
+to memory overlaps the loads of B and x.
 
-Memory traffic per block: ``THREADS * r`` elements of B, ``TILE_M * r`` of x, and
-``TILE_M * THREADS`` outputs (read too when ``add_inputs``).
+Why several columns per thread (v5, docs/benchmarks): with one, every product
+needs its own load of x, and on the H200 the kernel is bound by issuing
+instructions, not by memory (T=4096 on one LoRA: 82 % of the SMs' issue rate,
+5 % of the memory bandwidth). With ``VEC`` columns one load of x feeds ``VEC``
+products. (A trial that gave a thread ``VEC`` *adjacent* columns, to store them
+as one 8-byte word, lost: a warp's loads of B then spread over four times the
+cache lines, 275d10f.)
+
+Memory traffic per block: ``THREADS * VEC * r`` elements of B, ``TILE_M * r`` of
+x, and ``TILE_M * THREADS * VEC`` outputs (read too when ``add_inputs``).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import torch
 from numba import float32, int64
 
 from .._cuda import cuda
-from .dtypes import loader, packing, storer, word_loader
+from .dtypes import loader, memory_type, packing, storer, word_loader
 from .segments import read_tile, tile_token
 
 __all__ = ["build_expand_kernel"]
@@ -42,12 +52,24 @@ def build_expand_kernel(
     threads: int,
     tile_m: int,
     packed: bool,
+    vec: int = 1,
 ):
-    """Compile-time specialisation on dtypes, threads per block, the token tile, and
-    whether B arrives as packed int64 words."""
+    """Compile-time specialisation on dtypes, threads per block, the token tile, whether
+    B arrives as packed int64 words, and the output columns per thread."""
     load_x, load_out, store_out = loader(x_dtype), loader(out_dtype), storer(out_dtype)
     load_w = word_loader(w_dtype, packed)
-    THREADS, TILE_M, PACK = threads, tile_m, packing(w_dtype, packed)
+    THREADS, TILE_M, PACK, VEC = threads, tile_m, packing(w_dtype, packed), vec
+    SPAN = min(32, threads)  # a warp's neighbouring columns (the simulator's blocks are small)
+    OUTPUTS = TILE_M * VEC  # a thread's outputs (a local array's size must be a constant)
+    W_WORD = memory_type(w_dtype, packed)
+    # Words of B loaded together. A loop of runtime length is unrolled by the compiler
+    # only while its body is small: a thread with one token and several columns has a
+    # big body of loads, which then wait one step at a time (r=64, T=256 distinct: 284
+    # µs with one word per step, 83 with four). With several tokens the products of a
+    # word hide the next word's loads, and four words' registers cost more than they
+    # save (T=4096 on one LoRA: 76 µs with one word per step, 91 with four).
+    UNROLL_K = 4 if tile_m == 1 and vec > 1 else 1
+    STEP_WORDS = UNROLL_K * VEC
 
     @cuda.jit
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
@@ -73,30 +95,50 @@ def build_expand_kernel(
         for j in range(TILE_M):  # j in [0, TILE_M), unrolled
             token[j] = tile_token(sorted_tokens, position, rows, first_token, j)
 
-        acc = cuda.local.array(TILE_M, float32)
-        old = cuda.local.array(TILE_M, float32)
-        n_first = cuda.blockIdx.z * THREADS + cuda.threadIdx.x
-        for n in range(n_first, width, cuda.gridDim.z * THREADS):  # n in [0, N_s)
-            column = column0 + n
+        acc = cuda.local.array(OUTPUTS, float32)  # acc[j * VEC + c]: token j, column c
+        old = cuda.local.array(OUTPUTS, float32)
+        row = cuda.local.array(VEC, int64)  # the thread's columns, clamped into the slice
+        b_words = cuda.local.array(STEP_WORDS, W_WORD)  # a step's words of those rows
+        b_k = cuda.local.array(VEC, float32)
+        tid = cuda.threadIdx.x
+        mine = (tid // SPAN) * SPAN * VEC + tid % SPAN  # the thread's first column in a group
+        for n0 in range(cuda.blockIdx.z * THREADS * VEC, width, cuda.gridDim.z * THREADS * VEC):
+            for c in range(VEC):  # columns n0 + mine + SPAN * c: a warp's are neighbours
+                row[c] = min(n0 + mine + SPAN * c, width - 1)
             # Read the old outputs first: their trip to memory overlaps the loads of B
-            # and x instead of following them. (Rows past the tile repeat a token: in
-            # bounds, never stored.)
+            # and x instead of following them. (Rows past the tile repeat a token, and
+            # columns past the slice the last column: in bounds, never stored.)
             if add_inputs:
                 for j in range(TILE_M):
-                    old[j] = load_out(out[token[j], column])
-            for j in range(TILE_M):
-                acc[j] = float32(0.0)
-            for k in range(words):  # k in [0, r/PACK)
-                ww = w[slot, n, k]
-                for lane in range(PACK):  # the elements of one word, unrolled
-                    wk = load_w(ww, lane)
-                    for j in range(TILE_M):
-                        acc[j] += load_x(x[s, token[j], k * PACK + lane]) * wk
+                    for c in range(VEC):
+                        old[j * VEC + c] = load_out(out[token[j], column0 + row[c]])
+            for p in range(OUTPUTS):
+                acc[p] = float32(0.0)
+            for k0 in range(0, words, UNROLL_K):  # words k0 .. k0 + UNROLL_K - 1 of B
+                # Every load of the step first, so they are in flight together (a loop of
+                # runtime length is not unrolled for us); past the rank: a repeat of the
+                # last word, never used.
+                for u in range(UNROLL_K):
+                    for c in range(VEC):
+                        b_words[u * VEC + c] = w[slot, row[c], min(k0 + u, words - 1)]
+                for u in range(UNROLL_K):
+                    if k0 + u < words:
+                        k = k0 + u
+                        for lane in range(PACK):  # the elements of one word, unrolled
+                            for c in range(VEC):
+                                b_k[c] = load_w(b_words[u * VEC + c], lane)
+                            for j in range(TILE_M):  # one load of x feeds VEC products
+                                xv = load_x(x[s, token[j], k * PACK + lane])
+                                for c in range(VEC):
+                                    acc[j * VEC + c] += xv * b_k[c]
             if add_inputs:  # the old output is added last (the op's order)
-                for j in range(TILE_M):
-                    acc[j] += old[j]
+                for p in range(OUTPUTS):
+                    acc[p] += old[p]
             for j in range(TILE_M):
                 if j < rows:
-                    out[token[j], column] = store_out(acc[j])
+                    for c in range(VEC):
+                        n = n0 + mine + SPAN * c
+                        if n < width:
+                            out[token[j], column0 + n] = store_out(acc[j * VEC + c])
 
     return expand
