@@ -30,6 +30,7 @@ __all__ = [
     "check_stack",
     "check_tensor",
     "check_weight",
+    "memory_layout",
 ]
 
 
@@ -98,7 +99,9 @@ class Stack(NamedTuple):
     cols: int  # K: the reduced dimension (hidden size for LoRA-A, the rank for LoRA-B)
     dtype: torch.dtype
     device: torch.device
-    launch: dict  # what the ops work out once about passing it to a kernel (ops._weight_forms)
+    # What the ops work out once about passing it to a kernel (ops._weight_forms), and the
+    # wrapper's record of the last call it led (wrapper._shrink_then_expand).
+    launch: dict
 
 
 class _Known(NamedTuple):
@@ -114,9 +117,9 @@ class _Known(NamedTuple):
 _KNOWN_STACKS: dict[int, _Known] = {}
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    """Everything a tensor's checks and views depend on; equal means the same memory, read
-    the same way (a live entry keeps the old memory alive, so no new tensor reuses it)."""
+def memory_layout(t: torch.Tensor) -> tuple:
+    """Everything a tensor's checks, views and raw kernel parameters depend on: equal means
+    the same memory, read the same way."""
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
@@ -129,7 +132,8 @@ def check_stack(name: str, w, index: int | None = None) -> Stack:
     strides, dtype and device stay as they were checked; anything else is checked again.
     """
     known = _KNOWN_STACKS.get(id(w))
-    if known is not None and known.tensor() is w and known.layout == _layout(w):
+    # (a live entry keeps the old memory alive, so no new tensor can reuse its address)
+    if known is not None and known.tensor() is w and known.layout == memory_layout(w):
         return known.stack
     view = check_weight(name if index is None else f"{name}[{index}]", w, dtypes=KERNEL_DTYPES)
     num_loras, rows, cols = view.shape
@@ -137,7 +141,9 @@ def check_stack(name: str, w, index: int | None = None) -> Stack:
     # it alive through this entry, so that the entry could never be dropped.
     stack = Stack(view.detach(), num_loras, rows, cols, w.dtype, w.device, {})
     key = id(w)
-    _KNOWN_STACKS[key] = _Known(weakref.ref(w, functools.partial(_forget, key)), _layout(w), stack)
+    _KNOWN_STACKS[key] = _Known(
+        weakref.ref(w, functools.partial(_forget, key)), memory_layout(w), stack
+    )
     return stack
 
 
@@ -165,6 +171,8 @@ def check_device(name: str, device, *, kernels: bool = True) -> torch.device:
 
 def check_sequence(name: str, seq, *, min_len: int = 1) -> Sequence:
     """A list or tuple of at least ``min_len`` items (a lone tensor is not a sequence here)."""
+    if type(seq) in (list, tuple) and len(seq) >= min_len:
+        return seq  # the common case, without the slower checks below
     if isinstance(seq, torch.Tensor) or not isinstance(seq, (list, tuple)):
         raise TypeError(f"{name} must be a list or tuple, got {type(seq).__name__}")
     if len(seq) < min_len:

@@ -15,6 +15,9 @@ later change of backend stays local. It does three things:
 3. **Picks the launch stream.** :func:`launch_stream` returns torch's current
    stream wrapped once in ``cuda.external_stream`` and cached, so that every
    launch is ordered with torch's work and can be captured in a CUDA graph.
+4. **Launches cheaply, and again.** :class:`KernelLauncher` passes a kernel's raw
+   parameters straight to the driver, and a :class:`LaunchRecord` notes a call's
+   launches, for a caller to replay when it makes the very same call again.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -34,6 +38,8 @@ __all__ = [
     "launch_stream",
     "device_of",
     "KERNEL_DTYPES",
+    "KernelLauncher",
+    "LaunchRecord",
 ]
 
 
@@ -176,6 +182,7 @@ class KernelLauncher:
 
     def __call__(self, grid: tuple, block: int, args: tuple) -> None:
         if SIMULATOR:
+            _not_replayable()  # the simulator takes numpy views, not raw parameters
             self.dispatcher[grid, block](*[_as_arg(a) for a in _unpacked(args)])
             return
         key, raw = key_and_params(args)
@@ -190,10 +197,13 @@ class KernelLauncher:
         if config is None:
             config = self._configs[(grid, block)] = _core_launch_config(grid, block)
         _core_launch(_core_stream(), config, cu_kernel, *raw)
+        if _recording.record is not None:
+            _recording.record.add(config, cu_kernel, raw, args)
 
     def _compile_and_launch(self, key: tuple, grid: tuple, block: int, args: tuple) -> None:
         """Launch through Numba's dispatcher (which compiles), and remember the compiled
         kernel with where its scalars sit among the raw parameters, and their C types."""
+        _not_replayable()  # Numba's launch is not one a record can repeat
         args = _unpacked(args)
         numba_args = [_as_arg(a) for a in args]
         self.dispatcher[grid, block, launch_stream()](*numba_args)
@@ -229,6 +239,7 @@ class PackedTensors(NamedTuple):
 
 def pack_tensors(tensors) -> PackedTensors:
     """Describe ``tensors`` (consecutive kernel arguments) once."""
+    _not_replayable()  # new to the launches: not yet known to stay where they are
     key, raw = key_and_params(tensors)
     return PackedTensors(tuple(tensors), key, tuple(raw))
 
@@ -272,6 +283,74 @@ def key_and_params(args) -> tuple[tuple, list]:
             raw.append(a)
             last = None  # only a tensor right after itself is a repeat
     return tuple(key), raw
+
+
+# -- recording a call's launches, to replay them -------------------------------------------
+
+
+class LaunchRecord:
+    """The launches of one call, raw parameters and all, to be made again as they are.
+
+    ``with LaunchRecord(tensors) as record:`` notes every launch made in the block (they
+    are made as usual). A caller that later makes the very same call (the same kernels
+    on the same memory with the same scalars: it keys the record on everything its
+    launches depend on) can :meth:`replay` it: the host then skips choosing
+    configurations and describing arguments, and only calls the driver, on torch's
+    current stream.
+
+    Like a CUDA graph, a record holds raw device pointers, so it may only be replayed
+    (``replayable``) when each of them stays valid: a tensor passed as it is must share
+    its memory with one of the caller's ``tensors`` (whose addresses the caller's key
+    holds), and any other must come from a description made before this call
+    (:func:`pack_tensors`: weights and metadata buffers, which never move; the record
+    keeps them alive). A launch that compiled, described a tensor for the first time,
+    or ran on the simulator makes the record not replayable. One record at a time per
+    thread.
+    """
+
+    def __init__(self, tensors):
+        self.pointers = [t.data_ptr() for t in tensors]
+        self.launches: list[tuple] = []  # (cuda.core launch config, kernel, raw parameters)
+        self.described: list[PackedTensors] = []  # keeps the memory they describe alive
+        self.replayable = True
+
+    def __enter__(self) -> LaunchRecord:
+        if _recording.record is not None:
+            raise RuntimeError("launches are being recorded already")
+        _recording.record = self
+        return self
+
+    def __exit__(self, *exception) -> None:
+        _recording.record = None
+
+    def add(self, config, kernel, raw: list, args) -> None:
+        """Note one launch (``raw`` is the launcher's own list, never changed after), and
+        whether each tensor in it is safe to point at again."""
+        for a in args:
+            if type(a) is PackedTensors:
+                self.described.append(a)
+            elif isinstance(a, torch.Tensor) and a.data_ptr() not in self.pointers:
+                self.replayable = False  # e.g. a temporary made for this call only
+        self.launches.append((config, kernel, raw))
+
+    def replay(self) -> None:
+        """Make the recorded launches again, on torch's current stream."""
+        stream = _core_stream()
+        for config, kernel, raw in self.launches:
+            _core_launch(stream, config, kernel, *raw)
+
+
+class _Recording(threading.local):
+    record: LaunchRecord | None = None  # the record being made on this thread, if any
+
+
+_recording = _Recording()
+
+
+def _not_replayable() -> None:
+    """Mark the record being made, if any, as one that must not be replayed."""
+    if _recording.record is not None:
+        _recording.record.replayable = False
 
 
 def _as_arg(a):

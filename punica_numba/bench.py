@@ -308,7 +308,12 @@ def copy_bandwidth_tbps() -> float:
 
 def host_overhead_us(dtype=torch.bfloat16, calls: int = 400) -> dict[str, float]:
     """Host time per eager call: ``add_lora_linear`` (one slice, metadata prepared, no bias)
-    and ``lora_shrink``, 16 tokens on 16 LoRAs, hidden 4096, rank 16."""
+    and ``lora_shrink``, 16 tokens on 16 LoRAs, hidden 4096, rank 16.
+
+    ``add_lora_linear_eager`` repeats one call on the same tensors, as a serving step
+    does, which the wrapper replays from a record of its launches;
+    ``add_lora_linear_eager_moved`` takes x and y from 8 pairs in turn, so that every
+    call has its activations at other addresses and is prepared in full."""
     device = device_of()
     T, H, r, L = (16, 4096, 16, 16) if not SIMULATOR else (4, 16, 4, 4)
     wrapper = PunicaWrapperNumba(256, 64, device, max_loras=L)
@@ -327,12 +332,20 @@ def host_overhead_us(dtype=torch.bfloat16, calls: int = 400) -> dict[str, float]
     a = (torch.randn(L, 1, r, H, device=device) * 0.01).to(dtype)
     b = (torch.randn(L, 1, H, r, device=device) * 0.01).to(dtype)
     buf = torch.zeros(1, T, r, device=device)
+    pairs = [(x.clone(), y.clone()) for _ in range(8)]
+    turn = iter(range(1 << 62))
+
+    def moved() -> None:
+        xm, ym = pairs[next(turn) % len(pairs)]
+        wrapper.add_lora_linear(ym, xm, (a,), (b,), None, 1.0, (H,))
+
     results = {}
     for name, call in (
         (
             "add_lora_linear_eager",
             lambda: wrapper.add_lora_linear(y, x, (a,), (b,), None, 1.0, (H,)),
         ),
+        ("add_lora_linear_eager_moved", moved),
         ("lora_shrink_eager", lambda: wrapper.add_shrink(buf, x, (a,), 1.0)),
     ):
         n = calls if not SIMULATOR else 3

@@ -218,7 +218,7 @@ def _kernel_metadata(table: torch.Tensor, metadata: tuple, facts, tile_m: int) -
     if SIMULATOR or facts is None:
         return tensors
     known = facts.kernel_metadata.get(tile_m)
-    if known is None or any(a is not b for a, b in zip(known.tensors, tensors)):
+    if known is None or known.tensors[0] is not table or known.tensors[1] is not metadata[1]:
         known = facts.kernel_metadata[tile_m] = pack_tensors(tensors)
     return (known,)
 
@@ -253,8 +253,9 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
     size = t.element_size()
     if t.stride(-1) != 1 or (t.shape[-1] * size) % 8 or t.data_ptr() % 8:
         return None
-    if any((stride * size) % 8 for stride in t.stride()[:-1]):
-        return None
+    for stride in t.stride()[:-1]:  # (a loop: this runs on every launch of a new tensor)
+        if (stride * size) % 8:
+            return None
     return t.view(torch.int64)
 
 

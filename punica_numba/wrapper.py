@@ -21,6 +21,7 @@ Differences from vLLM v0.8–0.9 (../shared/SPEC.md §7), each on purpose:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -33,9 +34,12 @@ from ._checks import (
     check_real,
     check_sequence,
     check_stack,
+    memory_layout,
 )
+from ._cuda import LaunchRecord
+from .launch import choose_launch_config
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
-from .meta import LoRAKernelMeta
+from .meta import LoRAKernelMeta, host_facts_of
 from .ops import _expand_launch, _shrink_launch
 
 __all__ = ["PunicaWrapperNumba"]
@@ -606,17 +610,83 @@ class PunicaWrapperNumba:
             column += width
 
 
+#: Calls a LoRA-A weight remembers having led in ``_shrink_then_expand`` (the oldest is
+#: forgotten first): a few, for calls that come back in turns, such as a buffer that the
+#: allocator hands out at one of two addresses, or two token counts that alternate.
+REPLAYS_PER_WEIGHT = 4
+
+
+class _Replay(NamedTuple):
+    """A call a LoRA-A weight led: the record of its launches and everything they depend
+    on (None both, when the call was seen once), and the objects whose ids are in the
+    key, so that no other object can take them."""
+
+    key: tuple | None
+    keep: tuple
+    record: LaunchRecord | None
+
+
 def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     """``buffer += scale * x2 @ A^T`` then ``y2 += buffer @ B^T``, slice by slice, on
     checked arguments. Both launches are made ready before either runs; a step with
-    nothing to do (rank 0, or no column) is skipped, as the ops skip it."""
+    nothing to do (rank 0, or no column) is skipped, as the ops skip it.
+
+    A serving engine makes the same calls step after step, so the launches of a call
+    are recorded (:class:`~punica_numba._cuda.LaunchRecord`) the second time its
+    tensors come at the same addresses, and replayed as long as everything they depend
+    on is as it was (:func:`_replay_key`). That skips choosing configurations and
+    describing arguments: most of the host time of a call.
+    """
+    # Where the tensors sit tells most calls apart and is cheap to read, so a call whose
+    # activations moved costs only this look-up more; recording, which adds about a
+    # tenth to a call, waits until the call comes again.
+    where = (x2.data_ptr(), buffer.data_ptr(), y2.data_ptr())
+    replays = a[0].launch.setdefault("shrink_then_expand", {})  # where -> _Replay
+    known = replays.get(where)
+    key = None if known is None else _replay_key(x2, a, buffer, b, y2, meta, scale)
+    if known is not None and known.key == key:  # (a record is always kept with its key)
+        known.record.replay()
+        return
     launches = []
     if a[0].rows:
         launches.append(_shrink_launch(x2, a, buffer, meta, scale))
     if any(s.rows for s in b):
         launches.append(_expand_launch(buffer, b, y2, meta, 0, True))
-    for launch in launches:
-        launch()
+    if known is None:  # seen for the first time
+        for launch in launches:
+            launch()
+        if len(replays) >= REPLAYS_PER_WEIGHT:
+            del replays[next(iter(replays))]  # the oldest
+        replays[where] = _Replay(None, (), None)
+        return
+    with LaunchRecord((x2, buffer, y2)) as record:
+        for launch in launches:
+            launch()
+    if record.replayable:  # (a[0] holds the entry, so it keeps a[1:] only)
+        replays[where] = _Replay(key, (a[1:], b, meta), record)
+
+
+def _replay_key(x2, a, buffer, b, y2, meta, scale: float) -> tuple:
+    """Everything the launches of ``_shrink_then_expand`` depend on: the memory of x, the
+    buffer and y, read the same way; the checked weights (``check_stack`` gives a new
+    Stack when a weight changes); the metadata and what the host knows of it; the
+    configurations the heuristic picks; and the scale."""
+    facts = host_facts_of(meta[4])  # the wrapper's own metadata: never None
+    rows, slots = x2.shape[0], facts.active_slots
+    return (
+        *map(memory_layout, (x2, buffer, y2)),
+        *map(id, a),  # (as many as of b: checked)
+        *map(id, b),
+        id(meta),
+        facts.num_tokens,
+        facts.max_slot_in_use,
+        slots,
+        scale.hex(),  # its exact bits (0.0 == -0.0, but their launches differ)
+        # Every input of the heuristic is in the key already; its answers are there for
+        # a configuration forced on it (launch.force_launch_config).
+        choose_launch_config("shrink", rows, slots),
+        choose_launch_config("expand", rows, slots, buffer.shape[2]),
+    )
 
 
 def _indexed(name: str, index: int | None) -> str:

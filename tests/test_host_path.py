@@ -12,12 +12,16 @@ lays them out. These tests pin down that the shortcuts are safe:
    remembers is still rejected after it was changed in place;
 3. the raw parameters follow Numba's convention (checked against numpy's own view of
    the memory), and the launcher's GPU path packs and converts them, here with the
-   driver stubbed out.
+   driver stubbed out;
+4. a layer call's recorded launches are replayed only while a fresh call would make
+   exactly the same ones, and a record is kept only when every pointer in it stays
+   valid.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import gc
 import weakref
@@ -27,9 +31,11 @@ import pytest
 import torch
 from numba.cuda import types as nt
 
-from punica_numba import _checks, _cuda
+from punica_numba import _checks, _cuda, launch, ops
+from punica_numba import wrapper as wrapper_module
 from punica_numba._checks import check_stack
-from punica_numba._cuda import array_params, key_and_params
+from punica_numba._cuda import LaunchRecord, array_params, key_and_params, pack_tensors
+from punica_numba.launch import choose_launch_config, force_launch_config, launch_configs
 from punica_numba.mapping import LoRAMapping
 from punica_numba.wrapper import PunicaWrapperNumba
 
@@ -301,3 +307,260 @@ def test_the_launcher_sees_torchs_current_stream():
     with torch.cuda.stream(side):
         assert _cuda._current_stream_handle() == side.cuda_stream
     assert _cuda._current_stream_handle() == torch.cuda.current_stream().cuda_stream
+
+
+# -- 4. recorded launches, replayed -----------------------------------------------------------
+
+
+def _stub_driver(monkeypatch) -> list:
+    """The launcher's GPU path on any machine: return the list that the stubbed driver
+    appends each launch to, as ``(config, kernel, raw parameters)``."""
+    sent = []
+    monkeypatch.setattr(_cuda, "SIMULATOR", False)
+    monkeypatch.setattr(_cuda, "launch_stream", lambda: 0)
+    monkeypatch.setattr(_cuda, "_core_stream", lambda: "stream", raising=False)
+    monkeypatch.setattr(_cuda, "_core_launch_config", lambda g, b: (g, b), raising=False)
+    monkeypatch.setattr(
+        _cuda,
+        "_core_launch",
+        lambda stream, config, kernel, *raw: sent.append((config, kernel, raw)),
+        raising=False,
+    )
+    return sent
+
+
+_NUMBA_TYPES = {int: nt.int64, np.float32: nt.float32, bool: nt.boolean}
+
+
+def _note_scalars(self, key, grid, block, args):
+    """``KernelLauncher._compile_and_launch`` without Numba: 'compiles' the dispatcher
+    into itself, noting where the scalars sit as the real one does, then launches."""
+    _cuda._not_replayable()
+    scalars, index = [], 0
+    for a in _cuda._unpacked(args):
+        if isinstance(a, torch.Tensor):
+            index += 5 + 2 * a.dim()
+        else:
+            scalars.append((index, _cuda._c_type(_NUMBA_TYPES[type(a)])))
+            index += 1
+    self._compiled[key] = (self.dispatcher, tuple(scalars))
+    self(grid, block, args)
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """The ops and the wrapper on their GPU path, with the driver stubbed out (nothing is
+    computed; the sent launches are yielded). Make the wrapper inside the test: its
+    metadata keeps tile tables for the GPU's configurations."""
+    sent = _stub_driver(monkeypatch)
+    for module in (ops, launch):
+        monkeypatch.setattr(module, "SIMULATOR", False)
+    monkeypatch.setattr(_cuda.KernelLauncher, "_compile_and_launch", _note_scalars)
+    ops._launcher.cache_clear()  # launchers that never compiled for real are not kept
+    yield sent
+    ops._launcher.cache_clear()
+
+
+RT, RH, RR, RN = 16, 16, 4, 8  # tokens (enough for the heuristic to change its mind), H, r, N
+SPREAD = [t % 3 for t in range(RT)]  # tokens on every slot: row kernels, a token per block
+
+
+def _replay_setup(slices: int) -> dict:
+    """A wrapper and an add_lora_linear call for it, as a dict a test may change."""
+    wrapper = PunicaWrapperNumba(RT, 4, DEVICE, max_loras=L)
+    _map(wrapper, SPREAD)
+    call = dict(
+        y=_weight(RT, RN * slices),
+        x=_weight(RT, RH),
+        lora_a_stacked=tuple(_weight(L, 1, RR, RH) for _ in range(slices)),
+        lora_b_stacked=tuple(_weight(L, 1, RN, RR) for _ in range(slices)),
+        lora_bias_stacked=None,
+        scale=0.5,
+        output_slices=(RN,) * slices,
+        buffer=_weight(slices, RT, RR),  # given, so that its address is the test's to choose
+    )
+    return dict(wrapper=wrapper, call=call)
+
+
+def _map(wrapper: PunicaWrapperNumba, slots) -> None:
+    ids = [11 + s if s >= 0 else 0 for s in slots]
+    wrapper.update_metadata(LoRAMapping(ids, ids), [11, 12, 13], L + 1, 32, 0)
+
+
+def _run(state: dict) -> None:
+    state["wrapper"].add_lora_linear(**state["call"])
+
+
+def _sent_by(sent: list, call) -> list:
+    """What ``call()`` sends, with each scalar's value for its C object."""
+    sent.clear()
+    call()
+    return [
+        (config, kernel, tuple(getattr(p, "value", p) for p in raw)) for config, kernel, raw in sent
+    ]
+
+
+def _forget_records(call: dict) -> None:
+    """Drop what the call's weights remember, so that the next call is prepared afresh."""
+    for w in (*call["lora_a_stacked"], *call["lora_b_stacked"]):
+        check_stack("w", w).launch.pop("shrink_then_expand", None)
+
+
+def _replace_last(name: str, shape: tuple):
+    """Give the last slice of ``call[name]`` another tensor."""
+
+    def change(state):
+        old = state["call"][name]
+        state["call"][name] = (*old[:-1], _weight(*shape))
+
+    return change
+
+
+def _change_b_in_place(state):
+    state["call"]["lora_b_stacked"][-1].data = _weight(L, 1, RN, RR)
+
+
+def _another_wrapper(state):
+    state["wrapper"] = PunicaWrapperNumba(RT, 4, DEVICE, max_loras=L)
+    _map(state["wrapper"], SPREAD)
+
+
+def _buffer_read_another_way(state):
+    buffer = state["call"]["buffer"]
+    if buffer.shape[0] != 1:
+        pytest.skip("only a lone slice leaves a stride free (a dimension of size 1)")
+    state["call"]["buffer"] = buffer.as_strided(buffer.shape, (7, *buffer.stride()[1:]))
+
+
+def _force_another_shrink(state):
+    chosen = choose_launch_config("shrink", RT, 3)
+    return force_launch_config("shrink", next(c for c in launch_configs("shrink") if c != chosen))
+
+
+CHANGES = {
+    "nothing": lambda state: None,
+    "x at another address": lambda state: state["call"].update(x=state["call"]["x"].clone()),
+    "y at another address": lambda state: state["call"].update(y=state["call"]["y"].clone()),
+    "buffer at another address": lambda state: state["call"].update(
+        buffer=state["call"]["buffer"].clone()
+    ),
+    # The same memory, read another way: x's layout is all fixed by the checks.
+    "y read another way": lambda state: state["call"].update(
+        y=state["call"]["y"].view(torch.float16)
+    ),
+    "buffer read another way": _buffer_read_another_way,
+    "another scale": lambda state: state["call"].update(scale=0.25),
+    "another A": _replace_last("lora_a_stacked", (L, 1, RR, RH)),
+    "another B": _replace_last("lora_b_stacked", (L, 1, RN, RR)),
+    "B given new data in place": _change_b_in_place,
+    # Every token on one slot: tiles of 4 tokens (another kernel, another tile table).
+    "a mapping of another shape": lambda state: _map(state["wrapper"], [1] * RT),
+    "another wrapper (its own metadata)": _another_wrapper,
+    "a forced configuration": _force_another_shrink,
+}
+
+
+@pytest.mark.parametrize("slices", [1, 2])
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_replayed_call_sends_what_a_fresh_call_sends(gpu_path, monkeypatch, change, slices):
+    """After any change, the next call sends exactly what it sends once every record is
+    forgotten; with no change, it replays (prepares nothing)."""
+    state = _replay_setup(slices)
+    for _ in range(3):  # compiles; the same call again (recorded); and again (replayed)
+        _run(state)
+    prepared = []
+    real = wrapper_module._shrink_launch
+    monkeypatch.setattr(wrapper_module, "_shrink_launch", lambda *a: prepared.append(a) or real(*a))
+    with CHANGES[change](state) or contextlib.nullcontext():
+        again = _sent_by(gpu_path, lambda: _run(state))
+        _forget_records(state["call"])
+        fresh = _sent_by(gpu_path, lambda: _run(state))
+    assert len(fresh) == 2  # shrink and expand
+    assert again == fresh
+    assert len(prepared) == (1 if change == "nothing" else 2)  # "nothing": replayed
+
+
+def test_calls_that_come_back_in_turns_are_replayed(gpu_path, monkeypatch):
+    """A buffer at one of two addresses in turn (as an allocator may place it): each call
+    is recorded the second time it comes, and replayed from then on."""
+    state = _replay_setup(1)
+    buffers = [state["call"]["buffer"], state["call"]["buffer"].clone()]
+    for buffer in buffers * 3:  # compiles, then each buffer is seen, recorded
+        _run({**state, "call": {**state["call"], "buffer": buffer}})
+    prepared = []
+    real = wrapper_module._shrink_launch
+    monkeypatch.setattr(wrapper_module, "_shrink_launch", lambda *a: prepared.append(a) or real(*a))
+    for buffer in buffers * 2:
+        _run({**state, "call": {**state["call"], "buffer": buffer}})
+    assert prepared == []
+
+
+def test_a_weight_remembers_a_few_calls(gpu_path):
+    state = _replay_setup(1)
+    xs = [state["call"]["x"].clone() for _ in range(3 * wrapper_module.REPLAYS_PER_WEIGHT)]
+    for x in xs:  # (all alive: each call has x at another address)
+        _run({**state, "call": {**state["call"], "x": x}})
+    replays = check_stack("w", state["call"]["lora_a_stacked"][0]).launch["shrink_then_expand"]
+    assert len(replays) == wrapper_module.REPLAYS_PER_WEIGHT
+
+
+def test_a_call_rejected_after_replays_sends_nothing(gpu_path):
+    state = _replay_setup(1)
+    for _ in range(3):
+        _run(state)
+    state["call"]["lora_b_stacked"][0].transpose_(-1, -2)
+    with pytest.raises(ValueError, match=r"lora_b_stacked\[0\]"):
+        _sent_by(gpu_path, lambda: _run(state))
+    assert gpu_path == []
+
+
+def test_the_simulator_keeps_no_record():
+    """Simulator launches take numpy views, not raw parameters: nothing to replay."""
+    wrapper = _wrapper()
+    y, x, a, b = _linear_args()
+    buffer = _weight(1, T, R)  # given, so that both calls have it at one address
+    for _ in range(2):  # the second is recorded, but not kept
+        wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,), buffer=buffer)
+    replays = check_stack("w", a[0]).launch["shrink_then_expand"]
+    assert [r.record for r in replays.values()] == [None]
+
+
+def _record_setup(monkeypatch):
+    """A launcher on the stubbed GPU path, compiled for ``(x, packed w, int)``."""
+    sent = _stub_driver(monkeypatch)
+    x, w = torch.randn(4, 8), torch.randn(3, 2, 8)
+    types = (nt.Array(nt.float32, 2, "C"), nt.Array(nt.float32, 3, "C"), nt.int32)
+    launcher = _cuda.KernelLauncher(_FakeDispatcher(types))
+    packed = pack_tensors((w,))
+    launcher((2, 1, 1), 32, (x, packed, 3))  # compiles
+    return sent, launcher, x, w, packed
+
+
+def test_a_record_replays_its_launches(monkeypatch):
+    sent, launcher, x, w, packed = _record_setup(monkeypatch)
+    with LaunchRecord((x,)) as record:
+        fresh = _sent_by(sent, lambda: launcher((2, 1, 1), 32, (x, packed, 3)))
+    assert record.replayable and record.described == [packed]
+    assert _sent_by(sent, record.replay) == fresh
+
+
+@pytest.mark.parametrize(
+    "launch", ["a compiling launch", "a first description", "memory not the caller's"]
+)
+def test_a_record_that_could_point_at_stale_memory_is_not_replayable(monkeypatch, launch):
+    sent, launcher, x, w, packed = _record_setup(monkeypatch)
+    with LaunchRecord((x,)) as record:
+        if launch == "a compiling launch":  # (another scalar type: another overload)
+            launcher((2, 1, 1), 32, (x, packed, np.float32(3)))
+        elif launch == "a first description":  # (a temporary, say, described now)
+            launcher((2, 1, 1), 32, (x, pack_tensors((w.clone(),)), 3))
+        else:
+            launcher((2, 1, 1), 32, (x.clone(), packed, 3))
+    assert not record.replayable
+
+
+def test_records_do_not_nest():
+    with LaunchRecord(()):
+        with pytest.raises(RuntimeError, match="recorded already"):
+            LaunchRecord(()).__enter__()
+    assert _cuda._recording.record is None
