@@ -338,7 +338,7 @@ print(f"and, at the tiny size, {agreement} with the emulation of rung 1")
 # `tid + 64` and `tid + 96` of its group, so one load of the buffer feeds four products,
 # and a warp still reads neighbouring rows of `B` and writes neighbouring columns. On
 # the H200 the one-column kernel is bound by issuing instructions, one load of the
-# buffer per product; four columns per thread took T=4096 on one LoRA from 102 to 76 µs.
+# buffer per product; four columns per thread took T=4096 on one LoRA from 102 to 78 µs.
 #
 # With many tokens per slot and a large rank the library switches to a second kernel,
 # `punica_numba.kernels.expand_tiled`: a block stages a chunk of the buffer's rows and
