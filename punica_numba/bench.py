@@ -18,6 +18,7 @@ and ``--slices`` change them. On the CUDA simulator it runs a tiny smoke version
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -332,11 +333,10 @@ def host_overhead_us(dtype=torch.bfloat16, calls: int = 400) -> dict[str, float]
     a = (torch.randn(L, 1, r, H, device=device) * 0.01).to(dtype)
     b = (torch.randn(L, 1, H, r, device=device) * 0.01).to(dtype)
     buf = torch.zeros(1, T, r, device=device)
-    pairs = [(x.clone(), y.clone()) for _ in range(8)]
-    turn = iter(range(1 << 62))
+    pairs = itertools.cycle([(x.clone(), y.clone()) for _ in range(8)])
 
     def moved() -> None:
-        xm, ym = pairs[next(turn) % len(pairs)]
+        xm, ym = next(pairs)
         wrapper.add_lora_linear(ym, xm, (a,), (b,), None, 1.0, (H,))
 
     results = {}
