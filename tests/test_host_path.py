@@ -514,6 +514,7 @@ def test_a_call_rejected_after_replays_sends_nothing(gpu_path):
     assert gpu_path == []
 
 
+@pytest.mark.skipif(not _cuda.SIMULATOR, reason="on a GPU the second call is recorded and kept")
 def test_the_simulator_keeps_no_record():
     """Simulator launches take numpy views, not raw parameters: nothing to replay."""
     wrapper = _wrapper()
