@@ -114,23 +114,35 @@ def build_expand_kernel(
                         old[j * VEC + c] = load_out(out[token[j], column0 + row[c]])
             for p in range(OUTPUTS):
                 acc[p] = float32(0.0)
-            for k0 in range(0, words, UNROLL_K):  # words k0 .. k0 + UNROLL_K - 1 of B
-                # Every load of the step first, so they are in flight together (a loop of
-                # runtime length is not unrolled for us); past the rank: a repeat of the
-                # last word, never used.
-                for u in range(UNROLL_K):
+            if UNROLL_K == 1:  # one word per step: v4's plain loop, which NVVM unrolls
+                for k in range(words):  # k in [0, r/PACK)
                     for c in range(VEC):
-                        b_words[u * VEC + c] = w[slot, row[c], min(k0 + u, words - 1)]
-                for u in range(UNROLL_K):
-                    if k0 + u < words:
-                        k = k0 + u
-                        for lane in range(PACK):  # the elements of one word, unrolled
+                        b_words[c] = w[slot, row[c], k]
+                    for lane in range(PACK):  # the elements of one word, unrolled
+                        for c in range(VEC):
+                            b_k[c] = load_w(b_words[c], lane)
+                        for j in range(TILE_M):  # one load of x feeds VEC products
+                            xv = load_x(x[s, token[j], k * PACK + lane])
                             for c in range(VEC):
-                                b_k[c] = load_w(b_words[u * VEC + c], lane)
-                            for j in range(TILE_M):  # one load of x feeds VEC products
-                                xv = load_x(x[s, token[j], k * PACK + lane])
+                                acc[j * VEC + c] += xv * b_k[c]
+            else:
+                for k0 in range(0, words, UNROLL_K):  # words k0 .. k0 + UNROLL_K - 1 of B
+                    # Every load of the step first, so they are in flight together (a loop of
+                    # runtime length is not unrolled for us); past the rank: a repeat of the
+                    # last word, never used.
+                    for u in range(UNROLL_K):
+                        for c in range(VEC):
+                            b_words[u * VEC + c] = w[slot, row[c], min(k0 + u, words - 1)]
+                    for u in range(UNROLL_K):
+                        if k0 + u < words:
+                            k = k0 + u
+                            for lane in range(PACK):  # the elements of one word, unrolled
                                 for c in range(VEC):
-                                    acc[j * VEC + c] += xv * b_k[c]
+                                    b_k[c] = load_w(b_words[u * VEC + c], lane)
+                                for j in range(TILE_M):  # one load of x feeds VEC products
+                                    xv = load_x(x[s, token[j], k * PACK + lane])
+                                    for c in range(VEC):
+                                        acc[j * VEC + c] += xv * b_k[c]
             if add_inputs:  # the old output is added last (the op's order)
                 for p in range(OUTPUTS):
                     acc[p] += old[p]
