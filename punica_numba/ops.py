@@ -31,11 +31,13 @@ from ._checks import (
 )
 from ._cuda import KERNEL_DTYPES, SIMULATOR, KernelLauncher, pack_tensors
 from .kernels import (
+    COMPILED_WORDS,
     MAX_SLICES,
     build_expand_kernel,
     build_shrink_kernel,
     build_tiled_expand_kernel,
 )
+from .kernels.dtypes import packing
 from .kernels.segments import tile_grid_bound, tile_table
 from .launch import LaunchConfig, choose_launch_config
 from .meta import host_facts_of
@@ -152,8 +154,9 @@ def _launcher(kernel) -> KernelLauncher:
     return KernelLauncher(kernel)
 
 
-def _expand_kernel(config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bool):
-    """The expand kernel ``config`` names, compiled (once) for these dtypes."""
+def _expand_kernel(config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bool, words: int):
+    """The expand kernel ``config`` names, compiled (once) for these dtypes (and the row
+    kernel for ``words`` per row of B, 0: read at run time)."""
     if config.kernel == "tiled":
         return build_tiled_expand_kernel(
             x_dtype,
@@ -167,7 +170,7 @@ def _expand_kernel(config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bo
             packed,
         )
     return build_expand_kernel(
-        x_dtype, w_dtype, out_dtype, config.threads, config.tile_m, packed, config.vec
+        x_dtype, w_dtype, out_dtype, config.threads, config.tile_m, packed, config.vec, words
     )
 
 
@@ -331,11 +334,15 @@ def _shrink_launch(
     output_tensor: torch.Tensor,
     metadata: tuple,
     scaling: float,
+    accumulate: bool = True,
 ) -> Callable[[], None]:
     """The launch of a shrink whose arguments are already checked (by :func:`prepare_shrink`
     or the wrapper): ``inputs`` [T, H] contiguous, ``weights`` Stacks of [L, r, H] of its
     dtype, ``output_tensor`` [>= S, T, r], ``metadata`` vLLM's six tensors fitting T rows
-    and L slots, at least one token with a LoRA, T > 0 and r > 0. ``scaling`` is a float."""
+    and L slots, at least one token with a LoRA, T > 0 and r > 0. ``scaling`` is a float.
+
+    ``accumulate=False`` stores the products instead of adding them: for a buffer the
+    wrapper made for one call (``torch.empty``), which saves filling it with zeros."""
     num_tokens, rank = inputs.shape[0], weights[0].rows
     meta_facts = host_facts_of(metadata[4])
     config = choose_launch_config("shrink", num_tokens, meta_facts and meta_facts.active_slots)
@@ -346,7 +353,13 @@ def _shrink_launch(
     x = x_words if packed else inputs
     weights = [words if packed else elements for words, elements in forms]
     kernel = build_shrink_kernel(
-        inputs.dtype, output_tensor.dtype, config.threads, config.tile_m, config.tile_n, packed
+        inputs.dtype,
+        output_tensor.dtype,
+        config.threads,
+        config.tile_m,
+        config.tile_n,
+        packed,
+        accumulate,
     )
     rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
@@ -494,11 +507,13 @@ def _expand_launch(
     config = choose_launch_config(
         "expand", num_tokens, meta_facts and meta_facts.active_slots, inputs.shape[2]
     )
-    dtype = weights[0].dtype
+    dtype, rank = weights[0].dtype, weights[0].cols
     forms = _weight_forms(weights)  # B in packed 8-byte words when every slice allows
     packed = all(words is not None for words, _ in forms)
     weights = [words if packed else elements for words, elements in forms]
-    kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed)
+    words = rank // packing(dtype, packed)  # of one row of B: compiled in when short
+    words = words if words <= COMPILED_WORDS else 0
+    kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed, words)
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)

@@ -311,7 +311,8 @@ class PunicaWrapperNumba:
         Semantics:
             x: [..., H] -> [T, H]; y: [..., sum N_s] -> [T, sum N_s]
             A_s: [L, (1,) r, H]; B_s: [L, (1,) N_s, r]; bias_s: [L, (1,) N_s] or None
-            buffer: [S, T, r] fp32; zeros when not given (a given buffer is added to)
+            buffer: [S, T, r] fp32; a given buffer is added to; without one the shrink
+                stores into a buffer of its own (as if it were zeros, with no fill)
             for t with l = slot(t) != -1, each slice s:
                 y[t, c_s:c_s+N_s] += bias_s[l] + (buffer[s, t] + scale * x[t] @ A_s[l].T) @ B_s[l].T
         """
@@ -337,9 +338,10 @@ class PunicaWrapperNumba:
             self.token_mapping_meta, rows, "x", ("lora_a_stacked", a), ("lora_b_stacked", b)
         )
         if meta is not None:
-            if buffer is None:  # [S, T, r] fp32
-                buffer = torch.zeros(len(b), rows, rank, dtype=torch.float32, device=x2.device)
-            _shrink_then_expand(x2, a, buffer, b, y2, meta, scale)
+            given = buffer is not None
+            if not given:
+                buffer = _new_buffer(len(b), rows, rank, device=x2.device)
+            _shrink_then_expand(x2, a, buffer, b, y2, meta, scale, accumulate=given)
         self._add_bias(y2, bias, widths, 0)
 
     def add_lora_logits(
@@ -379,9 +381,9 @@ class PunicaWrapperNumba:
             self.prompt_mapping_meta, rows, "x", ("lora_a_stacked", a), ("lora_b_stacked", b)
         )
         if meta is not None:
-            if buffer is None:  # [P, r] fp32
-                buffer = torch.zeros(rows, rank, dtype=torch.float32, device=x2.device)
-            _shrink_then_expand(x2, a, buffer.unsqueeze(0), b, y2, meta, scale)
+            given = buffer is not None
+            buffer = buffer.unsqueeze(0) if given else _new_buffer(1, rows, rank, device=x2.device)
+            _shrink_then_expand(x2, a, buffer, b, y2, meta, scale, accumulate=given)
 
     # -- checks: each argument once ----------------------------------------------------
 
@@ -626,10 +628,19 @@ class _Replay(NamedTuple):
     record: LaunchRecord | None
 
 
-def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
-    """``buffer += scale * x2 @ A^T`` then ``y2 += buffer @ B^T``, slice by slice, on
-    checked arguments. Both launches are made ready before either runs; a step with
-    nothing to do (rank 0, or no column) is skipped, as the ops skip it.
+def _new_buffer(*shape: int, device) -> torch.Tensor:
+    """The fp32 buffer of a call that gave none. The shrink stores into it (it reads
+    nothing from it) and the expand reads only the rows the shrink wrote, so it is left
+    unfilled: a fill would be one more launch (about 5 µs of host time on the H200's
+    host, ``torch.zeros`` against ``torch.empty``)."""
+    return torch.empty(*shape, dtype=torch.float32, device=device)
+
+
+def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> None:
+    """``buffer (+)= scale * x2 @ A^T`` then ``y2 += buffer @ B^T``, slice by slice, on
+    checked arguments (the shrink adds to the buffer when ``accumulate``, else stores).
+    Both launches are made ready before either runs; a step with nothing to do (rank 0,
+    or no column) is skipped, as the ops skip it.
 
     A serving engine makes the same calls step after step, so the launches of a call
     are recorded (:class:`~punica_numba._cuda.LaunchRecord`) the second time its
@@ -643,13 +654,13 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     where = (x2.data_ptr(), buffer.data_ptr(), y2.data_ptr())
     replays = a[0].launch.setdefault("shrink_then_expand", {})  # where -> _Replay
     known = replays.get(where)
-    key = None if known is None else _replay_key(x2, a, buffer, b, y2, meta, scale)
+    key = None if known is None else _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate)
     if known is not None and known.key == key:  # (a record is always kept with its key)
         known.record.replay()
         return
     launches = []
     if a[0].rows:
-        launches.append(_shrink_launch(x2, a, buffer, meta, scale))
+        launches.append(_shrink_launch(x2, a, buffer, meta, scale, accumulate))
     if any(s.rows for s in b):
         launches.append(_expand_launch(buffer, b, y2, meta, 0, True))
     if known is None:  # seen for the first time
@@ -666,11 +677,11 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
         replays[where] = _Replay(key, (a[1:], b, meta), record)
 
 
-def _replay_key(x2, a, buffer, b, y2, meta, scale: float) -> tuple:
+def _replay_key(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> tuple:
     """Everything the launches of ``_shrink_then_expand`` depend on: the memory of x, the
     buffer and y, read the same way; the checked weights (``check_stack`` gives a new
     Stack when a weight changes); the metadata and what the host knows of it; the
-    configurations the heuristic picks; and the scale."""
+    configurations the heuristic picks; the scale; and whether the shrink adds."""
     facts = host_facts_of(meta[4])  # the wrapper's own metadata: never None
     rows, slots = x2.shape[0], facts.active_slots
     return (
@@ -682,6 +693,7 @@ def _replay_key(x2, a, buffer, b, y2, meta, scale: float) -> tuple:
         facts.max_slot_in_use,
         slots,
         scale.hex(),  # its exact bits (0.0 == -0.0, but their launches differ)
+        accumulate,  # (a given buffer may sit where the wrapper's own was)
         # Every input of the heuristic is in the key already; its answers are there for
         # a configuration forced on it (launch.force_launch_config).
         choose_launch_config("shrink", rows, slots),

@@ -8,17 +8,22 @@ rank group or kernel. So each op is run, on fresh copies of the same inputs, und
 every configuration the heuristic can pick (``force_launch_config``), twice under the
 first; every run must be right (the property tests' check passes under each
 configuration) and every run in a group of equal keys must give bit-identical outputs.
+The row expands run once more with the rank read at run time rather than compiled in
+(``kernels.expand.COMPILED_WORDS``): the same products in the same order, so the same
+bits.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 
-from punica_numba import lora_expand, lora_shrink
+from punica_numba import lora_expand, lora_shrink, ops
 from punica_numba.launch import force_launch_config, launch_configs
 
 from .op_cases import (
@@ -39,14 +44,17 @@ OPS = {"shrink": (lora_shrink, check_shrink), "expand": (lora_expand, check_expa
 FEWER = settings(max_examples=min(settings.default.max_examples, 75))
 
 
-def _run_under(op: str, config, case) -> torch.Tensor:
-    """Run ``op`` on the case under ``config``; the check must pass; return the output."""
+def _run_under(op: str, config, case, rank_at_run_time: bool = False) -> torch.Tensor:
+    """Run ``op`` on the case under ``config`` (and, if asked, with no rank compiled into
+    the row expand); the check must pass; return the output."""
     impl, check = OPS[op]
     outputs = []
+    no_rank_compiled_in = mock.patch.object(ops, "COMPILED_WORDS", -1)
 
     def forced(*args, **kwargs):
         with force_launch_config(op, config):
-            impl(*args, **kwargs)
+            with no_rank_compiled_in if rank_at_run_time else contextlib.nullcontext():
+                impl(*args, **kwargs)
         outputs.append(args[2].clone())  # output_tensor
 
     check(forced, case)  # builds the same inputs from the case's seeds on every call
@@ -60,6 +68,9 @@ def check_deterministic(op: str, case) -> None:
     configs = launch_configs(op)
     runs = [(configs[0], _run_under(op, configs[0], case))]  # the repeat
     runs += [(config, _run_under(op, config, case)) for config in configs]
+    if op == "expand":
+        rows = [config for config in configs if config.kernel == "rows"]
+        runs += [(config, _run_under(op, config, case, True)) for config in rows]
     by_order = defaultdict(list)
     for config, output in runs:
         by_order[config.arithmetic(op)].append((config, output))

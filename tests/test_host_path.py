@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import gc
 import weakref
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -432,6 +433,14 @@ def _buffer_read_another_way(state):
     state["call"]["buffer"] = buffer.as_strided(buffer.shape, (7, *buffer.stride()[1:]))
 
 
+def _the_wrappers_own_buffer_there(state):
+    """No buffer given: the wrapper's own, which the shrink stores into rather than adds
+    to, at the address where the given one was."""
+    buffer = state["call"]["buffer"]
+    state["call"]["buffer"] = None
+    return mock.patch.object(wrapper_module, "_new_buffer", lambda *shape, device: buffer)
+
+
 def _force_another_shrink(state):
     chosen = choose_launch_config("shrink", RT, 3)
     return force_launch_config("shrink", next(c for c in launch_configs("shrink") if c != chosen))
@@ -449,6 +458,7 @@ CHANGES = {
         y=state["call"]["y"].view(torch.float16)
     ),
     "buffer read another way": _buffer_read_another_way,
+    "the wrapper's own buffer at the given one's address": _the_wrappers_own_buffer_there,
     "another scale": lambda state: state["call"].update(scale=0.25),
     "another A": _replace_last("lora_a_stacked", (L, 1, RR, RH)),
     "another B": _replace_last("lora_b_stacked", (L, 1, RN, RR)),

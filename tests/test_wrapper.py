@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from punica_numba import reference
+from punica_numba import wrapper as wrapper_module
 from punica_numba.mapping import LongContextLoRAContext, LoRAMapping
 from punica_numba.wrapper import PunicaWrapperNumba
 
@@ -231,6 +233,16 @@ def layer_widths(draw, layer: str) -> list[int]:
 # -- 1. properties: add_lora_linear -----------------------------------------------------
 
 
+def _poisoned_buffer(*shape: int, device) -> torch.Tensor:
+    """The wrapper's own buffer (a call that gives none) filled with NaN, in place of
+    whatever memory held: any element read before the shrink wrote it shows in y."""
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+
+def poisoned_own_buffers():
+    return mock.patch.object(wrapper_module, "_new_buffer", _poisoned_buffer)
+
+
 @dataclass
 class LinearCase:
     batch: Batch
@@ -294,7 +306,10 @@ def check_linear(case: LinearCase) -> None:
     buffer_before = None if buffer is None else buffer.clone()
 
     x_arg, y_arg = (x.view(1, rows, H), y.view(1, rows, -1)) if case.three_d else (x, y)
-    wrapper.add_lora_linear(y_arg, x_arg, lora_a, lora_b, bias, case.scale, widths, buffer=buffer)
+    with poisoned_own_buffers():
+        wrapper.add_lora_linear(
+            y_arg, x_arg, lora_a, lora_b, bias, case.scale, widths, buffer=buffer
+        )
 
     assert torch.equal(x, x_before), "x changed"
     assert_rows_untouched(y, y_before, slots, "add_lora_linear")
@@ -618,7 +633,8 @@ def check_logits(case: LogitsCase) -> None:
     y = random_tensor((rows, vb + case.vocab_padding), dt, seed + 3)  # [P, V_pad]
     before = y.clone()
 
-    wrapper.add_lora_logits(y, x, lora_a, lora_b, case.scale)
+    with poisoned_own_buffers():
+        wrapper.add_lora_logits(y, x, lora_a, lora_b, case.scale)
 
     want = reference.add_lora_logits(before, x, lora_a, lora_b, case.scale, slots)
     magnitude = reference.add_lora_logits(

@@ -8,11 +8,12 @@
   slot (prefill).
 """
 
-from .expand import build_expand_kernel
+from .expand import COMPILED_WORDS, build_expand_kernel
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
 
 __all__ = [
+    "COMPILED_WORDS",
     "MAX_SLICES",
     "build_expand_kernel",
     "build_shrink_kernel",

@@ -130,7 +130,7 @@ def _element(word, lane):
 
 def packing(dtype: torch.dtype, packed: bool) -> int:
     """Elements per word: 8 bytes over the element size when packed, else 1."""
-    return 8 // torch.tensor([], dtype=dtype).element_size() if packed else 1
+    return 8 // dtype.itemsize if packed else 1
 
 
 def memory_type(dtype: torch.dtype, packed: bool):

@@ -41,7 +41,14 @@ from .._cuda import cuda
 from .dtypes import loader, memory_type, packing, storer, word_loader
 from .segments import read_tile, tile_token
 
-__all__ = ["build_expand_kernel"]
+__all__ = ["COMPILED_WORDS", "build_expand_kernel"]
+
+#: Rows of B with at most this many words (r <= 16 in bf16/fp16, packed) have their
+#: length compiled into the kernel: the loop over the rank then has a known trip count,
+#: which the compiler unrolls, issuing a row's loads together (H200, r=16: T=1 3.01 ->
+#: 2.75 µs, T=256 distinct 16.7 -> 14.8). Longer rows keep a loop of run-time length:
+#: unrolled, r=64 lost (T=1 5.4 -> 6.0 µs; T=64 distinct, 4 columns a thread, 28 -> 42).
+COMPILED_WORDS = 4
 
 
 @functools.cache
@@ -52,24 +59,31 @@ def build_expand_kernel(
     threads: int,
     tile_m: int,
     packed: bool,
-    vec: int = 1,
+    vec: int,
+    words: int = 0,
 ):
     """Compile-time specialisation on dtypes, threads per block, the token tile, whether
-    B arrives as packed int64 words, and the output columns per thread."""
+    B arrives as packed int64 words, the output columns per thread, and ``words``: the
+    words in one row of B (the rank, or the rank / PACK when packed), at most
+    :data:`COMPILED_WORDS`, or 0 to read it from B at run time. (A deployment serves
+    one rank: vLLM pads every adapter to ``max_lora_rank``.)"""
+    if not 0 <= words <= COMPILED_WORDS:
+        raise ValueError(f"words must be in [0, {COMPILED_WORDS}] (0: at run time), got {words}")
     load_x, load_out, store_out = loader(x_dtype), loader(out_dtype), storer(out_dtype)
     load_w = word_loader(w_dtype, packed)
     THREADS, TILE_M, PACK, VEC = threads, tile_m, packing(w_dtype, packed), vec
     SPAN = min(32, threads)  # a warp's neighbouring columns (the simulator's blocks are small)
     OUTPUTS = TILE_M * VEC  # a thread's outputs (a local array's size must be a constant)
     W_WORD = memory_type(w_dtype, packed)
-    # Words of B loaded together. A loop of runtime length is unrolled by the compiler
-    # only while its body is small: a thread with one token and several columns has a
-    # big body of loads, which then wait one step at a time (r=64, T=256 distinct: 284
-    # µs with one word per step, 83 with four). With several tokens the products of a
-    # word hide the next word's loads, and four words' registers cost more than they
-    # save (T=4096 on one LoRA: 76 µs with one word per step, 91 with four).
+    # Words of B loaded together. A thread with one token and several columns has a
+    # big body of loads per word, which otherwise wait one word at a time (r=64, T=256
+    # distinct: 284 µs with one word per step, 83 with four, measured before the rank
+    # was compiled in). With several tokens the products of a word hide the next word's
+    # loads, and four words' registers cost more than they save (T=4096 on one LoRA: 76
+    # µs with one word per step, 91 with four).
     UNROLL_K = 4 if tile_m == 1 and vec > 1 else 1
     STEP_WORDS = UNROLL_K * VEC
+    WORDS = words  # 0: read from B
 
     @cuda.jit
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
@@ -89,7 +103,7 @@ def build_expand_kernel(
             column0 = col2
         s = slice_base + s_local
         width = w.shape[1]
-        words = w.shape[2]
+        words = WORDS if WORDS else w.shape[2]  # of one row of B
 
         token = cuda.local.array(TILE_M, int64)  # the tile's token rows
         for j in range(TILE_M):  # j in [0, TILE_M), unrolled
@@ -114,35 +128,24 @@ def build_expand_kernel(
                         old[j * VEC + c] = load_out(out[token[j], column0 + row[c]])
             for p in range(OUTPUTS):
                 acc[p] = float32(0.0)
-            if UNROLL_K == 1:  # one word per step: v4's plain loop, which NVVM unrolls
-                for k in range(words):  # k in [0, r/PACK)
+            for k0 in range(0, words, UNROLL_K):  # words k0 .. k0 + UNROLL_K - 1 of B
+                # Every load of the step first, so they are in flight together; past the
+                # rank: a repeat of the last word, never used. (With one word per step
+                # these bounds are compiled out: v5's bound checks there cost 0.1-0.7 µs.)
+                for u in range(UNROLL_K):
+                    last = min(k0 + u, words - 1) if UNROLL_K > 1 else k0
                     for c in range(VEC):
-                        b_words[c] = w[slot, row[c], k]
-                    for lane in range(PACK):  # the elements of one word, unrolled
-                        for c in range(VEC):
-                            b_k[c] = load_w(b_words[c], lane)
-                        for j in range(TILE_M):  # one load of x feeds VEC products
-                            xv = load_x(x[s, token[j], k * PACK + lane])
+                        b_words[u * VEC + c] = w[slot, row[c], last]
+                for u in range(UNROLL_K):
+                    if UNROLL_K == 1 or k0 + u < words:
+                        k = k0 + u
+                        for lane in range(PACK):  # the elements of one word, unrolled
                             for c in range(VEC):
-                                acc[j * VEC + c] += xv * b_k[c]
-            else:
-                for k0 in range(0, words, UNROLL_K):  # words k0 .. k0 + UNROLL_K - 1 of B
-                    # Every load of the step first, so they are in flight together (a loop of
-                    # runtime length is not unrolled for us); past the rank: a repeat of the
-                    # last word, never used.
-                    for u in range(UNROLL_K):
-                        for c in range(VEC):
-                            b_words[u * VEC + c] = w[slot, row[c], min(k0 + u, words - 1)]
-                    for u in range(UNROLL_K):
-                        if k0 + u < words:
-                            k = k0 + u
-                            for lane in range(PACK):  # the elements of one word, unrolled
+                                b_k[c] = load_w(b_words[u * VEC + c], lane)
+                            for j in range(TILE_M):  # one load of x feeds VEC products
+                                xv = load_x(x[s, token[j], k * PACK + lane])
                                 for c in range(VEC):
-                                    b_k[c] = load_w(b_words[u * VEC + c], lane)
-                                for j in range(TILE_M):  # one load of x feeds VEC products
-                                    xv = load_x(x[s, token[j], k * PACK + lane])
-                                    for c in range(VEC):
-                                        acc[j * VEC + c] += xv * b_k[c]
+                                    acc[j * VEC + c] += xv * b_k[c]
             if add_inputs:  # the old output is added last (the op's order)
                 for p in range(OUTPUTS):
                     acc[p] += old[p]
