@@ -97,10 +97,12 @@ _SIMULATOR_CONFIGS = {
 #: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV.
 _GPU_CONFIGS = {
     "shrink": (
-        LaunchConfig("rows", threads=256, tile_m=1, tile_n=4),  # decode: a token per slot
-        # From T=128 on, more (smaller) blocks hide latency better: T=256 distinct 14.9 ->
-        # 14.3 µs; below, fewer threads per block lose (T=1: 3.0 -> 4.0).
-        LaunchConfig("rows", threads=128, tile_m=1, tile_n=4, from_tokens=128),
+        # Decode, a token per slot: 2 ranks per block, so twice the blocks (each loads
+        # half the rows of A) of 4 (T=1 3.76 -> 3.12 µs, T=16 distinct 4.61 -> 3.83).
+        LaunchConfig("rows", threads=256, tile_m=1, tile_n=2),
+        # From T=128 on, more (smaller) blocks hide latency better: T=256 distinct 18.0 ->
+        # 14.9 µs; below, fewer threads per block lose (T=1: 3.1 -> 3.8).
+        LaunchConfig("rows", threads=128, tile_m=1, tile_n=2, from_tokens=128),
         LaunchConfig("rows", threads=256, tile_m=4, tile_n=4, from_tokens_per_slot=12),
         LaunchConfig(
             "rows", threads=128, tile_m=4, tile_n=4, from_tokens_per_slot=12, from_tokens=1024
@@ -109,9 +111,9 @@ _GPU_CONFIGS = {
     "expand": (
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=128),  # T=1: 3.0 µs, v4's 3.6
         # From 16 rows on, 4 columns per thread: one load of the buffer feeds 4 products
-        # (T=256 distinct 27.0 -> 16.7 µs, QKV 49.1 -> 26.9, r=64 86.4 -> 82.7).
+        # (T=256 distinct 27.0 -> 16.7 µs, QKV 49.1 -> 26.9, r=64 86.4 -> 82.7); up to 12
+        # tokens per slot one token per block too (64/8: 5.2 µs, 4 tokens x 1 column 6.8).
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=512, vec=4, from_tokens=16),
-        LaunchConfig("rows", threads=128, tile_m=4, tile_n=128, from_tokens_per_slot=2.5),
         # Many tokens per slot at rank <= 32: 4 tokens x 4 columns per thread beat the
         # shared-memory tiles (T=4096 on one LoRA 102 -> 76 µs, 1024/32 29.8 -> 23.0) ...
         LaunchConfig("rows", threads=128, tile_m=4, tile_n=512, vec=4, from_tokens_per_slot=12),
