@@ -98,10 +98,14 @@ _SIMULATOR_CONFIGS = {
 _GPU_CONFIGS = {
     "shrink": (
         # Decode, a token per slot: 2 ranks per block, so twice the blocks (each loads
-        # half the rows of A) of 4 (T=1 3.76 -> 3.12 µs, T=16 distinct 4.61 -> 3.83).
+        # half the rows of A). Chosen from a run whose shrink took `accumulate` at run
+        # time (T=1 3.76 -> 3.12 µs against 4 ranks, T=16 distinct 4.61 -> 3.83). With it
+        # compiled in (v6, bf3fd39) T=1 takes 2.87 µs, but v5's run of 4 ranks, the same
+        # code, was faster from T=16 on (3.87 vs 3.97; T=256 distinct 14.46 vs 15.29):
+        # the branch next/shrink-table keeps 2 ranks below T=16 only, to be measured.
         LaunchConfig("rows", threads=256, tile_m=1, tile_n=2),
-        # From T=128 on, more (smaller) blocks hide latency better: T=256 distinct 18.0 ->
-        # 14.9 µs; below, fewer threads per block lose (T=1: 3.1 -> 3.8).
+        # From T=128 on, more (smaller) blocks hide latency better (T=256 distinct 18.0 ->
+        # 14.9 µs, the same run); below, fewer threads per block lose (T=1: 3.1 -> 3.8).
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=2, from_tokens=128),
         LaunchConfig("rows", threads=256, tile_m=4, tile_n=4, from_tokens_per_slot=12),
         LaunchConfig(

@@ -131,7 +131,7 @@ def build_expand_kernel(
             for k0 in range(0, words, UNROLL_K):  # words k0 .. k0 + UNROLL_K - 1 of B
                 # Every load of the step first, so they are in flight together; past the
                 # rank: a repeat of the last word, never used. (With one word per step
-                # these bounds are compiled out: v5's bound checks there cost 0.1-0.7 µs.)
+                # these bounds are compiled out: v5's bound checks there cost 0.1-0.8 µs.)
                 for u in range(UNROLL_K):
                     last = min(k0 + u, words - 1) if UNROLL_K > 1 else k0
                     for c in range(VEC):
