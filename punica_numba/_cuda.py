@@ -132,7 +132,6 @@ def _one_shared_array_per_site() -> None:
                 found = self._allocations[site] = np.empty(shape, dtype)
         return found
 
-    array.one_per_site = True
     FakeCUDAShared.array = array
 
 

@@ -504,10 +504,10 @@ def _expand_launch(
     num_tokens = inputs.shape[1]
     widths = [w.rows for w in weights]
     meta_facts = host_facts_of(metadata[4])
-    config = choose_launch_config(
-        "expand", num_tokens, meta_facts and meta_facts.active_slots, inputs.shape[2]
-    )
     dtype, rank = weights[0].dtype, weights[0].cols
+    config = choose_launch_config(
+        "expand", num_tokens, meta_facts and meta_facts.active_slots, rank
+    )
     forms = _weight_forms(weights)  # B in packed 8-byte words when every slice allows
     packed = all(words is not None for words, _ in forms)
     weights = [words if packed else elements for words, elements in forms]
