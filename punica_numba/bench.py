@@ -32,9 +32,9 @@ import torch
 
 from . import reference
 from ._cuda import SIMULATOR, device_of
-from .launch import choose_launch_config, config_name, force_launch_config, launch_configs
+from .launch import config_name, force_launch_config, launch_configs
 from .meta import LoRAKernelMeta
-from .ops import lora_expand, lora_shrink
+from .ops import prepare_expand, prepare_shrink
 from .wrapper import PunicaWrapperNumba
 
 __all__ = ["Case", "default_cases", "main"]
@@ -216,18 +216,22 @@ def _argument_set(case: Case, gen: torch.Generator, device) -> dict:
     )
 
 
-def _run_op(case: Case, args: dict, meta: LoRAKernelMeta) -> None:
+def _prepared_op(case: Case, args: dict, meta: LoRAKernelMeta):
+    """The op's checked launch for one argument set (``.config``: the configuration)."""
     if case.op == "shrink":
-        lora_shrink(args["x"], args["weights"], args["out"], *meta.meta_args(case.T), 1.0)
-    else:
-        lora_expand(
-            args["x"],
-            args["weights"],
-            args["out"],
-            *meta.meta_args(case.T),
-            offset_start=0,
-            add_inputs=True,
-        )
+        return prepare_shrink(args["x"], args["weights"], args["out"], *meta.meta_args(case.T), 1.0)
+    return prepare_expand(
+        args["x"],
+        args["weights"],
+        args["out"],
+        *meta.meta_args(case.T),
+        offset_start=0,
+        add_inputs=True,
+    )
+
+
+def _run_op(case: Case, args: dict, meta: LoRAKernelMeta) -> None:
+    _prepared_op(case, args, meta)()
 
 
 def _run_gather_bmm(case: Case, args: dict, slots: torch.Tensor) -> None:
@@ -376,7 +380,7 @@ def run_case(
     pool = [_argument_set(case, gen, device) for _ in range(pool_size)]
     error = _check(case, pool[0], meta, slots_d)
     ours = time_calls([lambda a=a: _run_op(case, a, meta) for a in pool])
-    chosen = choose_launch_config(case.op, case.T, meta.host.active_slots, case.rank)
+    chosen = getattr(_prepared_op(case, pool[0], meta), "config", None)  # the heuristic's
     per_config = {}
     for config in launch_configs(case.op) if all_configs else ():
         with force_launch_config(case.op, config):
@@ -392,7 +396,7 @@ def run_case(
         bytes=case.floor_bytes(),
         relative_error=error,
         pool=pool_size,
-        config=config_name(chosen),
+        config=config_name(chosen) if chosen else None,
     )
     if per_config:
         record["config_us"] = per_config

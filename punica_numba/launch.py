@@ -43,10 +43,14 @@ class LaunchConfig:
     block, ``micro`` outputs per thread, ``chunk`` ranks staged at a time.
     The heuristic picks it from ``from_tokens_per_slot`` tokens per active slot,
     ``from_tokens`` rows (a big tile needs enough tiles to fill the GPU) and
-    ``from_rank`` on.
+    ``from_rank`` on. ``kernel="mma"`` is a tensor-core kernel (:mod:`.kernels.shrink_mma`,
+    :mod:`.kernels.expand_mma`): ``tile_m`` tokens (16 per product tile) of one slot per
+    block, ``threads // 32`` warps, every rank (``tile_n`` unused); only the shrink has
+    one, and only calls whose dtypes and layout the tensor cores take can use it
+    (:func:`choose_launch_config`).
     """
 
-    kernel: str  # "rows" or "tiled"
+    kernel: str  # "rows", "tiled" or "mma"
     threads: int  # threads per block
     tile_m: int  # tokens of one slot per block
     tile_n: int  # ranks (shrink) or columns (tiled expand) per block or group
@@ -67,10 +71,13 @@ class LaunchConfig:
     def arithmetic(self, op: str) -> tuple:
         """Launches whose configurations have equal keys give bit-identical results.
 
-        Every expand adds ``x[k] * B[n, k]`` for k = 0, 1, ... into one accumulator;
-        the shrink adds ``threads`` strided partial sums (warp shuffles, then the warps'
-        sums, on the GPU; a tree on the simulator).
+        Every FFMA expand adds ``x[k] * B[n, k]`` for k = 0, 1, ... into one
+        accumulator; the shrink adds ``threads`` strided partial sums (warp shuffles,
+        then the warps' sums, on the GPU; a tree on the simulator). The tensor-core
+        kernels sum in an order of their own (the shrink's depends on its warps).
         """
+        if self.kernel == "mma":  # the tensor cores' sums: an order of their own
+            return ("mma", self.threads)
         if op == "expand":
             return ("sequential",)
         return ("tree", self.threads)
@@ -82,6 +89,8 @@ _SIMULATOR_CONFIGS = {
     "shrink": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=4, spread=False),
         LaunchConfig("rows", threads=16, tile_m=4, tile_n=4, spread=False, from_tokens_per_slot=2),
+        # Two warps, so that their partial tiles are added as on the GPU.
+        LaunchConfig("mma", threads=64, tile_m=16, tile_n=0, spread=False, from_tokens_per_slot=4),
     ),
     "expand": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
@@ -97,19 +106,42 @@ _SIMULATOR_CONFIGS = {
 #: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV.
 _GPU_CONFIGS = {
     "shrink": (
-        # Decode, a token per slot: 2 ranks per block, so twice the blocks (each loads
-        # half the rows of A). Chosen from a run whose shrink took `accumulate` at run
-        # time (T=1 3.76 -> 3.12 µs against 4 ranks, T=16 distinct 4.61 -> 3.83). With it
-        # compiled in (v6, bf3fd39) T=1 takes 2.87 µs, but v5's run of 4 ranks, the same
-        # code, was faster from T=16 on (3.87 vs 3.97; T=256 distinct 14.46 vs 15.29):
-        # the branch next/shrink-table keeps 2 ranks below T=16 only, to be measured.
+        # Below 16 tokens, a token per slot: 2 ranks per block, so twice the blocks (each
+        # loads half the rows of A) of 4 (T=1 3.01 -> 2.87 µs, v5's run against v6's).
         LaunchConfig("rows", threads=256, tile_m=1, tile_n=2),
-        # From T=128 on, more (smaller) blocks hide latency better (T=256 distinct 18.0 ->
-        # 14.9 µs, the same run); below, fewer threads per block lose (T=1: 3.1 -> 3.8).
-        LaunchConfig("rows", threads=128, tile_m=1, tile_n=2, from_tokens=128),
+        # From 16 on, 4 ranks per block (16 distinct 3.97 -> 3.87 µs, 256 distinct 15.29
+        # -> 14.46, QKV 33.8 -> 29.1, the same runs) ...
+        LaunchConfig("rows", threads=256, tile_m=1, tile_n=4, from_tokens=16),
+        # ... and from T=128 on, more (smaller) blocks hide latency better (T=256
+        # distinct 18.0 -> 14.9 µs in v5's run); below, they lose (T=1: 3.1 -> 3.8).
+        LaunchConfig("rows", threads=128, tile_m=1, tile_n=4, from_tokens=128),
         LaunchConfig("rows", threads=256, tile_m=4, tile_n=4, from_tokens_per_slot=12),
         LaunchConfig(
             "rows", threads=128, tile_m=4, tile_n=4, from_tokens_per_slot=12, from_tokens=1024
+        ),
+        # Tensor cores (where the call's dtypes allow), where there are enough 16-token
+        # tiles to fill the GPU: 1024/32 17.9 -> 14.9 µs, 4096 on one LoRA 51 -> 24.7;
+        # 8 warps per block beat 4 (24.7 vs 27.6). At T=256 the tiles are too few (256/16:
+        # 21 µs, 8.7 by rows), v7's run of every configuration.
+        LaunchConfig(
+            "mma",
+            threads=256,
+            tile_m=16,
+            tile_n=0,
+            spread=False,
+            from_tokens_per_slot=32,
+            from_tokens=1024,
+        ),
+        # With 64 tokens per slot and more, 32 tokens per block halve the reads of A
+        # (4096/64: 25.9 -> 25.2 µs; QKV 68.5 -> 49.8; r=64 55.4 -> 49.9).
+        LaunchConfig(
+            "mma",
+            threads=256,
+            tile_m=32,
+            tile_n=0,
+            spread=False,
+            from_tokens_per_slot=64,
+            from_tokens=4096,
         ),
     ),
     "expand": (
@@ -164,19 +196,26 @@ def tile_sizes() -> tuple[int, ...]:
 
 
 def choose_launch_config(
-    op: str, num_tokens: int, active_slots: int | None, rank: int = 0
+    op: str,
+    num_tokens: int,
+    active_slots: int | None,
+    rank: int = 0,
+    tensor_cores: bool = False,
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count and the rank
     (host-side facts only): the last one whose ``from_tokens_per_slot``,
-    ``from_tokens`` and ``from_rank`` are all reached.
+    ``from_tokens`` and ``from_rank`` are all reached, among the tensor-core ones too
+    when ``tensor_cores`` (the call's dtypes and layout allow them).
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
     every token is then taken to have its own slot. ``rank`` 0 (not given) reaches
-    no ``from_rank``.
+    no ``from_rank``. A configuration forced with :func:`force_launch_config` wins,
+    except a tensor-core one for a call that cannot use it.
     """
     configs = launch_configs(op)
-    if op in _forced:
-        return _forced[op]
+    forced = _forced.get(op)
+    if forced is not None and (tensor_cores or forced.kernel != "mma"):
+        return forced
     per_slot = num_tokens / active_slots if active_slots else 1.0
     chosen = configs[0]
     for config in configs[1:]:
@@ -184,6 +223,7 @@ def choose_launch_config(
             per_slot >= config.from_tokens_per_slot
             and num_tokens >= config.from_tokens
             and rank >= config.from_rank
+            and (tensor_cores or config.kernel != "mma")
         ):
             chosen = config
     return chosen
@@ -191,7 +231,7 @@ def choose_launch_config(
 
 def config_name(config: LaunchConfig) -> str:
     """A short label, e.g. ``rows_t256_m1_n4``, ``rows_t128_m4_n512_v4`` (4 columns per
-    thread) or ``tiled_t256_m64_n128_u8x4_c16``."""
+    thread), ``tiled_t256_m64_n128_u8x4_c16`` or ``mma_t128_m16_n128``."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
         name += f"_v{config.vec}"

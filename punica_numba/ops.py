@@ -34,10 +34,12 @@ from .kernels import (
     COMPILED_WORDS,
     MAX_SLICES,
     build_expand_kernel,
+    build_mma_shrink_kernel,
     build_shrink_kernel,
     build_tiled_expand_kernel,
 )
 from .kernels.dtypes import packing
+from .kernels.mma import MMA_DTYPES
 from .kernels.segments import tile_grid_bound, tile_table
 from .launch import LaunchConfig, choose_launch_config
 from .meta import host_facts_of
@@ -154,6 +156,11 @@ def _launcher(kernel) -> KernelLauncher:
     return KernelLauncher(kernel)
 
 
+#: The largest rank the tensor-core shrink takes (a lane keeps its share of the tile's
+#: outputs, every rank, in registers).
+MMA_MAX_RANK = 64
+
+
 def _expand_kernel(config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bool, words: int):
     """The expand kernel ``config`` names, compiled (once) for these dtypes (and the row
     kernel for ``words`` per row of B, 0: read at run time)."""
@@ -250,16 +257,34 @@ def _weight_forms(weights: Sequence[Stack]) -> list[tuple]:
     return forms
 
 
-def _words(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` viewed as int64 words (8 bytes: 4 fp16/bf16 or 2 fp32 elements), or None
-    when its rows are not whole, 8-byte-aligned words."""
-    size = t.element_size()
-    if t.stride(-1) != 1 or (t.shape[-1] * size) % 8 or t.data_ptr() % 8:
+def _words(t: torch.Tensor, word: torch.dtype = torch.int64) -> torch.Tensor | None:
+    """``t`` viewed as words of dtype ``word``: int64 (8 bytes: 4 fp16/bf16 or 2 fp32 elements) or
+    int32 (a pair of 16-bit elements, a tensor-core fragment register); None when its
+    rows are not whole, aligned words."""
+    size, width = t.element_size(), word.itemsize
+    if t.stride(-1) != 1 or (t.shape[-1] * size) % width or t.data_ptr() % width:
         return None
     for stride in t.stride()[:-1]:  # (a loop: this runs on every launch of a new tensor)
-        if (stride * size) % 8:
+        if (stride * size) % width:
             return None
-    return t.view(torch.int64)
+    return t.view(word)
+
+
+def _pairs(weights: Sequence[Stack]) -> list | None:
+    """Each weight as int32 pairs of neighbouring elements (the tensor-core kernels'
+    form), described for the launcher once per Stack on the GPU; None when one of them
+    does not allow it."""
+    forms = []
+    for w in weights:
+        form = w.launch.get("pairs", False)
+        if form is False:
+            pairs = _words(w.view, torch.int32)
+            form = pairs if SIMULATOR or pairs is None else pack_tensors((pairs,))
+            w.launch["pairs"] = form
+        if form is None:
+            return None
+        forms.append(form)
+    return forms
 
 
 def _nothing() -> None:
@@ -345,22 +370,39 @@ def _shrink_launch(
     wrapper made for one call (``torch.empty``), which saves filling it with zeros."""
     num_tokens, rank = inputs.shape[0], weights[0].rows
     meta_facts = host_facts_of(metadata[4])
-    config = choose_launch_config("shrink", num_tokens, meta_facts and meta_facts.active_slots)
-    # Packed 8-byte words when x and every A allow it; else one element at a time.
-    x_words = _words(inputs)
-    forms = _weight_forms(weights)
-    packed = x_words is not None and all(words is not None for words, _ in forms)
-    x = x_words if packed else inputs
-    weights = [words if packed else elements for words, elements in forms]
-    kernel = build_shrink_kernel(
-        inputs.dtype,
-        output_tensor.dtype,
-        config.threads,
-        config.tile_m,
-        config.tile_n,
-        packed,
-        accumulate,
-    )
+    active = meta_facts and meta_facts.active_slots
+    config = choose_launch_config("shrink", num_tokens, active, tensor_cores=True)
+    if config.kernel == "mma":  # the tensor cores take 16-bit x and A, as int32 pairs
+        x_pairs = _words(inputs, torch.int32)
+        pairs = _pairs(weights) if inputs.dtype in MMA_DTYPES and rank <= MMA_MAX_RANK else None
+        if x_pairs is not None and pairs is not None:
+            kernel = build_mma_shrink_kernel(
+                inputs.dtype,
+                output_tensor.dtype,
+                config.threads,
+                config.tile_m // 16,
+                -(-rank // 8),
+                accumulate,
+            )
+            x, weights = x_pairs, pairs
+        else:
+            config = choose_launch_config("shrink", num_tokens, active, tensor_cores=False)
+    if config.kernel != "mma":
+        # Packed 8-byte words when x and every A allow it; else one element at a time.
+        x_words = _words(inputs)
+        forms = _weight_forms(weights)
+        packed = x_words is not None and all(words is not None for words, _ in forms)
+        x = x_words if packed else inputs
+        weights = [words if packed else elements for words, elements in forms]
+        kernel = build_shrink_kernel(
+            inputs.dtype,
+            output_tensor.dtype,
+            config.threads,
+            config.tile_m,
+            config.tile_n,
+            packed,
+            accumulate,
+        )
     rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
@@ -377,6 +419,7 @@ def _shrink_launch(
             args = (x, *chunk, output_tensor, base, *meta, scaling32)
             launcher(grid, config.threads, args)
 
+    launch.config = config  # what was chosen (the benchmark reports it)
     return launch
 
 
@@ -534,6 +577,7 @@ def _expand_launch(
             args = (inputs, *chunk, output_tensor, base, *starts, *meta, add_inputs)
             launcher(grid, config.threads, args)
 
+    launch.config = config  # what was chosen (the benchmark reports it)
     return launch
 
 

@@ -45,12 +45,31 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
     # a token per slot, foreign metadata, no active slot: one token per slot is assumed
     for slots in (64, None, 0):
         assert choose_launch_config(op, 64, slots).from_tokens_per_slot == 0, slots
-    assert choose_launch_config(op, 1 << 20, 1, 1 << 10) == configs[-1]
+    assert choose_launch_config(op, 1 << 20, 1, 1 << 10, tensor_cores=True) == configs[-1]
     for config in configs:
         tokens = max(config.from_tokens, 1 << 12)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
-        chosen = choose_launch_config(op, tokens, slots, config.from_rank)
+        chosen = choose_launch_config(op, tokens, slots, config.from_rank, tensor_cores=True)
         assert chosen.from_tokens_per_slot >= config.from_tokens_per_slot, (config, chosen)
+
+
+def test_tensor_cores_only_for_calls_that_allow_them(table):
+    """A call whose dtypes the tensor cores do not take never gets them, not even when a
+    test forces them (it then gets what the heuristic picks without them)."""
+    op = "shrink"
+    tensor_core_configs = [c for c in launch_configs(op) if c.kernel == "mma"]
+    assert tensor_core_configs, "each table has a tensor-core shrink"
+    first = tensor_core_configs[0]
+    slots = 4
+    tokens = int(first.from_tokens_per_slot * slots) + max(first.from_tokens, 1)
+    assert choose_launch_config(op, tokens, slots, tensor_cores=True).kernel == "mma"
+    without = choose_launch_config(op, tokens, slots)
+    assert without.kernel != "mma"
+    for rows in (1, 16, 1 << 12, 1 << 20):
+        assert choose_launch_config(op, rows, 1, 1 << 10).kernel != "mma"
+    with force_launch_config(op, first):
+        assert choose_launch_config(op, 1, 1, tensor_cores=True) == first
+        assert choose_launch_config(op, tokens, slots) == without
 
 
 def test_from_rank_holds_back_a_config(table):
@@ -76,17 +95,19 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
         rows = config.from_tokens
         # slots such that the tokens per slot just reach this configuration's threshold
         slots = max(1, int(rows // max(config.from_tokens_per_slot, 1)))
-        assert choose_launch_config(op, rows, slots) == config, (op, config)
-        assert choose_launch_config(op, rows - 1, slots) != config, (op, config)
+        assert choose_launch_config(op, rows, slots, tensor_cores=True) == config, config
+        assert choose_launch_config(op, rows - 1, slots, tensor_cores=True) != config, config
 
 
 def test_every_expand_shares_one_arithmetic_and_shrink_groups_by_threads(table):
     """The row and the tiled expand both promise one order: the heuristic may switch
-    between them from one step to the next without changing a bit."""
+    between them from one step to the next without changing a bit. The shrinks group
+    by threads, the tensor-core ones apart (their sums run in an order of their own)."""
     assert {c.kernel for c in launch_configs("expand")} == {"rows", "tiled"}
     assert len({c.arithmetic("expand") for c in launch_configs("expand")}) == 1
     for c in launch_configs("shrink"):
-        assert c.arithmetic("shrink") == ("tree", c.threads)
+        kind = "mma" if c.kernel == "mma" else "tree"
+        assert c.arithmetic("shrink") == (kind, c.threads)
 
 
 def test_meta_keeps_a_tile_table_for_every_tile_size():
@@ -99,11 +120,12 @@ def test_meta_keeps_a_tile_table_for_every_tile_size():
 
 def test_forcing_a_configuration_is_scoped_and_checked():
     shrink_configs = launch_configs("shrink")
-    with force_launch_config("shrink", shrink_configs[-1]):
-        assert choose_launch_config("shrink", 1, 1) == shrink_configs[-1]
+    last = shrink_configs[-1]
+    with force_launch_config("shrink", last):
+        assert choose_launch_config("shrink", 1, 1, tensor_cores=True) == last
         with force_launch_config("shrink", shrink_configs[0]):
             assert choose_launch_config("shrink", 1 << 20, 1) == shrink_configs[0]
-        assert choose_launch_config("shrink", 1, 1) == shrink_configs[-1]
+        assert choose_launch_config("shrink", 1, 1, tensor_cores=True) == last
     assert choose_launch_config("shrink", 1, 1) == shrink_configs[0]
     foreign = next(c for c in launch_configs("expand") if c not in shrink_configs)
     with pytest.raises(ValueError, match="not one of the configurations"):

@@ -5,17 +5,21 @@
 * :mod:`.shrink`   ``x @ A^T`` into the fp32 buffer;
 * :mod:`.expand`   ``buffer @ B^T`` into the layer output;
 * :mod:`.expand_tiled` the same expand as shared-memory tiles, for many tokens per
-  slot (prefill).
+  slot (prefill);
+* :mod:`.mma`      one warp's tensor-core product, on the GPU and on the simulator;
+* :mod:`.shrink_mma` the shrink on the tensor cores, for many tokens per slot (prefill).
 """
 
 from .expand import COMPILED_WORDS, build_expand_kernel
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
+from .shrink_mma import build_mma_shrink_kernel
 
 __all__ = [
     "COMPILED_WORDS",
     "MAX_SLICES",
     "build_expand_kernel",
+    "build_mma_shrink_kernel",
     "build_shrink_kernel",
     "build_tiled_expand_kernel",
 ]

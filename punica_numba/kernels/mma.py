@@ -1,0 +1,181 @@
+"""One warp's tensor-core product, ``D = A @ B + C`` of shape m16 n8 k16, on both machines.
+
+The H200's tensor cores multiply 16-bit operands far faster than its FP32 units can
+(``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: a 16 x 16 tile of A times a
+16 x 8 tile of B, added to a 16 x 8 fp32 tile C, in one instruction for the whole
+warp). Numba has no API for them, so on the GPU :func:`mma_m16n8k16` is inline PTX.
+The Numba CUDA simulator cannot run PTX; there the same function adds the same
+products in Python, reading the other lanes' operands from shared memory.
+
+**Fragments.** No lane holds a whole tile: each of the 32 lanes holds a few elements
+(its *fragment*), two 16-bit elements to a 32-bit register. With ``g = lane // 4``
+and ``t = lane % 4`` (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
+
+* A (16 x 16, row-major): ``a0 = A[g, 2t:2t+2]``, ``a1 = A[g+8, 2t:2t+2]``,
+  ``a2 = A[g, 8+2t:8+2t+2]``, ``a3 = A[g+8, 8+2t:8+2t+2]``;
+* B (16 x 8, "col": each register holds two neighbouring *k*): ``b0 = B[2t:2t+2, g]``,
+  ``b1 = B[8+2t:8+2t+2, g]``;
+* C and D (16 x 8, fp32): ``c0, c1 = C[g, 2t], C[g, 2t+1]``; ``c2, c3 = C[g+8, 2t],
+  C[g+8, 2t+1]``.
+
+In each register the element with the lower column (A) or k (B) sits in the low 16 bits.
+So a fragment register is two neighbouring elements of a row of x or of a LoRA weight
+(both keep k contiguous): the kernels read them straight from memory as one 32-bit word
+(:func:`pair_of`), with no shared-memory staging.
+
+**Precision.** The products of 16-bit operands are exact; they are added in fp32. Every
+lane of the warp must call the function together (it is one instruction for the warp).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+from numba import float32, uint32
+
+from .._cuda import SIMULATOR, cuda
+from .dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+
+__all__ = [
+    "FRAGMENT_WORDS",
+    "MMA_DTYPES",
+    "mma_m16n8k16",
+    "pair_of",
+    "split_bf16",
+]
+
+#: The operand dtypes the tensor-core kernels take, and each one's PTX type name.
+MMA_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+
+#: Words one lane keeps in the simulator's scratch for one product: a0..a3, b0, b1.
+FRAGMENT_WORDS = 6
+
+
+@cuda.jit(device=True)
+def pair_of(low_bits, high_bits):
+    """Two 16-bit elements (their bits, in any integer type) as one fragment register:
+    ``low_bits`` in bits 0-15, ``high_bits`` in bits 16-31."""
+    low = uint32(np.int32(low_bits) & np.int32(0xFFFF))
+    high = uint32(np.int32(high_bits) & np.int32(0xFFFF))
+    return low | (high << uint32(16))
+
+
+@cuda.jit(device=True)
+def split_bf16(value):
+    """An fp32 value as two bf16 values ``hi + lo`` (their bits): ``hi`` the value cut
+    to bf16 (its top 16 bits; cutting never overflows to inf, as rounding up may), ``lo``
+    the remainder (exact in fp32) rounded to bf16. ``hi + lo`` keeps 16 of fp32's 24
+    significant bits (relative error <= 2**-16), against 8 for ``hi`` alone. An infinite
+    or NaN value is ``hi`` alone, with ``lo = 0``."""
+    bits = np.float32(value).view(np.uint32)
+    hi = np.uint16(bits >> np.uint32(16)).view(np.int16)
+    if math.isinf(value) or value != value:
+        return hi, np.int16(0)
+    return hi, f32_to_bf16_bits(value - bf16_bits_to_f32(hi))
+
+
+@functools.cache
+def mma_m16n8k16(dtype: torch.dtype):
+    """The device function ``(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch) -> (d0, d1,
+    d2, d3)`` for operands of ``dtype`` (bf16 or fp16): fragments as above, a-b as uint32,
+    c and d as float32.
+
+    ``scratch`` is a ``[32, FRAGMENT_WORDS]`` uint32 shared array of the calling warp,
+    used only on the simulator (the GPU ignores it). There every thread of the *block*
+    must call the function the same number of times: the lanes trade fragments through
+    ``scratch`` between two ``syncthreads`` (the simulator has no warp-level barrier).
+    """
+    kind = MMA_DTYPES[dtype]
+    if SIMULATOR:
+        return _emulated(kind)
+    return _tensor_core(kind)
+
+
+#: Where the simulator finds the operands of a lane's outputs among the 32 lanes'
+#: fragments (the layout above, inverted): for k = 0..15, the lane offset ``(k % 8) // 2``
+#: (after ``4 * g`` for A, ``4 * n`` for B), the register (after a0 for A's row g, a1 for
+#: row g + 8, b0 for B) and the shift of the element in it.
+_K = np.arange(16)
+_LANE_OF_K = (_K % 8) // 2
+_A_REGISTER = np.stack([2 * (_K // 8), 1 + 2 * (_K // 8)])  # rows g and g + 8
+_B_REGISTER = 4 + _K // 8
+_SHIFT_OF_K = (16 * (_K % 2)).astype(np.uint32)
+
+
+def _decoded(bits: np.ndarray, kind: str) -> np.ndarray:
+    """16-bit elements (in uint32) as fp32, exactly."""
+    if kind == "bf16":
+        return (bits << np.uint32(16)).view(np.float32)
+    return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _emulated(kind: str):
+    @cuda.jit(device=True)
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        # Simulator only (plain Python with numpy): every lane posts its fragments, then
+        # reads the two rows of A and two columns of B its outputs need.
+        lane = cuda.threadIdx.x % 32
+        scratch[lane, 0] = a0
+        scratch[lane, 1] = a1
+        scratch[lane, 2] = a2
+        scratch[lane, 3] = a3
+        scratch[lane, 4] = b0
+        scratch[lane, 5] = b1
+        cuda.syncthreads()
+        g, t = lane // 4, lane % 4
+        a_bits = scratch[4 * g + _LANE_OF_K, _A_REGISTER] >> _SHIFT_OF_K  # [2, 16]
+        columns = 4 * np.array([[2 * t], [2 * t + 1]]) + _LANE_OF_K  # lanes of B's n = 2t, 2t+1
+        b_bits = scratch[columns, _B_REGISTER] >> _SHIFT_OF_K  # [2, 16]
+        cuda.syncthreads()  # the scratch is reused by the next product
+        a = _decoded(a_bits & np.uint32(0xFFFF), kind)
+        b = _decoded(b_bits & np.uint32(0xFFFF), kind)
+        with np.errstate(all="ignore"):  # inf and NaN propagate as on the GPU, silently
+            d = a @ b.T  # d[i, j]: row g + 8 i, column 2t + j
+            return c0 + d[0, 0], c1 + d[0, 1], c2 + d[1, 0], c3 + d[1, 1]
+
+    return mma
+
+
+def _tensor_core(kind: str):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    instruction = (
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+    )
+
+    @intrinsic
+    def hmma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        signature = types.UniTuple(types.float32, 4)(*[types.uint32] * 6, *[types.float32] * 4)
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            asm_type = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(asm_type, instruction, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            result = builder.call(asm, args)
+            values = [builder.extract_value(result, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return signature, codegen
+
+    @cuda.jit(device=True)
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        return hmma(
+            uint32(a0),
+            uint32(a1),
+            uint32(a2),
+            uint32(a3),
+            uint32(b0),
+            uint32(b1),
+            float32(c0),
+            float32(c1),
+            float32(c2),
+            float32(c3),
+        )
+
+    return mma
