@@ -102,7 +102,7 @@ _SIMULATOR_CONFIGS = {
         LaunchConfig("tiled", 8, 4, 8, micro=(2, 2), chunk=4, from_tokens_per_slot=3, from_rank=4),
     ),
 }
-#: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 and v5):
+#: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v7):
 #: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV.
 _GPU_CONFIGS = {
     "shrink": (
