@@ -153,7 +153,7 @@ print("rung 0 (torch, per segment) agrees with the reference")
 # %%
 # The library picks a configuration per call from host-side facts (punica_numba.launch);
 # here we take the one with the largest token tile, and later force the library to use it.
-CFG = max(launch_configs("shrink"), key=lambda c: c.tile_m)
+CFG = max((c for c in launch_configs("shrink") if c.kernel == "rows"), key=lambda c: c.tile_m)
 THREADS, TILE_M, TILE_N = CFG.threads, CFG.tile_m, CFG.tile_n
 print(f"launch config: {THREADS} threads/block, TILE_M={TILE_M} tokens, TILE_N={TILE_N} ranks")
 
