@@ -45,8 +45,9 @@ class LaunchConfig:
     ``from_tokens`` rows (a big tile needs enough tiles to fill the GPU) and
     ``from_rank`` on. ``kernel="mma"`` is a tensor-core kernel (:mod:`.kernels.shrink_mma`,
     :mod:`.kernels.expand_mma`): ``tile_m`` tokens (16 per product tile) of one slot per
-    block, ``threads // 32`` warps, every rank (``tile_n`` unused); only the shrink has
-    one, and only calls whose dtypes and layout the tensor cores take can use it
+    block, ``threads // 32`` warps; the expand covers ``tile_n`` output columns per block
+    (``tile_n / warps``, a multiple of 16, per warp), the shrink every rank (``tile_n``
+    unused). Only calls whose dtypes and layout the tensor cores take can use them
     (:func:`choose_launch_config`).
     """
 
@@ -74,10 +75,11 @@ class LaunchConfig:
         Every FFMA expand adds ``x[k] * B[n, k]`` for k = 0, 1, ... into one
         accumulator; the shrink adds ``threads`` strided partial sums (warp shuffles,
         then the warps' sums, on the GPU; a tree on the simulator). The tensor-core
-        kernels sum in an order of their own (the shrink's depends on its warps).
+        kernels sum in an order of their own (the shrink's depends on its warps, the
+        expand's on nothing but the rank).
         """
         if self.kernel == "mma":  # the tensor cores' sums: an order of their own
-            return ("mma", self.threads)
+            return ("mma",) if op == "expand" else ("mma", self.threads)
         if op == "expand":
             return ("sequential",)
         return ("tree", self.threads)
@@ -100,6 +102,8 @@ _SIMULATOR_CONFIGS = {
             "rows", threads=8, tile_m=2, tile_n=32, spread=False, vec=4, from_tokens_per_slot=3
         ),
         LaunchConfig("tiled", 8, 4, 8, micro=(2, 2), chunk=4, from_tokens_per_slot=3, from_rank=4),
+        # One warp, two 8-column tiles: a word of output per lane and row.
+        LaunchConfig("mma", threads=32, tile_m=16, tile_n=16, from_tokens_per_slot=4),
     ),
 }
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v7):
@@ -175,6 +179,18 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=128,
             from_rank=33,
         ),
+        # Tensor cores (bf16, where the call's layout allows), from 8 tokens per slot: the
+        # FFMA kernels above are bound by issuing instructions (v8's run of every
+        # configuration: 64/8 4.9 -> 4.6 µs, 256/16 8.8 -> 5.9, 256/1 7.5 -> 5.3, 1024/32
+        # 23.2 -> 12.8, 4096 on one LoRA 77 -> 32). Two 8-column tiles per warp ...
+        LaunchConfig("mma", threads=64, tile_m=16, tile_n=64, from_tokens_per_slot=8),
+        # ... and four from 1024 rows on (4096 on one LoRA 37.5 -> 32.1 µs, 4096/64 40.4 ->
+        # 36.8), and at r=64, where each warp's fragments of the buffer cost more (256/16
+        # at r=64: 14.2 -> 10.9; 4096/64 at r=64: 84.9 µs, the shared-memory tiles 219).
+        LaunchConfig(
+            "mma", threads=64, tile_m=16, tile_n=128, from_tokens_per_slot=8, from_tokens=1024
+        ),
+        LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=8, from_rank=33),
     ),
 }
 
@@ -182,8 +198,8 @@ _forced: dict[str, LaunchConfig] = {}
 
 
 def launch_configs(op: str) -> tuple[LaunchConfig, ...]:
-    """Every configuration the heuristic can pick for ``op`` on this machine, in the
-    order of ``from_tokens_per_slot``."""
+    """Every configuration the heuristic can pick for ``op`` on this machine: the FFMA
+    ones, then the tensor-core ones, each in the order of ``from_tokens_per_slot``."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     return (_SIMULATOR_CONFIGS if SIMULATOR else _GPU_CONFIGS)[op]
@@ -203,9 +219,9 @@ def choose_launch_config(
     tensor_cores: bool = False,
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count and the rank
-    (host-side facts only): the last one whose ``from_tokens_per_slot``,
-    ``from_tokens`` and ``from_rank`` are all reached, among the tensor-core ones too
-    when ``tensor_cores`` (the call's dtypes and layout allow them).
+    (host-side facts only): the last tensor-core one whose ``from_tokens_per_slot``,
+    ``from_tokens`` and ``from_rank`` are all reached, when ``tensor_cores`` (the call's
+    dtypes and layout allow them) and there is one; otherwise the last such FFMA one.
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
     every token is then taken to have its own slot. ``rank`` 0 (not given) reaches
@@ -217,16 +233,15 @@ def choose_launch_config(
     if forced is not None and (tensor_cores or forced.kernel != "mma"):
         return forced
     per_slot = num_tokens / active_slots if active_slots else 1.0
-    chosen = configs[0]
+    chosen = {False: configs[0], True: None}  # the last reached of each kind
     for config in configs[1:]:
         if (
             per_slot >= config.from_tokens_per_slot
             and num_tokens >= config.from_tokens
             and rank >= config.from_rank
-            and (tensor_cores or config.kernel != "mma")
         ):
-            chosen = config
-    return chosen
+            chosen[config.kernel == "mma"] = config
+    return chosen[True] if tensor_cores and chosen[True] else chosen[False]
 
 
 def config_name(config: LaunchConfig) -> str:

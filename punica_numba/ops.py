@@ -34,6 +34,7 @@ from .kernels import (
     COMPILED_WORDS,
     MAX_SLICES,
     build_expand_kernel,
+    build_mma_expand_kernel,
     build_mma_shrink_kernel,
     build_shrink_kernel,
     build_tiled_expand_kernel,
@@ -156,8 +157,8 @@ def _launcher(kernel) -> KernelLauncher:
     return KernelLauncher(kernel)
 
 
-#: The largest rank the tensor-core shrink takes (a lane keeps its share of the tile's
-#: outputs, every rank, in registers).
+#: The largest rank the tensor-core kernels take (their fragments of a whole rank sit in
+#: registers: the shrink's outputs, the expand's buffer rows).
 MMA_MAX_RANK = 64
 
 
@@ -285,6 +286,30 @@ def _pairs(weights: Sequence[Stack]) -> list | None:
             return None
         forms.append(form)
     return forms
+
+
+def _mma_expand_operands(
+    inputs: torch.Tensor, weights: Sequence[Stack], output: torch.Tensor, columns: list[int]
+) -> tuple | None:
+    """The tensor-core expand's operands ``(x, weights, out)``, or None when it cannot take
+    the call. It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
+    bf16 (as its int16 bits), rank <= :data:`MMA_MAX_RANK`, B rows of whole int32 pairs,
+    and an output it can read and write in 8-byte words of four columns: every slice's
+    first column and width a multiple of 4 (:mod:`.kernels.expand_mma`)."""
+    if (
+        weights[0].dtype != torch.bfloat16
+        or output.dtype != torch.bfloat16
+        or inputs.dtype not in (torch.float32, torch.bfloat16)
+        or weights[0].cols > MMA_MAX_RANK
+        or any(c % 4 or w.rows % 4 for c, w in zip(columns, weights))
+    ):
+        return None
+    out = _words(output)
+    pairs = _pairs(weights) if out is not None else None
+    if pairs is None:
+        return None
+    x = inputs if inputs.dtype == torch.float32 else inputs.view(torch.int16)
+    return x, pairs, out
 
 
 def _nothing() -> None:
@@ -548,19 +573,37 @@ def _expand_launch(
     widths = [w.rows for w in weights]
     meta_facts = host_facts_of(metadata[4])
     dtype, rank = weights[0].dtype, weights[0].cols
-    config = choose_launch_config(
-        "expand", num_tokens, meta_facts and meta_facts.active_slots, rank
-    )
-    forms = _weight_forms(weights)  # B in packed 8-byte words when every slice allows
-    packed = all(words is not None for words, _ in forms)
-    weights = [words if packed else elements for words, elements in forms]
-    words = rank // packing(dtype, packed)  # of one row of B: compiled in when short
-    words = words if words <= COMPILED_WORDS else 0
-    kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed, words)
+    columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
+    active = meta_facts and meta_facts.active_slots
+    config = choose_launch_config("expand", num_tokens, active, rank, tensor_cores=True)
+    x, out = inputs, output_tensor
+    operands = None
+    if config.kernel == "mma":
+        operands = _mma_expand_operands(inputs, weights, output_tensor, columns)
+        if operands is None:  # the tensor cores cannot take this call
+            config = choose_launch_config("expand", num_tokens, active, rank)
+    if operands is not None:
+        x, weights, out = operands
+        warps = config.threads // 32
+        kernel = build_mma_expand_kernel(
+            inputs.dtype,
+            config.threads,
+            config.tile_m // 16,
+            config.tile_n // (8 * warps),
+            rank,
+        )
+    else:
+        forms = _weight_forms(weights)  # B in packed 8-byte words when every slice allows
+        packed = all(words is not None for words, _ in forms)
+        weights = [words if packed else elements for words, elements in forms]
+        words = rank // packing(dtype, packed)  # of one row of B: compiled in when short
+        words = words if words <= COMPILED_WORDS else 0
+        kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed, words)
+    if operands is not None:  # the tensor-core expand places slices by 4-column words
+        columns = [c // 4 for c in columns]
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)
-    columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
 
     def launch() -> None:
         if blocks == 0:
@@ -574,7 +617,7 @@ def _expand_launch(
             grid = (blocks, len(chunk), groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
             starts += [0] * (MAX_SLICES - len(starts))
-            args = (inputs, *chunk, output_tensor, base, *starts, *meta, add_inputs)
+            args = (x, *chunk, out, base, *starts, *meta, add_inputs)
             launcher(grid, config.threads, args)
 
     launch.config = config  # what was chosen (the benchmark reports it)

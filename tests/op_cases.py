@@ -147,21 +147,30 @@ class ExpandCase:
 
 
 @st.composite
-def expand_cases(draw, limits=KERNEL_LIMITS) -> ExpandCase:
+def expand_cases(draw, limits=KERNEL_LIMITS, tensor_cores: bool = False) -> ExpandCase:
+    """Any expand the op takes; with ``tensor_cores``, only those the tensor-core expand
+    takes (``ops._mma_expand_operands``: bf16 B and output, an even rank, slices of
+    whole 4-column words), which a free draw rarely makes."""
     problem = draw(problems(limits))
-    rank = draw(st.integers(1, limits.rank), label="r")
+    word = 4 if tensor_cores else 1  # columns
+    rank = draw(st.integers(1, limits.rank // (1 + tensor_cores)), label="r") * (1 + tensor_cores)
     num_slices = draw(st.integers(1, 3), label="S")
-    widths = [draw(st.integers(1, limits.width), label=f"N_{s}") for s in range(num_slices)]
-    w_dtype = draw(st.sampled_from(DTYPES), label="weight dtype")
+    widths = [
+        draw(st.integers(1, limits.width // word), label=f"N_{s}") * word for s in range(num_slices)
+    ]
+    w_dtype = (
+        torch.bfloat16 if tensor_cores else draw(st.sampled_from(DTYPES), label="weight dtype")
+    )
+    out_dtypes = (w_dtype,) if tensor_cores else (w_dtype, w_dtype, torch.float32)
     return ExpandCase(
         problem=problem,
         rank=rank,
         widths=widths,
-        offset_start=draw(st.integers(0, 5), label="offset_start"),
-        extra_columns=draw(st.integers(0, 3), label="columns past the slices"),
+        offset_start=draw(st.integers(0, 5 // word), label="offset_start") * word,
+        extra_columns=draw(st.integers(0, 3), label="columns past the slices") * word,
         x_dtype=draw(st.sampled_from((w_dtype, torch.float32)), label="input dtype"),
         w_dtype=w_dtype,
-        out_dtype=draw(st.sampled_from((w_dtype, w_dtype, torch.float32)), label="out dtype"),
+        out_dtype=draw(st.sampled_from(out_dtypes), label="out dtype"),
         add_inputs=draw(st.booleans(), label="add_inputs"),
         four_d=draw(st.booleans(), label="4-D weights"),
         strided_input=draw(st.booleans(), label="strided input"),

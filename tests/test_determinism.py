@@ -3,8 +3,8 @@ configuration with the same arithmetic order.
 
 ``punica_numba.launch`` promises that configurations with equal
 ``LaunchConfig.arithmetic(op)`` keys add the same products in the same order (every
-expand, row or tiled; the FFMA shrinks of equal ``threads``; the tensor-core shrinks
-of equal ``threads``), whatever their token tile,
+FFMA expand, row or tiled; every tensor-core expand; the FFMA shrinks of equal
+``threads``; the tensor-core shrinks of equal ``threads``), whatever their token tile,
 rank group or kernel. So each op is run, on fresh copies of the same inputs, under
 every configuration the heuristic can pick (``force_launch_config``), twice under the
 first; every run must be right (the property tests' check passes under each

@@ -30,10 +30,17 @@ def table(request, monkeypatch):
 
 @pytest.mark.parametrize("op", OPS)
 def test_thresholds_start_at_zero_and_never_fall(op, table):
+    """The FFMA configurations come first, the tensor-core ones after; within each kind
+    the thresholds never fall."""
     configs = launch_configs(op)
     assert configs[0].from_tokens_per_slot == 0 and configs[0].from_tokens == 0
-    thresholds = [c.from_tokens_per_slot for c in configs]
-    assert thresholds == sorted(thresholds), thresholds
+    kinds = [c.kernel == "mma" for c in configs]
+    assert kinds == sorted(kinds), "tensor-core configurations after the FFMA ones"
+    for tensor_cores in (False, True):
+        thresholds = [
+            c.from_tokens_per_slot for c in configs if (c.kernel == "mma") == tensor_cores
+        ]
+        assert thresholds == sorted(thresholds), thresholds
     names = [config_name(c) for c in configs]
     assert len(set(names)) == len(names), names
 
@@ -49,16 +56,34 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
     for config in configs:
         tokens = max(config.from_tokens, 1 << 12)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
-        chosen = choose_launch_config(op, tokens, slots, config.from_rank, tensor_cores=True)
+        tensor_cores = config.kernel == "mma"
+        chosen = choose_launch_config(op, tokens, slots, config.from_rank, tensor_cores)
+        assert (chosen.kernel == "mma") == tensor_cores, (config, chosen)
         assert chosen.from_tokens_per_slot >= config.from_tokens_per_slot, (config, chosen)
 
 
-def test_tensor_cores_only_for_calls_that_allow_them(table):
+@pytest.mark.parametrize("op", OPS)
+def test_a_reached_tensor_core_configuration_wins(op, table):
+    """Where the call allows the tensor cores and one of their thresholds is reached,
+    they win over every FFMA configuration, even one with a higher threshold."""
+    configs = launch_configs(op)
+    first = next(c for c in configs if c.kernel == "mma")
+    tokens = max(first.from_tokens, 1 << 12)
+    slots = 1  # every threshold on tokens per slot reached
+    without = choose_launch_config(op, tokens, slots, 1 << 10)
+    assert without.kernel != "mma" and without.from_tokens_per_slot > 0
+    assert choose_launch_config(op, tokens, slots, 1 << 10, tensor_cores=True).kernel == "mma"
+    below = max(1, int(tokens / first.from_tokens_per_slot) + 1)  # just under its threshold
+    if tokens / below < first.from_tokens_per_slot:
+        assert choose_launch_config(op, tokens, below, tensor_cores=True).kernel != "mma"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_tensor_cores_only_for_calls_that_allow_them(op, table):
     """A call whose dtypes the tensor cores do not take never gets them, not even when a
     test forces them (it then gets what the heuristic picks without them)."""
-    op = "shrink"
     tensor_core_configs = [c for c in launch_configs(op) if c.kernel == "mma"]
-    assert tensor_core_configs, "each table has a tensor-core shrink"
+    assert tensor_core_configs, "each table has a tensor-core configuration of each op"
     first = tensor_core_configs[0]
     slots = 4
     tokens = int(first.from_tokens_per_slot * slots) + max(first.from_tokens, 1)
@@ -73,16 +98,20 @@ def test_tensor_cores_only_for_calls_that_allow_them(table):
 
 
 def test_from_rank_holds_back_a_config(table):
-    """The shared-memory tiles of expand pay off only at large ranks (on the H200: r=64
-    yes, r=16 no); below, many tokens per slot go to the row kernel."""
+    """Some expand configurations pay off only at large ranks (on the H200: the FFMA
+    shared-memory tiles at r=64, not r=16; narrower tensor-core tiles at r=64); below,
+    many tokens per slot go to the row kernel or to another tensor-core tile."""
     gated = [c for c in launch_configs("expand") if c.from_rank]
     assert gated, "the table gates a configuration on the rank"
     for config in gated:
+        tensor_cores = config.kernel == "mma"
         tokens = max(config.from_tokens, 1 << 12)
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
-        assert choose_launch_config("expand", tokens, slots, config.from_rank) == config
-        below = choose_launch_config("expand", tokens, slots, config.from_rank - 1)
-        assert below != config and below.kernel == "rows", (config, below)
+        rank = config.from_rank
+        assert choose_launch_config("expand", tokens, slots, rank, tensor_cores) == config
+        below = choose_launch_config("expand", tokens, slots, rank - 1, tensor_cores)
+        assert below != config and below.from_rank < rank, (config, below)
+        assert below.kernel == ("mma" if tensor_cores else "rows"), (config, below)
 
 
 def test_from_tokens_holds_back_a_config(monkeypatch):
@@ -95,16 +124,19 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
         rows = config.from_tokens
         # slots such that the tokens per slot just reach this configuration's threshold
         slots = max(1, int(rows // max(config.from_tokens_per_slot, 1)))
-        assert choose_launch_config(op, rows, slots, tensor_cores=True) == config, config
-        assert choose_launch_config(op, rows - 1, slots, tensor_cores=True) != config, config
+        tensor_cores = config.kernel == "mma"
+        assert choose_launch_config(op, rows, slots, 0, tensor_cores) == config, config
+        assert choose_launch_config(op, rows - 1, slots, 0, tensor_cores) != config, config
 
 
-def test_every_expand_shares_one_arithmetic_and_shrink_groups_by_threads(table):
+def test_arithmetic_keys_group_what_adds_alike(table):
     """The row and the tiled expand both promise one order: the heuristic may switch
-    between them from one step to the next without changing a bit. The shrinks group
-    by threads, the tensor-core ones apart (their sums run in an order of their own)."""
-    assert {c.kernel for c in launch_configs("expand")} == {"rows", "tiled"}
-    assert len({c.arithmetic("expand") for c in launch_configs("expand")}) == 1
+    between them from one step to the next without changing a bit; the tensor-core
+    expands promise one order of their own, whatever their tiles. The shrinks group by
+    threads, the tensor-core ones apart (their sums run in an order of their own)."""
+    assert {c.kernel for c in launch_configs("expand")} == {"rows", "tiled", "mma"}
+    for c in launch_configs("expand"):
+        assert c.arithmetic("expand") == (("mma",) if c.kernel == "mma" else ("sequential",))
     for c in launch_configs("shrink"):
         kind = "mma" if c.kernel == "mma" else "tree"
         assert c.arithmetic("shrink") == (kind, c.threads)

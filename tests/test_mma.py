@@ -15,7 +15,7 @@ import torch
 from numba import uint32
 
 from punica_numba._cuda import cuda, device_of, kernel_array, launch_stream
-from punica_numba.kernels.mma import FRAGMENT_WORDS, mma_m16n8k16, pair_of, split_bf16
+from punica_numba.kernels.mma import FRAGMENT_WORDS, mma_m16n8k16, pair_of, split_pair
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -77,10 +77,17 @@ def _split_kernel():
     @cuda.jit
     def split(values, hi, lo):
         i = cuda.grid(1)
-        if i < values.shape[0]:
-            hi[i], lo[i] = split_bf16(values[i])
+        if 2 * i + 1 < values.shape[0]:
+            hi[i], lo[i] = split_pair(values[2 * i], values[2 * i + 1])
 
     return split
+
+
+def _halves(pairs: torch.Tensor) -> torch.Tensor:
+    """uint32 pairs of bf16 (as int64) -> their bf16 values as float64, in order."""
+    low, high = pairs & 0xFFFF, (pairs >> 16) & 0xFFFF
+    bits = torch.stack([low, high], dim=1).flatten().to(torch.int16)
+    return bits.view(torch.bfloat16).double()
 
 
 def test_split_keeps_sixteen_bits_and_special_values():
@@ -89,15 +96,15 @@ def test_split_keeps_sixteen_bits_and_special_values():
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.4e38])
     values = torch.cat([finite, special]).float()
     device = device_of()
-    hi = torch.empty(values.shape, dtype=torch.bfloat16, device=device)
-    lo = torch.empty_like(hi)
+    hi = torch.zeros(values.numel() // 2, dtype=torch.int64, device=device)
+    lo = torch.zeros_like(hi)
     on_device = values.to(device)
     _split_kernel()[(values.numel() + 63) // 64, 64, launch_stream()](
         kernel_array(on_device), kernel_array(hi), kernel_array(lo)
     )
     top_bits = (values.view(torch.int32) >> 16).to(torch.int16)
-    assert torch.equal(hi.cpu().view(torch.int16), top_bits)
-    hi, lo = hi.cpu().double(), lo.cpu().double()
+    hi, lo = _halves(hi.cpu()), _halves(lo.cpu())
+    assert torch.equal(hi.to(torch.bfloat16).view(torch.int16), top_bits)  # hi: the cut
     got = hi[:200] + lo[:200]
     assert bool(((got - values[:200].double()).abs() <= 2.0**-16 * values[:200].abs()).all())
     assert bool((got != hi[:200]).any())  # lo carries bits hi dropped

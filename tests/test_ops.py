@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 
 from punica_numba import lora_expand, lora_shrink
+from punica_numba.launch import force_launch_config, launch_configs
 
 from .op_cases import check_expand, check_shrink, expand_cases, shrink_cases
 
@@ -19,6 +20,16 @@ def test_shrink_matches_reference(case):
 @given(expand_cases())
 def test_expand_matches_reference(case):
     check_expand(lora_expand, case)
+
+
+@given(expand_cases(tensor_cores=True))
+def test_tensor_core_expand_matches_reference(case):
+    """Every tensor-core expand configuration, forced, on calls it takes (a free draw
+    rarely makes one: bf16, an even rank, slices of whole 4-column words)."""
+    for config in launch_configs("expand"):
+        if config.kernel == "mma":
+            with force_launch_config("expand", config):
+                check_expand(lora_expand, case)
 
 
 @given(shrink_cases())

@@ -7,10 +7,12 @@
 * :mod:`.expand_tiled` the same expand as shared-memory tiles, for many tokens per
   slot (prefill);
 * :mod:`.mma`      one warp's tensor-core product, on the GPU and on the simulator;
-* :mod:`.shrink_mma` the shrink on the tensor cores, for many tokens per slot (prefill).
+* :mod:`.shrink_mma`, :mod:`.expand_mma` both ops on the tensor cores, for many tokens
+  per slot.
 """
 
 from .expand import COMPILED_WORDS, build_expand_kernel
+from .expand_mma import build_mma_expand_kernel
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
 from .shrink_mma import build_mma_shrink_kernel
@@ -19,6 +21,7 @@ __all__ = [
     "COMPILED_WORDS",
     "MAX_SLICES",
     "build_expand_kernel",
+    "build_mma_expand_kernel",
     "build_mma_shrink_kernel",
     "build_shrink_kernel",
     "build_tiled_expand_kernel",

@@ -23,7 +23,7 @@ import torch
 from numba import float32, int16, int64
 from numba.cuda.types import float16
 
-from .._cuda import cuda
+from .._cuda import SIMULATOR, cuda
 
 __all__ = [
     "loader",
@@ -34,6 +34,10 @@ __all__ = [
     "bf16_bits_to_f32",
     "f32_to_bf16_bits",
     "f16_bits_to_f32",
+    "bf16_pair",
+    "bf16_pair_values",
+    "bf16_word",
+    "word_halves",
 ]
 
 _BF16_QUIET_NAN = np.int16(0x7FC0)
@@ -116,6 +120,73 @@ def _f16_lane(word, lane):
 @cuda.jit(device=True)
 def _f32_lane(word, lane):
     return np.uint32((word >> np.int64(32 * lane)) & np.int64(0xFFFFFFFF)).view(np.float32)
+
+
+# -- two bf16 in 32 bits, and 8-byte words of four ---------------------------------------
+#
+# A kernel that writes whole 8-byte words of bf16 output (the tensor-core expand) packs
+# and unpacks them in 32-bit halves: on the GPU one ``cvt.rn.bf16x2.f32`` instruction
+# rounds two fp32 values into one register (the software rounding of
+# :func:`f32_to_bf16_bits` costs a dozen 64-bit integer instructions per element, and
+# in that kernel's epilogue it was most of the work).
+
+
+def _bf16_pair_on_gpu():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def cvt_bf16x2(typingctx, high, low):
+        signature = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            asm_type = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
+            # cvt.rn.bf16x2.f32 d, a, b: a rounded into the upper half of d, b the lower
+            asm = ir.InlineAsm(asm_type, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, args)
+
+        return signature, codegen
+
+    @cuda.jit(device=True)
+    def bf16_pair(low, high):
+        return cvt_bf16x2(float32(high), float32(low))
+
+    return bf16_pair
+
+
+@cuda.jit(device=True)
+def _bf16_pair_in_software(low, high):
+    low_bits = np.uint32(np.int32(f32_to_bf16_bits(low)) & np.int32(0xFFFF))
+    high_bits = np.uint32(np.int32(f32_to_bf16_bits(high)) & np.int32(0xFFFF))
+    return np.uint32(low_bits | np.uint32(high_bits << np.uint32(16)))
+
+
+#: ``bf16_pair(low, high) -> uint32``: two fp32 values rounded to bf16 (nearest, ties to
+#: even; a NaN stays a NaN), ``low`` in bits 0-15. One instruction on the GPU, integer
+#: arithmetic on the simulator (which cannot run PTX).
+bf16_pair = _bf16_pair_in_software if SIMULATOR else _bf16_pair_on_gpu()
+
+
+@cuda.jit(device=True)
+def bf16_word(low_pair, high_pair):
+    """Two :func:`bf16_pair` results as one int64 word of four bf16, ``low_pair`` in bits
+    0-31: the packed form :func:`word_loader` reads."""
+    return np.int64(low_pair) | (np.int64(high_pair) << np.int64(32))
+
+
+@cuda.jit(device=True)
+def bf16_pair_values(pair):
+    """The two bf16 of a 32-bit pair as fp32 (exact): bits 0-15, then bits 16-31."""
+    low = np.uint32(np.uint32(pair) << np.uint32(16))
+    high = np.uint32(np.uint32(pair) & np.uint32(0xFFFF0000))
+    return low.view(np.float32), high.view(np.float32)
+
+
+@cuda.jit(device=True)
+def word_halves(word):
+    """An int64 word as its two 32-bit halves (uint32): bits 0-31, then bits 32-63."""
+    return np.uint32(word & np.int64(0xFFFFFFFF)), np.uint32(word >> np.int64(32))
 
 
 @cuda.jit(device=True)

@@ -37,14 +37,14 @@ import torch
 from numba import float32, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+from .dtypes import bf16_pair
 
 __all__ = [
     "FRAGMENT_WORDS",
     "MMA_DTYPES",
     "mma_m16n8k16",
     "pair_of",
-    "split_bf16",
+    "split_pair",
 ]
 
 #: The operand dtypes the tensor-core kernels take, and each one's PTX type name.
@@ -64,17 +64,21 @@ def pair_of(low_bits, high_bits):
 
 
 @cuda.jit(device=True)
-def split_bf16(value):
-    """An fp32 value as two bf16 values ``hi + lo`` (their bits): ``hi`` the value cut
-    to bf16 (its top 16 bits; cutting never overflows to inf, as rounding up may), ``lo``
-    the remainder (exact in fp32) rounded to bf16. ``hi + lo`` keeps 16 of fp32's 24
-    significant bits (relative error <= 2**-16), against 8 for ``hi`` alone. An infinite
-    or NaN value is ``hi`` alone, with ``lo = 0``."""
-    bits = np.float32(value).view(np.uint32)
-    hi = np.uint16(bits >> np.uint32(16)).view(np.int16)
-    if math.isinf(value) or value != value:
-        return hi, np.int16(0)
-    return hi, f32_to_bf16_bits(value - bf16_bits_to_f32(hi))
+def split_pair(v0, v1):
+    """Two fp32 values as two fragment registers of bf16, ``(hi, lo)``: ``hi`` each value
+    cut to bf16 (its top 16 bits; cutting never overflows to inf, as rounding up may),
+    ``lo`` the remainders (exact in fp32) rounded to bf16 (:func:`.dtypes.bf16_pair`); the
+    first value in the low halves. ``hi + lo`` keeps 16 of fp32's 24 significant bits
+    (relative error <= 2**-16), against 8 for ``hi`` alone. An infinite value is its
+    ``hi`` alone, with ``lo = 0``."""
+    bits0 = np.float32(v0).view(np.uint32)
+    bits1 = np.float32(v1).view(np.uint32)
+    hi = np.uint32((bits0 >> np.uint32(16)) | (bits1 & np.uint32(0xFFFF0000)))
+    cut0 = np.uint32(bits0 & np.uint32(0xFFFF0000)).view(np.float32)
+    cut1 = np.uint32(bits1 & np.uint32(0xFFFF0000)).view(np.float32)
+    rest0 = float32(0.0) if math.isinf(v0) else v0 - cut0
+    rest1 = float32(0.0) if math.isinf(v1) else v1 - cut1
+    return hi, bf16_pair(rest0, rest1)
 
 
 @functools.cache

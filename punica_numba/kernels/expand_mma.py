@@ -1,0 +1,237 @@
+"""The tensor-core expand: the op of :mod:`.expand`, 16 tokens of one slot at a time.
+
+With many tokens per slot the FFMA expand is bound by issuing instructions, not by
+memory (v7: T=4096 on one LoRA 77 µs, a fifth of the copy bandwidth; 32 µs here, v8). A
+warp's ``mma.sync`` (:mod:`.mma`) does 16 tokens x 8 columns x 16 ranks at once:
+
+* block: a tile of ``16 * M_TILES`` tokens of one segment (``blockIdx.x``, the tile
+  table), one slice (``.y``), ``WARPS * 8 * N_TILES`` output columns (``.z``; groups
+  stride by ``gridDim.z``);
+* warp: every token of the tile x its own ``8 * N_TILES`` columns, as ``M_TILES x
+  N_TILES`` products of 16 tokens x 8 columns, each over the rank in steps of 16;
+* the A operand is the buffer row ``x[s, token, :]``, the B operand row n of
+  ``B_s[slot]`` (its k are contiguous: one fragment register is one 32-bit load of two
+  neighbouring elements; no shared memory).
+
+**Whole words of output.** A product tile leaves each lane two neighbouring columns of
+a row (``2t, 2t + 1``, ``t = lane % 4``). Read and written that way, a warp's access
+touches 8 rows x 4 bytes here and there: 2-byte loads and stores, a quarter of each
+32-byte sector (the first tensor-core expand did this and lost to the FFMA kernel
+everywhere: 91 against 77 µs at T=4096 on one LoRA, branch ``next/expand-mma``). So the
+kernel renumbers the columns it feeds the tensor cores: tile ``j``'s column ``c`` is
+the output column ::
+
+    16 * (j // 2) + 4 * (c // 2) + 2 * (j % 2) + c % 2
+
+(:func:`output_column`). Tiles ``2i`` and ``2i + 1`` then leave lane ``t`` the four
+neighbouring columns ``16 i + 4t .. 16 i + 4t + 3``: one 8-byte word of four bf16,
+and the warp's 4 lanes of a row cover 32 neighbouring bytes, a whole sector, in one
+access. The renumbering only chooses which row of B feeds which tensor-core column;
+every output is still the same dot product.
+
+**Precision.** The buffer is fp32 but the tensor cores take 16-bit operands. Each
+buffer element is split into two bf16 values, ``hi + lo`` (:func:`.mma.split_pair`),
+and each product tile is two ``mma``: ``lo @ B`` first, then ``hi @ B``, into the same
+fp32 accumulator. That keeps 16 significant bits of each buffer element (relative error
+<= 2**-16), far below the rounding of the bf16 output (2**-9). A bf16 buffer is used as
+it is, in one ``mma``. The old output is added last, and the sum rounded once.
+
+The sum is a tensor-core sum, not the FFMA kernels' sequential one, so this kernel has
+an arithmetic key of its own (:meth:`..launch.LaunchConfig.arithmetic`); it does not
+depend on the tile shapes.
+
+**Instructions.** With the products on the tensor cores, what is left is bookkeeping,
+and on the H200 that bookkeeping set the pace (Nsight Compute, T=4096 on one LoRA: 77 %
+of the SMs' issue rate, 12 % of the DRAM bandwidth). Three things cut it by 40 % (1,416
+to 832 instructions per warp for 16 tokens x 32 columns): the outputs are rounded two at
+a time by one ``cvt.rn.bf16x2.f32`` (:func:`.dtypes.bf16_pair`; rounding in integer
+arithmetic took a dozen 64-bit instructions per element) and so are the buffer's low
+halves (:func:`.mma.split_pair`); a buffer row and a row of B are taken once as a 1-D
+view (``x[s, token]``, ``w[slot, n]``), so their address is worked out once, not per
+element; and the rank is compiled in, so steps of 16 that lie wholly inside it need no
+bound checks. (A block order that started the column groups of one tile together,
+rather than one band of columns of every tile, lost 5-11 %; not kept.)
+
+Memory traffic per block: ``TILE_M * r`` buffer elements, ``BLOCK_N * r`` of B (from L2
+after the first tile of a slot), and ``TILE_M * BLOCK_N`` outputs (read too when
+``add_inputs``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from numba import float32, int64, uint32
+
+from .._cuda import SIMULATOR, cuda
+from .dtypes import bf16_pair, bf16_pair_values, bf16_word, loader, word_halves
+from .mma import FRAGMENT_WORDS, mma_m16n8k16, pair_of, split_pair
+from .segments import read_tile, tile_token
+
+__all__ = ["build_mma_expand_kernel", "output_column"]
+
+#: Output columns per word of output (four bf16 in 8 bytes).
+WORD_COLUMNS = 4
+
+
+@cuda.jit(device=True)
+def output_column(tile, column):
+    """The output column (within a warp's ``8 * N_TILES``) of column ``column`` of the
+    warp's product tile ``tile``: see the module's notes."""
+    return 16 * (tile // 2) + 4 * (column // 2) + 2 * (tile % 2) + column % 2
+
+
+@functools.cache
+def build_mma_expand_kernel(
+    x_dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, rank: int
+):
+    """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
+    warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
+    (``n_tiles`` even: two tiles make a lane's word), and the rank (even; a deployment
+    serves one). B and the output are bf16.
+
+    The kernel takes the buffer as fp32, or as the int16 bits of its bf16 elements; B
+    as int32 pairs of neighbouring elements (``[L, N, r/2]``, r even); the output as
+    int64 words of four bf16 (``[T, W/4]``: the output's width, every slice's first
+    column and every slice's width are multiples of 4), and where each slice starts as
+    the index of its first word."""
+    if threads % 32:
+        raise ValueError(f"threads must be whole warps, got {threads}")
+    if n_tiles % 2:
+        raise ValueError(f"n_tiles must be even (two tiles make a word), got {n_tiles}")
+    SPLIT = x_dtype == torch.float32
+    if not SPLIT and x_dtype != torch.bfloat16:
+        raise ValueError(f"the buffer must be fp32 or bf16, got {x_dtype}")
+    mma = mma_m16n8k16(torch.bfloat16)
+    load_x = loader(x_dtype)
+    if rank % 2:
+        raise ValueError(f"the rank must be even (B is read in pairs), got {rank}")
+    WARPS, M_TILES, N_TILES, K_STEPS = threads // 32, m_tiles, n_tiles, -(-rank // 16)
+    RANK, PAIRS = rank, rank // 2
+    WHOLE_STEPS = rank % 16 == 0  # no k of any step lies past the rank: no checks
+    ROWS = 2 * M_TILES  # token rows a lane touches: g + 8 * i
+    WORDS = N_TILES // 2  # output words a lane holds per row
+    WARP_N = 8 * N_TILES
+    BLOCK_N = WARPS * WARP_N
+    TERMS = 2 if SPLIT else 1  # products per tile: lo and hi, or the buffer as it is
+    A_WORDS = K_STEPS * M_TILES * 4 * TERMS  # the lane's A fragments, every k step
+    OUTPUTS = M_TILES * N_TILES * 4
+    OLD_WORDS = ROWS * WORDS
+    SCRATCH_WARPS = WARPS if SIMULATOR else 1  # the GPU never touches the scratch
+
+    @cuda.jit(device=True)
+    def element(row, k):
+        """Element k of a buffer row (zero past the rank): its fp32 value to be split, or
+        the bits of a bf16 one."""
+        if SPLIT:
+            return load_x(row[k]) if WHOLE_STEPS or k < RANK else float32(0.0)
+        return row[k] if WHOLE_STEPS or k < RANK else 0
+
+    @cuda.jit(device=True)
+    def pair(row, q):
+        """Pair q of a row of B (zero past the rank)."""
+        return row[q] if WHOLE_STEPS or q < PAIRS else 0
+
+    @cuda.jit
+    def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
+        # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/2] int32 pairs;
+        # out: [M, W/4] int64 words; col*: the word of a slice's first column
+        slot, position, rows, first_token = read_tile(tiles)
+        if slot == -1:
+            return
+        s_local = cuda.blockIdx.y
+        if s_local == 0:
+            w = w0
+            word0 = col0
+        elif s_local == 1:
+            w = w1
+            word0 = col1
+        else:
+            w = w2
+            word0 = col2
+        s = slice_base + s_local
+        width = w.shape[1]  # a multiple of 4
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
+        my_scratch = scratch[warp if SIMULATOR else 0]
+
+        token = cuda.local.array(ROWS, int64)  # row g + 8 * (i % 2) of m-tile i // 2
+        for i in range(ROWS):
+            token[i] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * i)
+
+        # The A fragments of every k step, once: a[((kk * M_TILES + mi) * TERMS + term) * 4
+        # + q] holds elements k, k + 1 (their lo halves for term 0, hi for term 1).
+        a = cuda.local.array(A_WORDS, uint32)
+        for kk in range(K_STEPS):
+            for mi in range(M_TILES):
+                base = (kk * M_TILES + mi) * TERMS * 4
+                for q in range(4):  # a0: (g, 2t), a1: (g+8, 2t), a2: (g, 8+2t), a3: (g+8, 8+2t)
+                    k = 16 * kk + 8 * (q // 2) + 2 * t
+                    row = x[s, token[2 * mi + q % 2]]
+                    v0 = element(row, k)
+                    v1 = element(row, k + 1)
+                    if SPLIT:
+                        a[base + 4 + q], a[base + q] = split_pair(v0, v1)  # hi, lo
+                    else:
+                        a[base + q] = pair_of(v0, v1)
+
+        acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
+        old = cuda.local.array(OLD_WORDS, int64)  # old[i * WORDS + v]: row i, word v
+        for n0 in range(cuda.blockIdx.z * BLOCK_N, width, cuda.gridDim.z * BLOCK_N):
+            warp_n0 = n0 + warp * WARP_N  # a multiple of 16
+            first_word = word0 + (warp_n0 >> 2) + t  # word v of a row: first_word + 4 v
+            last_word = word0 + ((width - WORD_COLUMNS) >> 2)
+            # The old outputs first: their trip to memory overlaps the loads of B. (Rows
+            # past the tile repeat a token, words past the slice its last word: in
+            # bounds, never stored.)
+            for i in range(ROWS):
+                for v in range(WORDS):
+                    word = min(first_word + 4 * v, last_word)
+                    old[i * WORDS + v] = out[token[i], word] if add_inputs else int64(0)
+            for p in range(OUTPUTS):
+                acc[p] = float32(0.0)
+            for kk in range(K_STEPS):
+                for nj in range(N_TILES):
+                    # B's column g of tile nj is row n of B
+                    row = w[slot, min(warp_n0 + output_column(nj, g), width - 1)]
+                    q0 = 8 * kk + t  # the pair of k = 16 kk + 2t
+                    b0 = pair(row, q0)
+                    b1 = pair(row, q0 + 4)
+                    for mi in range(M_TILES):
+                        p = (mi * N_TILES + nj) * 4
+                        for term in range(TERMS):  # lo first, then hi
+                            base = ((kk * M_TILES + mi) * TERMS + term) * 4
+                            acc[p], acc[p + 1], acc[p + 2], acc[p + 3] = mma(
+                                a[base],
+                                a[base + 1],
+                                a[base + 2],
+                                a[base + 3],
+                                b0,
+                                b1,
+                                acc[p],
+                                acc[p + 1],
+                                acc[p + 2],
+                                acc[p + 3],
+                                my_scratch,
+                            )
+            # Word v of row i holds tiles 2v (its columns 0, 1) and 2v + 1 (columns 2,
+            # 3): lane t's columns 2t, 2t + 1 of each, in the row's half of the tile.
+            for i in range(ROWS):
+                mi, half = i // 2, i % 2
+                if 16 * mi + g + 8 * half < rows:
+                    for v in range(WORDS):
+                        if warp_n0 + 16 * v + 4 * t < width:
+                            p0 = (mi * N_TILES + 2 * v) * 4 + 2 * half
+                            p1 = p0 + 4  # tile 2v + 1
+                            old_low, old_high = word_halves(old[i * WORDS + v])
+                            o0, o1 = bf16_pair_values(old_low)
+                            o2, o3 = bf16_pair_values(old_high)
+                            out[token[i], first_word + 4 * v] = bf16_word(
+                                bf16_pair(acc[p0] + o0, acc[p0 + 1] + o1),
+                                bf16_pair(acc[p1] + o2, acc[p1 + 1] + o3),
+                            )
+
+    return expand
