@@ -590,7 +590,8 @@ def _expand_launch(
             config.threads,
             config.tile_m // 16,
             config.tile_n // (8 * warps),
-            rank,
+            -(-rank // 16),
+            rank % 16 == 0,
         )
     else:
         forms = _weight_forms(weights)  # B in packed 8-byte words when every slice allows

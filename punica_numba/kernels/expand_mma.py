@@ -48,8 +48,8 @@ a time by one ``cvt.rn.bf16x2.f32`` (:func:`.dtypes.bf16_pair`; rounding in inte
 arithmetic took a dozen 64-bit instructions per element) and so are the buffer's low
 halves (:func:`.mma.split_pair`); a buffer row and a row of B are taken once as a 1-D
 view (``x[s, token]``, ``w[slot, n]``), so their address is worked out once, not per
-element; and the rank is compiled in, so steps of 16 that lie wholly inside it need no
-bound checks. (A block order that started the column groups of one tile together,
+element; and whether the rank is a multiple of 16 is compiled in, so that then no step
+needs a bound check. (A block order that started the column groups of one tile together,
 rather than one band of columns of every tile, lost 5-11 %; not kept.)
 
 Memory traffic per block: ``TILE_M * r`` buffer elements, ``BLOCK_N * r`` of B (from L2
@@ -84,12 +84,15 @@ def output_column(tile, column):
 
 @functools.cache
 def build_mma_expand_kernel(
-    x_dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, rank: int
+    x_dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, k_steps: int, whole: bool
 ):
     """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
     warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
-    (``n_tiles`` even: two tiles make a lane's word), and the rank (even; a deployment
-    serves one). B and the output are bf16.
+    (``n_tiles`` even: two tiles make a lane's word), the rank in steps of 16 (``k_steps
+    = ceil(r / 16)``) and ``whole``: whether r is a multiple of 16, so that no step
+    reaches past it and no bound is checked. The rank itself is read at run time, so
+    that a test drawing many ranks compiles a handful of kernels, not one per rank.
+    B and the output are bf16.
 
     The kernel takes the buffer as fp32, or as the int16 bits of its bf16 elements; B
     as int32 pairs of neighbouring elements (``[L, N, r/2]``, r even); the output as
@@ -105,11 +108,8 @@ def build_mma_expand_kernel(
         raise ValueError(f"the buffer must be fp32 or bf16, got {x_dtype}")
     mma = mma_m16n8k16(torch.bfloat16)
     load_x = loader(x_dtype)
-    if rank % 2:
-        raise ValueError(f"the rank must be even (B is read in pairs), got {rank}")
-    WARPS, M_TILES, N_TILES, K_STEPS = threads // 32, m_tiles, n_tiles, -(-rank // 16)
-    RANK, PAIRS = rank, rank // 2
-    WHOLE_STEPS = rank % 16 == 0  # no k of any step lies past the rank: no checks
+    WARPS, M_TILES, N_TILES, K_STEPS = threads // 32, m_tiles, n_tiles, k_steps
+    WHOLE_STEPS = whole  # no k of any step lies past the rank: no checks
     ROWS = 2 * M_TILES  # token rows a lane touches: g + 8 * i
     WORDS = N_TILES // 2  # output words a lane holds per row
     WARP_N = 8 * N_TILES
@@ -125,13 +125,13 @@ def build_mma_expand_kernel(
         """Element k of a buffer row (zero past the rank): its fp32 value to be split, or
         the bits of a bf16 one."""
         if SPLIT:
-            return load_x(row[k]) if WHOLE_STEPS or k < RANK else float32(0.0)
-        return row[k] if WHOLE_STEPS or k < RANK else 0
+            return load_x(row[k]) if WHOLE_STEPS or k < row.shape[0] else float32(0.0)
+        return row[k] if WHOLE_STEPS or k < row.shape[0] else 0
 
     @cuda.jit(device=True)
     def pair(row, q):
         """Pair q of a row of B (zero past the rank)."""
-        return row[q] if WHOLE_STEPS or q < PAIRS else 0
+        return row[q] if WHOLE_STEPS or q < row.shape[0] else 0
 
     @cuda.jit
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
