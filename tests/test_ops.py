@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
 from punica_numba import lora_expand, lora_shrink
 from punica_numba.launch import force_launch_config, launch_configs
@@ -22,14 +23,19 @@ def test_expand_matches_reference(case):
     check_expand(lora_expand, case)
 
 
-@given(expand_cases(tensor_cores=True))
-def test_tensor_core_expand_matches_reference(case):
-    """Every tensor-core expand configuration, forced, on calls it takes (a free draw
-    rarely makes one: bf16, an even rank, slices of whole 4-column words)."""
-    for config in launch_configs("expand"):
-        if config.kernel == "mma":
-            with force_launch_config("expand", config):
-                check_expand(lora_expand, case)
+def _tensor_core_configs():
+    return [c for c in launch_configs("expand") if c.kernel == "mma"]
+
+
+@given(expand_cases(tensor_cores=True), st.data())
+def test_tensor_core_expand_matches_reference(case, data):
+    """A tensor-core expand configuration (drawn, then forced) on a call it takes (a
+    free draw rarely makes one: bf16, an even rank, slices of whole 4-column words). One
+    configuration per example: on the GPU each check computes a float64 reference of up
+    to 4096 x 6144 outputs, and the draws of ranks compile several kernels each."""
+    config = data.draw(st.sampled_from(_tensor_core_configs()), label="configuration")
+    with force_launch_config("expand", config):
+        check_expand(lora_expand, case)
 
 
 @given(shrink_cases())
