@@ -106,7 +106,7 @@ _SIMULATOR_CONFIGS = {
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=16, from_tokens_per_slot=4),
     ),
 }
-#: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v7):
+#: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
 #: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV.
 _GPU_CONFIGS = {
     "shrink": (

@@ -293,14 +293,14 @@ def _mma_expand_operands(
 ) -> tuple | None:
     """The tensor-core expand's operands ``(x, weights, out)``, or None when it cannot take
     the call. It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
-    bf16 (as its int16 bits), rank <= :data:`MMA_MAX_RANK`, B rows of whole int32 pairs,
+    bf16 (as its int16 bits), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole int32 pairs,
     and an output it can read and write in 8-byte words of four columns: every slice's
     first column and width a multiple of 4 (:mod:`.kernels.expand_mma`)."""
     if (
         weights[0].dtype != torch.bfloat16
         or output.dtype != torch.bfloat16
         or inputs.dtype not in (torch.float32, torch.bfloat16)
-        or weights[0].cols > MMA_MAX_RANK
+        or not 0 < weights[0].cols <= MMA_MAX_RANK
         or any(c % 4 or w.rows % 4 for c, w in zip(columns, weights))
     ):
         return None
