@@ -288,6 +288,17 @@ def _pairs(weights: Sequence[Stack]) -> list | None:
     return forms
 
 
+def _mma_shrink_operands(inputs: torch.Tensor, weights: Sequence[Stack]) -> tuple | None:
+    """The tensor-core shrink's operands ``(x, weights)`` as int32 pairs of neighbouring
+    elements, or None when it cannot take the call: x and A fp16 or bf16, rank <=
+    :data:`MMA_MAX_RANK`, rows of whole, aligned pairs (:mod:`.kernels.shrink_mma`)."""
+    if inputs.dtype not in MMA_DTYPES or weights[0].rows > MMA_MAX_RANK:
+        return None
+    x = _words(inputs, torch.int32)
+    pairs = _pairs(weights) if x is not None else None
+    return None if pairs is None else (x, pairs)
+
+
 def _mma_expand_operands(
     inputs: torch.Tensor, weights: Sequence[Stack], output: torch.Tensor, columns: list[int]
 ) -> tuple | None:
@@ -397,22 +408,22 @@ def _shrink_launch(
     meta_facts = host_facts_of(metadata[4])
     active = meta_facts and meta_facts.active_slots
     config = choose_launch_config("shrink", num_tokens, active, tensor_cores=True)
-    if config.kernel == "mma":  # the tensor cores take 16-bit x and A, as int32 pairs
-        x_pairs = _words(inputs, torch.int32)
-        pairs = _pairs(weights) if inputs.dtype in MMA_DTYPES and rank <= MMA_MAX_RANK else None
-        if x_pairs is not None and pairs is not None:
-            kernel = build_mma_shrink_kernel(
-                inputs.dtype,
-                output_tensor.dtype,
-                config.threads,
-                config.tile_m // 16,
-                -(-rank // 8),
-                accumulate,
-            )
-            x, weights = x_pairs, pairs
-        else:
-            config = choose_launch_config("shrink", num_tokens, active, tensor_cores=False)
-    if config.kernel != "mma":
+    operands = None
+    if config.kernel == "mma":
+        operands = _mma_shrink_operands(inputs, weights)
+        if operands is None:  # the tensor cores cannot take this call
+            config = choose_launch_config("shrink", num_tokens, active)
+    if operands is not None:
+        x, weights = operands
+        kernel = build_mma_shrink_kernel(
+            inputs.dtype,
+            output_tensor.dtype,
+            config.threads,
+            config.tile_m // 16,
+            -(-rank // 8),
+            accumulate,
+        )
+    else:
         # Packed 8-byte words when x and every A allow it; else one element at a time.
         x_words = _words(inputs)
         forms = _weight_forms(weights)
@@ -584,6 +595,7 @@ def _expand_launch(
             config = choose_launch_config("expand", num_tokens, active, rank)
     if operands is not None:
         x, weights, out = operands
+        columns = [c // 4 for c in columns]  # the kernel places slices by 4-column words
         warps = config.threads // 32
         kernel = build_mma_expand_kernel(
             inputs.dtype,
@@ -600,8 +612,6 @@ def _expand_launch(
         words = rank // packing(dtype, packed)  # of one row of B: compiled in when short
         words = words if words <= COMPILED_WORDS else 0
         kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed, words)
-    if operands is not None:  # the tensor-core expand places slices by 4-column words
-        columns = [c // 4 for c in columns]
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)
