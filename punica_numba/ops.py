@@ -258,45 +258,27 @@ def _weight_forms(weights: Sequence[Stack]) -> list[tuple]:
     return forms
 
 
-def _words(t: torch.Tensor, word: torch.dtype = torch.int64) -> torch.Tensor | None:
-    """``t`` viewed as words of dtype ``word``: int64 (8 bytes: 4 fp16/bf16 or 2 fp32 elements) or
-    int32 (a pair of 16-bit elements, a tensor-core fragment register); None when its
-    rows are not whole, aligned words."""
-    size, width = t.element_size(), word.itemsize
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` viewed as int64 words (8 bytes: four fp16/bf16 or two fp32 elements); None
+    when its rows are not whole, aligned words."""
+    size, width = t.element_size(), 8
     if t.stride(-1) != 1 or (t.shape[-1] * size) % width or t.data_ptr() % width:
         return None
     for stride in t.stride()[:-1]:  # (a loop: this runs on every launch of a new tensor)
         if (stride * size) % width:
             return None
-    return t.view(word)
-
-
-def _pairs(weights: Sequence[Stack]) -> list | None:
-    """Each weight as int32 pairs of neighbouring elements (the tensor-core kernels'
-    form), described for the launcher once per Stack on the GPU; None when one of them
-    does not allow it."""
-    forms = []
-    for w in weights:
-        form = w.launch.get("pairs", False)
-        if form is False:
-            pairs = _words(w.view, torch.int32)
-            form = pairs if SIMULATOR or pairs is None else pack_tensors((pairs,))
-            w.launch["pairs"] = form
-        if form is None:
-            return None
-        forms.append(form)
-    return forms
+    return t.view(torch.int64)
 
 
 def _mma_shrink_operands(inputs: torch.Tensor, weights: Sequence[Stack]) -> tuple | None:
-    """The tensor-core shrink's operands ``(x, weights)`` as int32 pairs of neighbouring
-    elements, or None when it cannot take the call: x and A fp16 or bf16, rank <=
-    :data:`MMA_MAX_RANK`, rows of whole, aligned pairs (:mod:`.kernels.shrink_mma`)."""
+    """The tensor-core shrink's operands ``(x, weights)`` as int64 words of four elements,
+    or None when it cannot take the call: x and A fp16 or bf16, rank <=
+    :data:`MMA_MAX_RANK`, rows of whole, aligned words (:mod:`.kernels.shrink_mma`)."""
     if inputs.dtype not in MMA_DTYPES or weights[0].rows > MMA_MAX_RANK:
         return None
-    x = _words(inputs, torch.int32)
-    pairs = _pairs(weights) if x is not None else None
-    return None if pairs is None else (x, pairs)
+    x = _words(inputs)
+    words = [w for w, _ in _weight_forms(weights)] if x is not None else [None]
+    return None if any(w is None for w in words) else (x, words)
 
 
 def _mma_expand_operands(
@@ -304,9 +286,9 @@ def _mma_expand_operands(
 ) -> tuple | None:
     """The tensor-core expand's operands ``(x, weights, out)``, or None when it cannot take
     the call. It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
-    bf16 (as its int16 bits), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole int32 pairs,
-    and an output it can read and write in 8-byte words of four columns: every slice's
-    first column and width a multiple of 4 (:mod:`.kernels.expand_mma`)."""
+    bf16 (as its int16 bits), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole int64 words
+    (four elements), and an output it can read and write in words of four columns: every
+    slice's first column and width a multiple of 4 (:mod:`.kernels.expand_mma`)."""
     if (
         weights[0].dtype != torch.bfloat16
         or output.dtype != torch.bfloat16
@@ -316,11 +298,11 @@ def _mma_expand_operands(
     ):
         return None
     out = _words(output)
-    pairs = _pairs(weights) if out is not None else None
-    if pairs is None:
+    words = [w for w, _ in _weight_forms(weights)] if out is not None else [None]
+    if any(w is None for w in words):
         return None
     x = inputs if inputs.dtype == torch.float32 else inputs.view(torch.int16)
-    return x, pairs, out
+    return x, words, out
 
 
 def _nothing() -> None:
@@ -407,12 +389,12 @@ def _shrink_launch(
     num_tokens, rank = inputs.shape[0], weights[0].rows
     meta_facts = host_facts_of(metadata[4])
     active = meta_facts and meta_facts.active_slots
-    config = choose_launch_config("shrink", num_tokens, active, tensor_cores=True)
+    config = choose_launch_config("shrink", num_tokens, active, rank, tensor_cores=True)
     operands = None
     if config.kernel == "mma":
         operands = _mma_shrink_operands(inputs, weights)
         if operands is None:  # the tensor cores cannot take this call
-            config = choose_launch_config("shrink", num_tokens, active)
+            config = choose_launch_config("shrink", num_tokens, active, rank)
     if operands is not None:
         x, weights = operands
         kernel = build_mma_shrink_kernel(
@@ -450,10 +432,13 @@ def _shrink_launch(
             return
         for base in range(0, len(weights), MAX_SLICES):
             chunk = list(weights[base : base + MAX_SLICES])
-            grid = (blocks, len(chunk), rank_groups)
-            chunk += [chunk[0]] * (MAX_SLICES - len(chunk))  # unused slots: never read
-            args = (x, *chunk, output_tensor, base, *meta, scaling32)
-            launcher(grid, config.threads, args)
+            slices = len(chunk)
+            chunk += [chunk[0]] * (MAX_SLICES - slices)  # unused slots: never read
+            if operands is not None:  # a tile's slices side by side along x
+                grid, args = (blocks * slices, 1, 1), (x, *chunk, output_tensor, base, slices)
+            else:
+                grid, args = (blocks, slices, rank_groups), (x, *chunk, output_tensor, base)
+            launcher(grid, config.threads, (*args, *meta, scaling32))
 
     launch.config = config  # what was chosen (the benchmark reports it)
     return launch

@@ -10,8 +10,9 @@ warp's ``mma.sync`` (:mod:`.mma`) does 16 tokens x 8 columns x 16 ranks at once:
 * warp: every token of the tile x its own ``8 * N_TILES`` columns, as ``M_TILES x
   N_TILES`` products of 16 tokens x 8 columns, each over the rank in steps of 16;
 * the A operand is the buffer row ``x[s, token, :]``, the B operand row n of
-  ``B_s[slot]`` (its k are contiguous: one fragment register is one 32-bit load of two
-  neighbouring elements; no shared memory).
+  ``B_s[slot]``, both read straight into fragment registers (no shared memory), lane
+  ``t`` taking the elements ``4t .. 4t + 3`` of each step of 16 (for B one 8-byte word),
+  in the order of :mod:`.shrink_mma`'s "Whole words".
 
 **Whole words of output.** A product tile leaves each lane two neighbouring columns of
 a row (``2t, 2t + 1``, ``t = lane % 4``). Read and written that way, a warp's access
@@ -50,7 +51,13 @@ halves (:func:`.mma.split_pair`); a buffer row and a row of B are taken once as 
 view (``x[s, token]``, ``w[slot, n]``), so their address is worked out once, not per
 element; and whether the rank is a multiple of 16 is compiled in, so that then no step
 needs a bound check. (A block order that started the column groups of one tile together,
-rather than one band of columns of every tile, lost 5-11 %; not kept.)
+rather than one band of columns of every tile, lost 5-11 %; not kept.) After them the
+index arithmetic was the bulk: Numba works in signed 64-bit integers and wraps negative
+indices, a compare and two selects per access, and ``range`` with a run-time step calls
+a 64-bit division routine. So the columns and words are unsigned (``uint64``: no
+wraparound), the column groups are walked by a ``while`` loop, and the lane's numbers
+come from shifts and masks; with B read as words, that took the warp's instructions
+(16 tokens x 64 columns) from 1,104 to 688 and its registers from 92 to 78.
 
 Memory traffic per block: ``TILE_M * r`` buffer elements, ``BLOCK_N * r`` of B (from L2
 after the first tile of a slot), and ``TILE_M * BLOCK_N`` outputs (read too when
@@ -62,7 +69,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import float32, int64, uint32
+from numba import float32, int64, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda
 from .dtypes import bf16_pair, bf16_pair_values, bf16_word, loader, word_halves
@@ -95,7 +102,7 @@ def build_mma_expand_kernel(
     B and the output are bf16.
 
     The kernel takes the buffer as fp32, or as the int16 bits of its bf16 elements; B
-    as int32 pairs of neighbouring elements (``[L, N, r/2]``, r even); the output as
+    as int64 words of four elements (``[L, N, r/4]``, r a multiple of 4); the output as
     int64 words of four bf16 (``[T, W/4]``: the output's width, every slice's first
     column and every slice's width are multiples of 4), and where each slice starts as
     the index of its first word."""
@@ -129,15 +136,15 @@ def build_mma_expand_kernel(
         return row[k] if WHOLE_STEPS or k < row.shape[0] else 0
 
     @cuda.jit(device=True)
-    def pair(row, q):
-        """Pair q of a row of B (zero past the rank)."""
-        return row[q] if WHOLE_STEPS or q < row.shape[0] else 0
+    def word_of(b_rows, n, q):
+        """Word q of row n of B (zero past the rank)."""
+        return b_rows[n, q] if WHOLE_STEPS or q < b_rows.shape[1] else int64(0)
 
     @cuda.jit
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
-        # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/2] int32 pairs;
+        # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
         # out: [M, W/4] int64 words; col*: the word of a slice's first column
-        slot, position, rows, first_token = read_tile(tiles)
+        slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
         if slot == -1:
             return
         s_local = cuda.blockIdx.y
@@ -153,8 +160,8 @@ def build_mma_expand_kernel(
         s = slice_base + s_local
         width = w.shape[1]  # a multiple of 4
         tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
+        warp, lane = tid >> 5, tid & 31  # shifts and masks: no signed-division fix-ups
+        g, t = lane >> 2, lane & 3
         scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
         my_scratch = scratch[warp if SIMULATOR else 0]
 
@@ -168,8 +175,8 @@ def build_mma_expand_kernel(
         for kk in range(K_STEPS):
             for mi in range(M_TILES):
                 base = (kk * M_TILES + mi) * TERMS * 4
-                for q in range(4):  # a0: (g, 2t), a1: (g+8, 2t), a2: (g, 8+2t), a3: (g+8, 8+2t)
-                    k = 16 * kk + 8 * (q // 2) + 2 * t
+                for q in range(4):  # a0, a1: rows g, g + 8, k = 4t, 4t+1; a2, a3: 4t+2, 4t+3
+                    k = 16 * kk + 4 * t + 2 * (q // 2)
                     row = x[s, token[2 * mi + q % 2]]
                     v0 = element(row, k)
                     v1 = element(row, k + 1)
@@ -178,28 +185,32 @@ def build_mma_expand_kernel(
                     else:
                         a[base + q] = pair_of(v0, v1)
 
+        # Unsigned column and word numbers from here on: indexing with them needs no
+        # wraparound of negative indices (a compare and two selects per access).
+        b_rows = w[slot]
+        last_n = uint64(width - 1)
+        lane_n = uint64(output_column(0, g))  # the lane's B row in tile 0, from n0
+        lane_word = uint64(word0 + t)  # word v of a row: lane_word + (n0 >> 2) + 4 v
+        last_word = uint64(word0 + ((width - WORD_COLUMNS) >> 2))
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
         old = cuda.local.array(OLD_WORDS, int64)  # old[i * WORDS + v]: row i, word v
-        for n0 in range(cuda.blockIdx.z * BLOCK_N, width, cuda.gridDim.z * BLOCK_N):
-            warp_n0 = n0 + warp * WARP_N  # a multiple of 16
-            first_word = word0 + (warp_n0 >> 2) + t  # word v of a row: first_word + 4 v
-            last_word = word0 + ((width - WORD_COLUMNS) >> 2)
+        n0 = uint64(cuda.blockIdx.z * BLOCK_N + warp * WARP_N)  # a multiple of 16
+        while n0 < uint64(width):
+            first_word = lane_word + (n0 >> uint64(2))
             # The old outputs first: their trip to memory overlaps the loads of B. (Rows
             # past the tile repeat a token, words past the slice its last word: in
             # bounds, never stored.)
             for i in range(ROWS):
                 for v in range(WORDS):
-                    word = min(first_word + 4 * v, last_word)
+                    word = min(first_word + uint64(4 * v), last_word)
                     old[i * WORDS + v] = out[token[i], word] if add_inputs else int64(0)
             for p in range(OUTPUTS):
                 acc[p] = float32(0.0)
             for kk in range(K_STEPS):
                 for nj in range(N_TILES):
                     # B's column g of tile nj is row n of B
-                    row = w[slot, min(warp_n0 + output_column(nj, g), width - 1)]
-                    q0 = 8 * kk + t  # the pair of k = 16 kk + 2t
-                    b0 = pair(row, q0)
-                    b1 = pair(row, q0 + 4)
+                    n = min(n0 + lane_n + uint64(output_column(nj, 0)), last_n)
+                    b0, b1 = word_halves(word_of(b_rows, n, 4 * kk + t))  # k = 16 kk + 4t ..
                     for mi in range(M_TILES):
                         p = (mi * N_TILES + nj) * 4
                         for term in range(TERMS):  # lo first, then hi
@@ -223,15 +234,16 @@ def build_mma_expand_kernel(
                 mi, half = i // 2, i % 2
                 if 16 * mi + g + 8 * half < rows:
                     for v in range(WORDS):
-                        if warp_n0 + 16 * v + 4 * t < width:
+                        if first_word + uint64(4 * v) <= last_word:
                             p0 = (mi * N_TILES + 2 * v) * 4 + 2 * half
                             p1 = p0 + 4  # tile 2v + 1
                             old_low, old_high = word_halves(old[i * WORDS + v])
                             o0, o1 = bf16_pair_values(old_low)
                             o2, o3 = bf16_pair_values(old_high)
-                            out[token[i], first_word + 4 * v] = bf16_word(
+                            out[token[i], first_word + uint64(4 * v)] = bf16_word(
                                 bf16_pair(acc[p0] + o0, acc[p0 + 1] + o1),
                                 bf16_pair(acc[p1] + o2, acc[p1 + 1] + o3),
                             )
+            n0 += uint64(cuda.gridDim.z * BLOCK_N)
 
     return expand

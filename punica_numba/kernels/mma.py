@@ -20,8 +20,11 @@ and ``t = lane % 4`` (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
 
 In each register the element with the lower column (A) or k (B) sits in the low 16 bits.
 So a fragment register is two neighbouring elements of a row of x or of a LoRA weight
-(both keep k contiguous): the kernels read them straight from memory as one 32-bit word
-(:func:`pair_of`), with no shared-memory staging.
+(both keep k contiguous), and the kernels read fragments straight from memory, with no
+shared-memory staging. They go one step further: a product's sum over k does not
+depend on the order of the k, so they feed lane ``t`` the elements ``4t .. 4t + 3`` of
+each step (one 8-byte load) as if they were ``2t, 2t + 1, 2t + 8, 2t + 9``, the same
+order for both operands (:mod:`.shrink_mma`, "Whole words").
 
 **Precision.** The products of 16-bit operands are exact; they are added in fp32. Every
 lane of the warp must call the function together (it is one instruction for the warp).

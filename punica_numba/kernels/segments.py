@@ -36,6 +36,7 @@ __all__ = [
     "TABLE_ROWS",
     "clear_tile_table",
     "read_tile",
+    "tile_and_slice",
     "tile_grid_bound",
     "tile_table",
     "tile_token",
@@ -107,11 +108,25 @@ def clear_tile_table(table: torch.Tensor) -> torch.Tensor:
 
 
 @cuda.jit(device=True)
-def read_tile(tiles):
-    """This block's tile, ``(slot, position, rows, first_token)``: column ``blockIdx.x``
-    of the table, four independent loads. ``slot`` is -1 when there is no tile."""
-    block = cuda.blockIdx.x
+def read_tile(tiles, block):
+    """Tile ``block``'s ``(slot, position, rows, first_token)``: column ``block`` of the
+    table, four independent loads. ``slot`` is -1 when there is no tile."""
     return tiles[0, block], tiles[1, block], tiles[2, block], tiles[3, block]
+
+
+@cuda.jit(device=True)
+def tile_and_slice(block, slices):
+    """``(tile, slice)`` of a block of a grid that puts the ``slices`` (1 to 3) blocks of
+    one tile next to each other: ``block = tile * slices + slice``. Neighbouring blocks
+    run at the same time, so the slices of a tile that read the same rows of x find them
+    in L2 after the first. (Dividing by 1, 2 or 3 as a constant costs a multiply, not a
+    division routine.)"""
+    if slices == 1:
+        return block, 0
+    if slices == 2:
+        return block >> 1, block & 1
+    tile = block // 3
+    return tile, block - 3 * tile
 
 
 @cuda.jit(device=True)

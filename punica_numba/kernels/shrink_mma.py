@@ -5,14 +5,17 @@ With many tokens per slot the FFMA shrink spends its time on arithmetic, not mem
 ``mma.sync`` (:mod:`.mma`) does 16 tokens x 8 ranks x 16 hidden elements at once, and
 x and A are 16-bit already, so the products are exact and nothing is split:
 
-* block: a tile of ``16 * M_TILES`` tokens of one segment (``blockIdx.x``, the tile
-  table), one slice (``.y``), every rank (``8 * N_TILES`` >= r);
+* block: a tile of ``16 * M_TILES`` tokens of one segment (the tile table), one slice,
+  every rank (``8 * N_TILES`` >= r); the blocks of a tile's slices are neighbours
+  (``blockIdx.x = tile * slices + slice``, :func:`.segments.tile_and_slice`), so a QKV
+  layer's three slices read the tile's rows of x from DRAM once, not three times;
 * the hidden dimension is cut in steps of 16; warp ``w`` takes steps ``w, w + WARPS,
-  ...`` (so the block's warps read neighbouring stretches of each row), loading
-  ``UNROLL`` steps' fragments before it multiplies any, for more loads in flight;
-* both operands keep the hidden dimension contiguous, so each fragment register is
-  one 32-bit load of two neighbouring elements (``[.., K/2]`` int32 views), no shared
-  memory;
+  ...`` (so the block's warps read neighbouring stretches of each row), ``UNROLL`` steps
+  a pass, and it loads the next pass's fragments before it multiplies this pass's, so
+  that one pass's loads are in flight while the other's products run;
+* both operands keep the hidden dimension contiguous and are read as 8-byte words of
+  four elements (``[.., K/4]`` int64 views), straight into fragment registers, with no
+  shared memory (see "Whole words" below);
 * the warps' partial tiles are added in shared memory, in warp order, and each output
   is written by one thread: ``old + scaling * sum`` (``accumulate``) or the product
   alone.
@@ -23,6 +26,16 @@ then warps in order) is fixed for a given number of warps: its arithmetic key is
 past the end with zero fragments, so that all threads call ``mma`` equally often (the
 simulator needs it).
 
+**Whole words.** The fragment layout (:mod:`.mma`) gives lane ``t`` of a row the
+elements ``2t, 2t + 1`` (register a0) and ``2t + 8, 2t + 9`` (a2) of each step of 16:
+two 4-byte loads per row, and each warp-wide load asks for 8 rows x 16 bytes. But a
+dot product does not care in which order its k come, only that x and A agree: so the
+kernel hands the tensor cores the step's elements in another order, in which lane ``t``
+holds the *neighbouring* elements ``4t .. 4t + 3`` (word ``t`` of the step: its low
+half in a0, its high half in a2, and the same for A's b0, b1). One 8-byte load per row
+then fills both registers, and a warp's 4 lanes of a row read 32 neighbouring bytes, a
+whole sector: half the load instructions of pairs, each moving twice the bytes.
+
 Memory traffic per block: ``TILE_M * K`` elements of x, ``r * K`` of A (from L2 after
 the first tile of a slot), ``TILE_M * r`` outputs (read too when ``accumulate``).
 """
@@ -32,12 +45,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import float32, int32, int64, uint32
+from numba import float32, int64, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .dtypes import loader, storer
+from .dtypes import loader, storer, word_halves
 from .mma import FRAGMENT_WORDS, mma_m16n8k16
-from .segments import read_tile, tile_token
+from .segments import read_tile, tile_and_slice, tile_token
 
 __all__ = ["build_mma_shrink_kernel"]
 
@@ -55,7 +68,8 @@ def build_mma_shrink_kernel(
     warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles (``8 *
     n_tiles >= r``), and whether the products are added to the output or stored.
 
-    The kernel takes x as ``[T, K/2]`` and A as ``[L, r, K/2]`` int32 pairs (K even)."""
+    The kernel takes x as ``[T, K/4]`` and A as ``[L, r, K/4]`` int64 words of four
+    elements (K a multiple of 4)."""
     if threads % 32:
         raise ValueError(f"threads must be whole warps, got {threads}")
     mma = mma_m16n8k16(dtype)
@@ -63,23 +77,63 @@ def build_mma_shrink_kernel(
     THREADS, WARPS, M_TILES, N_TILES = threads, threads // 32, m_tiles, n_tiles
     TILE_M, TILE_N = 16 * m_tiles, 8 * n_tiles
     ROWS = 2 * M_TILES  # token rows a lane reads: g + 8 * i
-    # Steps loaded before any is used: up to 32 registers of fragments per lane (r=16:
-    # 4 steps; r=64: 1).
-    UNROLL = max(1, 32 // (2 * ROWS + 2 * N_TILES))
+    # Steps loaded in one pass: up to 16 words (32 registers) of fragments per lane (r=16:
+    # 4 steps; r=64: 1). The next pass's words are loaded while this pass multiplies.
+    UNROLL = max(1, 16 // (ROWS + N_TILES))
     STRIDE = WARPS * UNROLL  # steps one pass of the block covers
-    X_WORDS, W_WORDS = UNROLL * ROWS * 2, UNROLL * N_TILES * 2  # fragment registers held
+    X_WORDS, W_WORDS = UNROLL * ROWS, UNROLL * N_TILES  # words held per pass
     OUTPUTS = M_TILES * N_TILES * 4
     PER_THREAD = -(-TILE_M * TILE_N // THREADS)  # outputs each thread stores
     SCRATCH_WARPS = WARPS if SIMULATOR else 1
     ACCUMULATE = accumulate
 
+    @cuda.jit(device=True)
+    def load_pass(x, w, slot, token, g, t, step, xw, ww):
+        """A warp's words of one pass (its first step ``step``; zero past the rows' end):
+        word t of each step, of the lane's token rows and of A's rows ``8 nj + g`` (past
+        the rank, the last row again: B's columns there are never stored)."""
+        words = x.shape[1]
+        for u in range(UNROLL):
+            q = 4 * (step + u * WARPS) + t
+            inside = q < words
+            for i in range(ROWS):
+                xw[u * ROWS + i] = x[token[i], q] if inside else int64(0)
+            for nj in range(N_TILES):
+                n = min(8 * nj + g, w.shape[1] - 1)
+                ww[u * N_TILES + nj] = w[slot, n, q] if inside else int64(0)
+
+    @cuda.jit(device=True)
+    def multiply_pass(xw, ww, acc, scratch):
+        """Add one pass's products to the warp's tiles."""
+        for u in range(UNROLL):
+            for mi in range(M_TILES):
+                # Word t of rows g, g + 8: a0, a1 (low halves), a2, a3 (high halves).
+                a0, a2 = word_halves(xw[u * ROWS + 2 * mi])
+                a1, a3 = word_halves(xw[u * ROWS + 2 * mi + 1])
+                for nj in range(N_TILES):
+                    b0, b1 = word_halves(ww[u * N_TILES + nj])
+                    p = (mi * N_TILES + nj) * 4
+                    acc[p], acc[p + 1], acc[p + 2], acc[p + 3] = mma(
+                        a0,
+                        a1,
+                        a2,
+                        a3,
+                        b0,
+                        b1,
+                        acc[p],
+                        acc[p + 1],
+                        acc[p + 2],
+                        acc[p + 3],
+                        scratch,
+                    )
+
     @cuda.jit
-    def shrink(x, w0, w1, w2, out, slice_base, tiles, sorted_tokens, scaling):
-        # x: [M, K/2] int32 pairs; w*: [L, R, K/2] pairs; out: [S, M, R]; tiles: [4, B]
-        slot, position, rows, first_token = read_tile(tiles)
+    def shrink(x, w0, w1, w2, out, slice_base, slices, tiles, sorted_tokens, scaling):
+        # x: [M, K/4] int64 words; w*: [L, R, K/4] words; out: [S, M, R]; tiles: [4, B]
+        tile, s_local = tile_and_slice(cuda.blockIdx.x, slices)
+        slot, position, rows, first_token = read_tile(tiles, tile)
         if slot == -1:
             return
-        s_local = cuda.blockIdx.y
         if s_local == 0:
             w = w0
         elif s_local == 1:
@@ -88,8 +142,7 @@ def build_mma_shrink_kernel(
             w = w2
         out_slice = slice_base + s_local
         rank = w.shape[1]
-        pairs = x.shape[1]
-        steps = (pairs + 7) // 8  # 16 elements = 8 pairs per step
+        steps = (x.shape[1] + 3) // 4  # 16 elements = 4 words per step
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
@@ -115,37 +168,18 @@ def build_mma_shrink_kernel(
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + i]
         for p in range(OUTPUTS):
             acc[p] = float32(0.0)
-        xa = cuda.local.array(X_WORDS, int32)  # [u, row, a0-or-a2]
-        wb = cuda.local.array(W_WORDS, int32)  # [u, n tile, b0-or-b1]
-        for first in range(0, steps, STRIDE):
-            for u in range(UNROLL):  # every load of the pass first
-                q = 8 * (first + u * WARPS + warp) + t  # pair of k = 16 step + 2t
-                for i in range(ROWS):
-                    xa[(u * ROWS + i) * 2] = x[token[i], q] if q < pairs else 0
-                    xa[(u * ROWS + i) * 2 + 1] = x[token[i], q + 4] if q + 4 < pairs else 0
-                for nj in range(N_TILES):
-                    n = min(8 * nj + g, rank - 1)  # B's column g: rank n (past r: unused)
-                    wb[(u * N_TILES + nj) * 2] = w[slot, n, q] if q < pairs else 0
-                    wb[(u * N_TILES + nj) * 2 + 1] = w[slot, n, q + 4] if q + 4 < pairs else 0
-            for u in range(UNROLL):
-                for mi in range(M_TILES):
-                    a = (u * ROWS + 2 * mi) * 2  # rows g (a0, a2) and g + 8 (a1, a3)
-                    for nj in range(N_TILES):
-                        b = (u * N_TILES + nj) * 2
-                        p = (mi * N_TILES + nj) * 4
-                        acc[p], acc[p + 1], acc[p + 2], acc[p + 3] = mma(
-                            xa[a],
-                            xa[a + 2],
-                            xa[a + 1],
-                            xa[a + 3],
-                            wb[b],
-                            wb[b + 1],
-                            acc[p],
-                            acc[p + 1],
-                            acc[p + 2],
-                            acc[p + 3],
-                            my_scratch,
-                        )
+        # Two passes' words, used in turn: while one pass multiplies, the other's loads
+        # are on their way (a copy from one to the other would wait for them instead).
+        x_even = cuda.local.array(X_WORDS, int64)  # [u, row]
+        w_even = cuda.local.array(W_WORDS, int64)  # [u, n tile]
+        x_odd = cuda.local.array(X_WORDS, int64)
+        w_odd = cuda.local.array(W_WORDS, int64)
+        load_pass(x, w, slot, token, g, t, warp, x_even, w_even)
+        for first in range(0, steps, 2 * STRIDE):
+            load_pass(x, w, slot, token, g, t, first + STRIDE + warp, x_odd, w_odd)
+            multiply_pass(x_even, w_even, acc, my_scratch)
+            load_pass(x, w, slot, token, g, t, first + 2 * STRIDE + warp, x_even, w_even)
+            multiply_pass(x_odd, w_odd, acc, my_scratch)
 
         for mi in range(M_TILES):
             for nj in range(N_TILES):
