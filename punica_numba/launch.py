@@ -43,8 +43,10 @@ class LaunchConfig:
     block, ``micro`` outputs per thread, ``chunk`` ranks staged at a time.
     The heuristic picks it from ``from_tokens_per_slot`` tokens per active slot,
     ``from_tokens`` rows (a big tile needs enough tiles to fill the GPU) and
-    ``from_rank`` on. ``kernel="mma"`` is a tensor-core kernel (:mod:`.kernels.shrink_mma`,
-    :mod:`.kernels.expand_mma`): ``tile_m`` tokens (16 per product tile) of one slot per
+    ``from_rank`` on, up to ``to_rank`` (past it the kernel needs more registers than
+    a block of its size can have, and would not launch). ``kernel="mma"`` is a
+    tensor-core kernel (:mod:`.kernels.shrink_mma`, :mod:`.kernels.expand_mma`):
+    ``tile_m`` tokens (16 per product tile) of one slot per
     block, ``threads // 32`` warps; the expand covers ``tile_n`` output columns per block
     (``tile_n / warps``, a multiple of 16, per warp), the shrink every rank (``tile_n``
     unused). Only calls whose dtypes and layout the tensor cores take can use them
@@ -62,6 +64,7 @@ class LaunchConfig:
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
     from_rank: int = 0  # and where the LoRA rank is at least this
+    to_rank: int | None = None  # and at most this (None: any): a bigger one does not fit
 
     def columns_per_block(self, op: str) -> int:
         """Ranks (shrink) or output columns (expand) one block covers per group."""
@@ -124,9 +127,9 @@ _GPU_CONFIGS = {
             "rows", threads=128, tile_m=4, tile_n=4, from_tokens_per_slot=12, from_tokens=1024
         ),
         # Tensor cores (where the call's dtypes allow), where there are enough 16-token
-        # tiles to fill the GPU: 1024/32 17.9 -> 14.9 µs, 4096 on one LoRA 51 -> 24.7;
-        # 8 warps per block beat 4 (24.7 vs 27.6). At T=256 the tiles are too few (256/16:
-        # 21 µs, 8.7 by rows), v7's run of every configuration.
+        # tiles to fill the GPU: 1024/32 17.9 -> 14.9 µs, 4096 on one LoRA 51 -> 24.7 (v7's
+        # run of every configuration). At T=256 the tiles are too few (256/16: 21 µs, 8.7
+        # by rows). Since v9 each warp loads one pass ahead: 8 warps ...
         LaunchConfig(
             "mma",
             threads=256,
@@ -136,8 +139,20 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=32,
             from_tokens=1024,
         ),
-        # With 64 tokens per slot and more, 32 tokens per block halve the reads of A
-        # (4096/64: 25.9 -> 25.2 µs; QKV 68.5 -> 49.8; r=64 55.4 -> 49.9).
+        # ... or 16, where the rank lets a 512-thread block have its registers (1024/32:
+        # 12.2 -> 10.3 µs, v9's run of every configuration) ...
+        LaunchConfig(
+            "mma",
+            threads=512,
+            tile_m=16,
+            tile_n=0,
+            spread=False,
+            from_tokens_per_slot=32,
+            from_tokens=1024,
+            to_rank=32,
+        ),
+        # ... and with 64 tokens per slot and more, 32 tokens per block halve the reads
+        # of A (4096/64: 23.9 -> 20.6 µs; r=64 4096/64 56.2 -> 37.3 with 8 warps).
         LaunchConfig(
             "mma",
             threads=256,
@@ -146,6 +161,17 @@ _GPU_CONFIGS = {
             spread=False,
             from_tokens_per_slot=64,
             from_tokens=4096,
+            from_rank=33,
+        ),
+        LaunchConfig(
+            "mma",
+            threads=512,
+            tile_m=32,
+            tile_n=0,
+            spread=False,
+            from_tokens_per_slot=64,
+            from_tokens=4096,
+            to_rank=32,
         ),
     ),
     "expand": (
@@ -182,15 +208,14 @@ _GPU_CONFIGS = {
         # Tensor cores (bf16, where the call's layout allows), from 8 tokens per slot: the
         # FFMA kernels above are bound by issuing instructions (v8's run of every
         # configuration: 64/8 4.9 -> 4.6 µs, 256/16 8.8 -> 5.9, 256/1 7.5 -> 5.3, 1024/32
-        # 23.2 -> 12.8, 4096 on one LoRA 77 -> 32). Two 8-column tiles per warp ...
-        LaunchConfig("mma", threads=64, tile_m=16, tile_n=64, from_tokens_per_slot=8),
-        # ... and four from 1024 rows on (4096 on one LoRA 37.5 -> 32.1 µs, 4096/64 40.4 ->
-        # 36.8), and at r=64, where each warp's fragments of the buffer cost more (256/16
-        # at r=64: 14.2 -> 10.9; 4096/64 at r=64: 84.9 µs, the shared-memory tiles 219).
+        # 23.2 -> 12.8, 4096 on one LoRA 77 -> 32). One warp of two 8-column tiles per
+        # block (v9: 256/16 5.56 µs, 256/1 4.66, QKV 256/16 7.43, r=64 256/16 8.81) ...
+        LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=8),
+        # ... and two warps of four from 1024 rows on (v9: 1024/32 11.1 -> 11.0 µs, 4096 on
+        # one LoRA 28.9 -> 28.8, QKV 4096/64 53.7 -> 50.5, r=64 4096/64 61.2 -> 61.0).
         LaunchConfig(
             "mma", threads=64, tile_m=16, tile_n=128, from_tokens_per_slot=8, from_tokens=1024
         ),
-        LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=8, from_rank=33),
     ),
 }
 
@@ -220,17 +245,22 @@ def choose_launch_config(
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count and the rank
     (host-side facts only): the last tensor-core one whose ``from_tokens_per_slot``,
-    ``from_tokens`` and ``from_rank`` are all reached, when ``tensor_cores`` (the call's
-    dtypes and layout allow them) and there is one; otherwise the last such FFMA one.
+    ``from_tokens``, ``from_rank`` and ``to_rank`` the call all reaches, when
+    ``tensor_cores`` (the call's dtypes and layout allow them) and there is one;
+    otherwise the last such FFMA one.
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
     every token is then taken to have its own slot. ``rank`` 0 (not given) reaches
     no ``from_rank``. A configuration forced with :func:`force_launch_config` wins,
-    except a tensor-core one for a call that cannot use it.
+    except a tensor-core one for a call that cannot use it and one past its ``to_rank``.
     """
     configs = launch_configs(op)
     forced = _forced.get(op)
-    if forced is not None and (tensor_cores or forced.kernel != "mma"):
+    if (
+        forced is not None
+        and (tensor_cores or forced.kernel != "mma")
+        and _fits(forced.to_rank, rank)
+    ):
         return forced
     per_slot = num_tokens / active_slots if active_slots else 1.0
     chosen = {False: configs[0], True: None}  # the last reached of each kind
@@ -239,9 +269,14 @@ def choose_launch_config(
             per_slot >= config.from_tokens_per_slot
             and num_tokens >= config.from_tokens
             and rank >= config.from_rank
+            and _fits(config.to_rank, rank)
         ):
             chosen[config.kernel == "mma"] = config
     return chosen[True] if tensor_cores and chosen[True] else chosen[False]
+
+
+def _fits(to_rank: int | None, rank: int) -> bool:
+    return to_rank is None or rank <= to_rank
 
 
 def config_name(config: LaunchConfig) -> str:

@@ -696,7 +696,7 @@ def _replay_key(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> t
         accumulate,  # (a given buffer may sit where the wrapper's own was)
         # Every input of the heuristic is in the key already; its answers are there for
         # a configuration forced on it (launch.force_launch_config).
-        choose_launch_config("shrink", rows, slots),
+        choose_launch_config("shrink", rows, slots, buffer.shape[2]),
         choose_launch_config("expand", rows, slots, buffer.shape[2]),
     )
 

@@ -52,7 +52,10 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
     # a token per slot, foreign metadata, no active slot: one token per slot is assumed
     for slots in (64, None, 0):
         assert choose_launch_config(op, 64, slots).from_tokens_per_slot == 0, slots
-    assert choose_launch_config(op, 1 << 20, 1, 1 << 10, tensor_cores=True) == configs[-1]
+    # every threshold reached: the last configuration whose rank range holds the rank
+    for rank in (1, 1 << 10):
+        fitting = [c for c in configs if c.from_rank <= rank <= (c.to_rank or rank)]
+        assert choose_launch_config(op, 1 << 20, 1, rank, tensor_cores=True) == fitting[-1]
     for config in configs:
         tokens = max(config.from_tokens, 1 << 12)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
@@ -97,21 +100,41 @@ def test_tensor_cores_only_for_calls_that_allow_them(op, table):
         assert choose_launch_config(op, tokens, slots) == without
 
 
-def test_from_rank_holds_back_a_config(table):
-    """Some expand configurations pay off only at large ranks (on the H200: the FFMA
-    shared-memory tiles at r=64, not r=16; narrower tensor-core tiles at r=64); below,
-    many tokens per slot go to the row kernel or to another tensor-core tile."""
-    gated = [c for c in launch_configs("expand") if c.from_rank]
-    assert gated, "the table gates a configuration on the rank"
-    for config in gated:
+def test_from_rank_holds_back_a_config(monkeypatch):
+    """Some configurations pay off only at large ranks (on the H200: the FFMA
+    shared-memory tiles of the expand at r=64, not r=16; the tensor-core shrink's 8-warp
+    blocks, where 16 warps do not fit); below, the call goes elsewhere."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    gated = [(op, c) for op in OPS for c in launch_configs(op) if c.from_rank]
+    assert {op for op, _ in gated} == set(OPS), "each op gates a configuration on the rank"
+    for op, config in gated:
         tensor_cores = config.kernel == "mma"
         tokens = max(config.from_tokens, 1 << 12)
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank = config.from_rank
-        assert choose_launch_config("expand", tokens, slots, rank, tensor_cores) == config
-        below = choose_launch_config("expand", tokens, slots, rank - 1, tensor_cores)
+        assert choose_launch_config(op, tokens, slots, rank, tensor_cores) == config
+        below = choose_launch_config(op, tokens, slots, rank - 1, tensor_cores)
         assert below != config and below.from_rank < rank, (config, below)
-        assert below.kernel == ("mma" if tensor_cores else "rows"), (config, below)
+        assert (below.kernel == "mma") == tensor_cores, (config, below)
+
+
+def test_to_rank_holds_back_a_config(monkeypatch):
+    """A configuration that runs out of registers past a rank (the tensor-core shrink's
+    16-warp blocks at r=64 on the H200) is never chosen there, not even when forced: the
+    call then gets what the heuristic picks."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    capped = [(op, c) for op in OPS for c in launch_configs(op) if c.to_rank is not None]
+    assert capped, "the GPU table caps a configuration's rank"
+    for op, config in capped:
+        tensor_cores = config.kernel == "mma"
+        tokens = max(config.from_tokens, 1 << 12)
+        slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
+        rank = config.to_rank
+        past = choose_launch_config(op, tokens, slots, rank + 1, tensor_cores)
+        assert past != config and (past.to_rank is None or past.to_rank > rank), (config, past)
+        with force_launch_config(op, config):
+            assert choose_launch_config(op, tokens, slots, rank, tensor_cores) == config
+            assert choose_launch_config(op, tokens, slots, rank + 1, tensor_cores) == past
 
 
 def test_from_tokens_holds_back_a_config(monkeypatch):
@@ -125,8 +148,15 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
         # slots such that the tokens per slot just reach this configuration's threshold
         slots = max(1, int(rows // max(config.from_tokens_per_slot, 1)))
         tensor_cores = config.kernel == "mma"
-        assert choose_launch_config(op, rows, slots, 0, tensor_cores) == config, config
-        assert choose_launch_config(op, rows - 1, slots, 0, tensor_cores) != config, config
+        # a rank at which it is the pick (a configuration with the same thresholds but a
+        # rank range of its own may take the others)
+        ranks = [r for r in (config.from_rank, 16, 64) if r >= config.from_rank]
+        picked = [
+            r for r in ranks if choose_launch_config(op, rows, slots, r, tensor_cores) == config
+        ]
+        assert picked, config
+        rank = picked[0]
+        assert choose_launch_config(op, rows - 1, slots, rank, tensor_cores) != config, config
 
 
 def test_arithmetic_keys_group_what_adds_alike(table):
