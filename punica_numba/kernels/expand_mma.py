@@ -73,7 +73,7 @@ from numba import float32, int64, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda
 from .dtypes import bf16_pair, bf16_pair_values, bf16_word, loader, word_halves
-from .mma import FRAGMENT_WORDS, mma_m16n8k16, pair_of, split_pair
+from .mma import FRAGMENT_WORDS, mma_into, pair_of, split_pair
 from .segments import read_tile, tile_token
 
 __all__ = ["build_mma_expand_kernel", "output_column"]
@@ -113,7 +113,7 @@ def build_mma_expand_kernel(
     SPLIT = x_dtype == torch.float32
     if not SPLIT and x_dtype != torch.bfloat16:
         raise ValueError(f"the buffer must be fp32 or bf16, got {x_dtype}")
-    mma = mma_m16n8k16(torch.bfloat16)
+    add_product = mma_into(torch.bfloat16)
     load_x = loader(x_dtype)
     WARPS, M_TILES, N_TILES, K_STEPS = threads // 32, m_tiles, n_tiles, k_steps
     WHOLE_STEPS = whole  # no k of any step lies past the rank: no checks
@@ -214,20 +214,9 @@ def build_mma_expand_kernel(
                     for mi in range(M_TILES):
                         p = (mi * N_TILES + nj) * 4
                         for term in range(TERMS):  # lo first, then hi
-                            base = ((kk * M_TILES + mi) * TERMS + term) * 4
-                            acc[p], acc[p + 1], acc[p + 2], acc[p + 3] = mma(
-                                a[base],
-                                a[base + 1],
-                                a[base + 2],
-                                a[base + 3],
-                                b0,
-                                b1,
-                                acc[p],
-                                acc[p + 1],
-                                acc[p + 2],
-                                acc[p + 3],
-                                my_scratch,
-                            )
+                            q = ((kk * M_TILES + mi) * TERMS + term) * 4
+                            a0, a1, a2, a3 = a[q], a[q + 1], a[q + 2], a[q + 3]
+                            add_product(acc, p, a0, a1, a2, a3, b0, b1, my_scratch)
             # Word v of row i holds tiles 2v (its columns 0, 1) and 2v + 1 (columns 2,
             # 3): lane t's columns 2t, 2t + 1 of each, in the row's half of the tile.
             for i in range(ROWS):

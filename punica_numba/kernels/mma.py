@@ -45,6 +45,7 @@ from .dtypes import bf16_pair
 __all__ = [
     "FRAGMENT_WORDS",
     "MMA_DTYPES",
+    "mma_into",
     "mma_m16n8k16",
     "pair_of",
     "split_pair",
@@ -99,6 +100,23 @@ def mma_m16n8k16(dtype: torch.dtype):
     if SIMULATOR:
         return _emulated(kind)
     return _tensor_core(kind)
+
+
+@functools.cache
+def mma_into(dtype: torch.dtype):
+    """The device function ``(acc, p, a0, a1, a2, a3, b0, b1, scratch)``: one product of
+    :func:`mma_m16n8k16` added to the lane's four outputs ``acc[p : p + 4]`` of a local
+    accumulator array, in place."""
+    mma = mma_m16n8k16(dtype)
+
+    @cuda.jit(device=True)
+    def add_product(acc, p, a0, a1, a2, a3, b0, b1, scratch):
+        c0, c1, c2, c3 = acc[p], acc[p + 1], acc[p + 2], acc[p + 3]
+        acc[p], acc[p + 1], acc[p + 2], acc[p + 3] = mma(
+            a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch
+        )
+
+    return add_product
 
 
 #: Where the simulator finds the operands of a lane's outputs among the 32 lanes'

@@ -49,7 +49,7 @@ from numba import float32, int64, uint32
 
 from .._cuda import SIMULATOR, cuda
 from .dtypes import loader, storer, word_halves
-from .mma import FRAGMENT_WORDS, mma_m16n8k16
+from .mma import FRAGMENT_WORDS, mma_into
 from .segments import read_tile, tile_and_slice, tile_token
 
 __all__ = ["build_mma_shrink_kernel"]
@@ -72,7 +72,7 @@ def build_mma_shrink_kernel(
     elements (K a multiple of 4)."""
     if threads % 32:
         raise ValueError(f"threads must be whole warps, got {threads}")
-    mma = mma_m16n8k16(dtype)
+    add_product = mma_into(dtype)
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, WARPS, M_TILES, N_TILES = threads, threads // 32, m_tiles, n_tiles
     TILE_M, TILE_N = 16 * m_tiles, 8 * n_tiles
@@ -112,20 +112,7 @@ def build_mma_shrink_kernel(
                 a1, a3 = word_halves(xw[u * ROWS + 2 * mi + 1])
                 for nj in range(N_TILES):
                     b0, b1 = word_halves(ww[u * N_TILES + nj])
-                    p = (mi * N_TILES + nj) * 4
-                    acc[p], acc[p + 1], acc[p + 2], acc[p + 3] = mma(
-                        a0,
-                        a1,
-                        a2,
-                        a3,
-                        b0,
-                        b1,
-                        acc[p],
-                        acc[p + 1],
-                        acc[p + 2],
-                        acc[p + 3],
-                        scratch,
-                    )
+                    add_product(acc, (mi * N_TILES + nj) * 4, a0, a1, a2, a3, b0, b1, scratch)
 
     @cuda.jit
     def shrink(x, w0, w1, w2, out, slice_base, slices, tiles, sorted_tokens, scaling):
