@@ -271,14 +271,24 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _mma_shrink_operands(inputs: torch.Tensor, weights: Sequence[Stack]) -> tuple | None:
-    """The tensor-core shrink's operands ``(x, weights)`` as int64 words of four elements,
-    or None when it cannot take the call: x and A fp16 or bf16, rank <=
-    :data:`MMA_MAX_RANK`, rows of whole, aligned words (:mod:`.kernels.shrink_mma`)."""
-    if inputs.dtype not in MMA_DTYPES or weights[0].rows > MMA_MAX_RANK:
+    """The tensor-core shrink's operands ``(x, weights, wide)``: x and A as int64 words
+    of four elements, and whether all their rows start at multiples of 16 bytes (the
+    kernel's 16-byte loads); or None when it cannot take the call: x and A fp16 or bf16,
+    rank <= :data:`MMA_MAX_RANK`, a hidden size that is a multiple of 8, rows of whole,
+    aligned words (:mod:`.kernels.shrink_mma`)."""
+    if inputs.dtype not in MMA_DTYPES or weights[0].rows > MMA_MAX_RANK or inputs.shape[1] % 8:
         return None
     x = _words(inputs)
     words = [w for w, _ in _weight_forms(weights)] if x is not None else [None]
-    return None if any(w is None for w in words) else (x, words)
+    if any(w is None for w in words):
+        return None
+    wide = all(_rows_start_at_16_bytes(t) for t in (inputs, *(w.view for w in weights)))
+    return x, words, wide
+
+
+def _rows_start_at_16_bytes(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
 
 
 def _mma_expand_operands(
@@ -396,7 +406,7 @@ def _shrink_launch(
         if operands is None:  # the tensor cores cannot take this call
             config = choose_launch_config("shrink", num_tokens, active, rank)
     if operands is not None:
-        x, weights = operands
+        x, weights, wide = operands
         kernel = build_mma_shrink_kernel(
             inputs.dtype,
             output_tensor.dtype,
@@ -404,6 +414,7 @@ def _shrink_launch(
             config.tile_m // 16,
             -(-rank // 8),
             accumulate,
+            wide,
         )
     else:
         # Packed 8-byte words when x and every A allow it; else one element at a time.

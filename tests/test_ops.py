@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from punica_numba import lora_expand, lora_shrink
+from punica_numba import lora_expand, lora_shrink, ops
 from punica_numba.launch import force_launch_config, launch_configs
 
 from .op_cases import check_expand, check_shrink, expand_cases, shrink_cases
@@ -111,3 +111,35 @@ def test_packed_and_element_paths(dtype, hidden, rank):
         lora_expand,
         ExpandCase(problem, rank, [5, 3], 1, 1, torch.float32, dtype, dtype, True, False, False),
     )
+
+
+def _rows_at_8_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (16-bit elements) whose storage starts 8 bytes past a multiple of 16."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    skip = (8 - flat.data_ptr() % 16) % 16 // t.element_size()
+    return flat[skip : skip + t.numel()].view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["rows-at-16-bytes", "rows-at-8-bytes"])
+def test_tensor_core_shrink_loads_16_or_8_bytes(aligned, monkeypatch):
+    """The tensor-core shrink reads x and A 16 bytes at a time where every row starts at a
+    multiple of 16 bytes, and 8 at a time (the same words) where rows start at 8: both
+    right."""
+    from .op_cases import Problem, ShrinkCase
+
+    built = []
+    build = ops.build_mma_shrink_kernel
+    monkeypatch.setattr(ops, "build_mma_shrink_kernel", lambda *a: built.append(a[-1]) or build(*a))
+
+    def shrink(x, weights, out, *rest):
+        if not aligned:
+            x, weights = _rows_at_8_bytes(x), [_rows_at_8_bytes(w) for w in weights]
+        lora_shrink(x, weights, out, *rest)
+
+    slots = [0, 2, -1, 1, 2, 2, 0, 1, 1, 0, 2, 2, 1, 0, 0, 2, 1, 2]
+    problem = Problem(slots=slots, prepared=len(slots), num_loras=3, seed=11)
+    case = ShrinkCase(problem, 48, 8, 2, 0, torch.bfloat16, torch.float32, 0.5, True)
+    config = next(c for c in launch_configs("shrink") if c.kernel == "mma")
+    with force_launch_config("shrink", config):
+        check_shrink(shrink, case)
+    assert built and set(built) == {aligned}, built

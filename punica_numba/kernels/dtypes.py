@@ -18,6 +18,8 @@ the result would be 0.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from numba import float32, int16, int64
@@ -38,6 +40,7 @@ __all__ = [
     "bf16_pair_values",
     "bf16_word",
     "word_halves",
+    "words_loader",
 ]
 
 _BF16_QUIET_NAN = np.int16(0x7FC0)
@@ -220,3 +223,53 @@ def word_loader(dtype: torch.dtype, packed: bool):
             dtype
         ]
     return _bf16_element if dtype == torch.bfloat16 else _element
+
+
+# -- two neighbouring words in one 16-byte load --------------------------------------------
+#
+# Numba has no vector load from an array; an intrinsic bitcasts the address of a word to
+# a pointer to two and loads them at once (``ld.global.v2.u64``, one ``LDG.E.128``): half
+# the load instructions of two 8-byte loads, and a warp's access moves twice the bytes.
+
+
+@functools.cache
+def _two_words_on_gpu():
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load_two(typingctx, row, q):
+        signature = types.UniTuple(types.int64, 2)(row, q)
+
+        def codegen(context, builder, sig, args):
+            row_type, q_type = sig.args
+            array = context.make_array(row_type)(context, builder, args[0])
+            index = context.cast(builder, args[1], q_type, types.intp)
+            address = cgutils.get_item_pointer(context, builder, row_type, array, [index])
+            pair = ir.VectorType(ir.IntType(64), 2)
+            value = builder.load(builder.bitcast(address, pair.as_pointer()), align=16)
+            words = [builder.extract_element(value, ir.Constant(ir.IntType(32), i)) for i in (0, 1)]
+            return context.make_tuple(builder, sig.return_type, words)
+
+        return signature, codegen
+
+    @cuda.jit(device=True)
+    def two_words(row, q):
+        return load_two(row, q)
+
+    return two_words
+
+
+@cuda.jit(device=True)
+def _two_words_one_by_one(row, q):
+    return row[q], row[q + 1]
+
+
+def words_loader(wide: bool):
+    """The device function ``(row, q) -> (row[q], row[q + 1])`` for a 1-D C-contiguous
+    int64 array: with ``wide`` (the caller's promise that word ``q`` starts at a multiple
+    of 16 bytes) one 16-byte load on the GPU; else, and on the simulator, two loads of
+    the same words (so the same results)."""
+    return _two_words_on_gpu() if wide and not SIMULATOR else _two_words_one_by_one

@@ -48,7 +48,7 @@ import torch
 from numba import float32, int64, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .dtypes import loader, storer, word_halves
+from .dtypes import loader, storer, word_halves, words_loader
 from .mma import FRAGMENT_WORDS, mma_into
 from .segments import read_tile, tile_and_slice, tile_token
 
@@ -63,56 +63,64 @@ def build_mma_shrink_kernel(
     m_tiles: int,
     n_tiles: int,
     accumulate: bool = True,
+    wide: bool = True,
 ):
     """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
     warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles (``8 *
-    n_tiles >= r``), and whether the products are added to the output or stored.
+    n_tiles >= r``), whether the products are added to the output or stored, and whether
+    every row of x and A starts at a multiple of 16 bytes (``wide``: 16-byte loads).
 
     The kernel takes x as ``[T, K/4]`` and A as ``[L, r, K/4]`` int64 words of four
-    elements (K a multiple of 4)."""
+    elements (K a multiple of 8)."""
     if threads % 32:
         raise ValueError(f"threads must be whole warps, got {threads}")
     add_product = mma_into(dtype)
     load_out, store_out = loader(out_dtype), storer(out_dtype)
+    two_words = words_loader(wide)
     THREADS, WARPS, M_TILES, N_TILES = threads, threads // 32, m_tiles, n_tiles
     TILE_M, TILE_N = 16 * m_tiles, 8 * n_tiles
     ROWS = 2 * M_TILES  # token rows a lane reads: g + 8 * i
-    # Steps loaded in one pass: up to 16 words (32 registers) of fragments per lane (r=16:
-    # 4 steps; r=64: 1). The next pass's words are loaded while this pass multiplies.
-    UNROLL = max(1, 16 // (ROWS + N_TILES))
-    STRIDE = WARPS * UNROLL  # steps one pass of the block covers
-    X_WORDS, W_WORDS = UNROLL * ROWS, UNROLL * N_TILES  # words held per pass
+    # Chunks of 32 elements (two steps) loaded in one pass: up to 16 words (32 registers)
+    # of fragments per lane (r=16: 2 chunks; r=64: 1). The next pass's words are loaded
+    # while this pass multiplies.
+    UNROLL = max(1, 8 // (ROWS + N_TILES))
+    STRIDE = WARPS * UNROLL  # chunks one pass of the block covers
+    X_WORDS, W_WORDS = 2 * UNROLL * ROWS, 2 * UNROLL * N_TILES  # words held per pass
     OUTPUTS = M_TILES * N_TILES * 4
     PER_THREAD = -(-TILE_M * TILE_N // THREADS)  # outputs each thread stores
     SCRATCH_WARPS = WARPS if SIMULATOR else 1
     ACCUMULATE = accumulate
 
     @cuda.jit(device=True)
-    def load_pass(x, w, slot, token, g, t, step, xw, ww):
-        """A warp's words of one pass (its first step ``step``; zero past the rows' end):
-        word t of each step, of the lane's token rows and of A's rows ``8 nj + g`` (past
-        the rank, the last row again: B's columns there are never stored)."""
-        words = x.shape[1]
+    def load_pass(x, w, slot, token, g, t, chunk, xw, ww):
+        """A warp's words of one pass (its first chunk ``chunk``; zero past the rows' end):
+        words 2t, 2t + 1 of each chunk, of the lane's token rows and of A's rows ``8 nj +
+        g`` (past the rank, the last row again: B's columns there are never stored)."""
         for u in range(UNROLL):
-            q = 4 * (step + u * WARPS) + t
-            inside = q < words
+            q = 8 * (chunk + u * WARPS) + 2 * t
+            inside = q < x.shape[1]  # and so is q + 1: a row has an even number of words
             for i in range(ROWS):
-                xw[u * ROWS + i] = x[token[i], q] if inside else int64(0)
+                v = (u * ROWS + i) * 2
+                xw[v], xw[v + 1] = two_words(x[token[i]], q) if inside else (int64(0), int64(0))
             for nj in range(N_TILES):
                 n = min(8 * nj + g, w.shape[1] - 1)
-                ww[u * N_TILES + nj] = w[slot, n, q] if inside else int64(0)
+                v = (u * N_TILES + nj) * 2
+                ww[v], ww[v + 1] = two_words(w[slot, n], q) if inside else (int64(0), int64(0))
 
     @cuda.jit(device=True)
     def multiply_pass(xw, ww, acc, scratch):
-        """Add one pass's products to the warp's tiles."""
+        """Add one pass's products to the warp's tiles: each chunk's first step (the first
+        word of each pair), then its second."""
         for u in range(UNROLL):
-            for mi in range(M_TILES):
-                # Word t of rows g, g + 8: a0, a1 (low halves), a2, a3 (high halves).
-                a0, a2 = word_halves(xw[u * ROWS + 2 * mi])
-                a1, a3 = word_halves(xw[u * ROWS + 2 * mi + 1])
-                for nj in range(N_TILES):
-                    b0, b1 = word_halves(ww[u * N_TILES + nj])
-                    add_product(acc, (mi * N_TILES + nj) * 4, a0, a1, a2, a3, b0, b1, scratch)
+            for step in range(2):
+                for mi in range(M_TILES):
+                    # Rows g, g + 8: a0, a1 (low halves), a2, a3 (high halves).
+                    a0, a2 = word_halves(xw[(u * ROWS + 2 * mi) * 2 + step])
+                    a1, a3 = word_halves(xw[(u * ROWS + 2 * mi + 1) * 2 + step])
+                    for nj in range(N_TILES):
+                        b0, b1 = word_halves(ww[(u * N_TILES + nj) * 2 + step])
+                        p = (mi * N_TILES + nj) * 4
+                        add_product(acc, p, a0, a1, a2, a3, b0, b1, scratch)
 
     @cuda.jit
     def shrink(x, w0, w1, w2, out, slice_base, slices, tiles, sorted_tokens, scaling):
@@ -129,7 +137,7 @@ def build_mma_shrink_kernel(
             w = w2
         out_slice = slice_base + s_local
         rank = w.shape[1]
-        steps = (x.shape[1] + 3) // 4  # 16 elements = 4 words per step
+        chunks = (x.shape[1] + 7) // 8  # 32 elements = 8 words per chunk
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
@@ -162,7 +170,7 @@ def build_mma_shrink_kernel(
         x_odd = cuda.local.array(X_WORDS, int64)
         w_odd = cuda.local.array(W_WORDS, int64)
         load_pass(x, w, slot, token, g, t, warp, x_even, w_even)
-        for first in range(0, steps, 2 * STRIDE):
+        for first in range(0, chunks, 2 * STRIDE):
             load_pass(x, w, slot, token, g, t, first + STRIDE + warp, x_odd, w_odd)
             multiply_pass(x_even, w_even, acc, my_scratch)
             load_pass(x, w, slot, token, g, t, first + 2 * STRIDE + warp, x_even, w_even)
