@@ -44,7 +44,9 @@ class LaunchConfig:
     The heuristic picks it from ``from_tokens_per_slot`` tokens per active slot,
     ``from_tokens`` rows (a big tile needs enough tiles to fill the GPU) and
     ``from_rank`` on, up to ``to_rank`` (past it the kernel needs more registers than
-    a block of its size can have, and would not launch). ``kernel="mma"`` is a
+    a block of its size can have, and would not launch), and from ``from_slices`` slices
+    (the tensor-core shrink's slices share x, so with more of them other tiles pay
+    off). ``kernel="mma"`` is a
     tensor-core kernel (:mod:`.kernels.shrink_mma`, :mod:`.kernels.expand_mma`):
     ``tile_m`` tokens (16 per product tile) of one slot per
     block, ``threads // 32`` warps; the expand covers ``tile_n`` output columns per block
@@ -65,6 +67,7 @@ class LaunchConfig:
     from_tokens: int = 0  # and where the activation has at least this many rows
     from_rank: int = 0  # and where the LoRA rank is at least this
     to_rank: int | None = None  # and at most this (None: any): a bigger one does not fit
+    from_slices: int = 1  # and where the call has at least this many slices
 
     def columns_per_block(self, op: str) -> int:
         """Ranks (shrink) or output columns (expand) one block covers per group."""
@@ -126,43 +129,46 @@ _GPU_CONFIGS = {
         LaunchConfig(
             "rows", threads=128, tile_m=4, tile_n=4, from_tokens_per_slot=12, from_tokens=1024
         ),
-        # Tensor cores (where the call's dtypes allow), where there are enough 16-token
-        # tiles to fill the GPU: 1024/32 17.9 -> 14.9 µs, 4096 on one LoRA 51 -> 24.7 (v7's
-        # run of every configuration). At T=256 the tiles are too few (256/16: 21 µs, 8.7
-        # by rows). Since v9 each warp loads one pass ahead: 8 warps ...
+        # Tensor cores (where the call's dtypes and layout allow them). Since v9 each
+        # warp reads 16 bytes of a row at a time and loads one pass ahead, and they beat
+        # the row kernels from 16 tokens per slot and T=256 on (v9's run of every
+        # configuration: 256/16 8.5 -> 7.5 µs, QKV 256/16 14.3 -> 8.0, 256/1 6.9 -> 6.7;
+        # 64/8 stays with the rows, 4.6 against 7.0). 8 warps per block ...
         LaunchConfig(
             "mma",
             threads=256,
             tile_m=16,
             tile_n=0,
             spread=False,
-            from_tokens_per_slot=32,
-            from_tokens=1024,
+            from_tokens_per_slot=16,
+            from_tokens=256,
         ),
-        # ... or 16, where the rank lets a 512-thread block have its registers (1024/32:
-        # 12.2 -> 10.3 µs, v9's run of every configuration) ...
+        # ... or 16 where the rank lets a 512-thread block have its registers (1024/32:
+        # 11.6 -> 8.5 µs; at r=64 8 warps: 256/1 16.9 -> 16.3, 1024/32 50 -> 20.6) ...
         LaunchConfig(
             "mma",
             threads=512,
             tile_m=16,
             tile_n=0,
             spread=False,
-            from_tokens_per_slot=32,
-            from_tokens=1024,
+            from_tokens_per_slot=16,
+            from_tokens=256,
             to_rank=32,
         ),
-        # ... and with 64 tokens per slot and more, 32 tokens per block halve the reads
-        # of A (4096/64: 23.9 -> 20.6 µs; r=64 4096/64 56.2 -> 37.3 with 8 warps).
+        # ... 4 at T=4096 and r=64 (4096/64: 42.8 -> 32.4 µs, 4096 on one LoRA 37.6 -> 26.7),
         LaunchConfig(
             "mma",
-            threads=256,
-            tile_m=32,
+            threads=128,
+            tile_m=16,
             tile_n=0,
             spread=False,
             from_tokens_per_slot=64,
             from_tokens=4096,
             from_rank=33,
         ),
+        # 16 warps of 32 tokens at T=4096 and r <= 32 (4096/64: 20.4 -> 19.1, 4096 on one
+        # LoRA 17.7 -> 16.7; 8 warps of 16 tokens were faster still, 18.1 and 15.3, but
+        # one configuration cannot come both before and after the 16-warp row above) ...
         LaunchConfig(
             "mma",
             threads=512,
@@ -172,6 +178,19 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=64,
             from_tokens=4096,
             to_rank=32,
+        ),
+        # ... and 4 warps of 32 tokens with three slices (QKV 4096/64: 40.3 -> 28.2 µs; one
+        # slice 22.9), whose blocks share x through L2 (a tile's slices are neighbours).
+        LaunchConfig(
+            "mma",
+            threads=128,
+            tile_m=32,
+            tile_n=0,
+            spread=False,
+            from_tokens_per_slot=64,
+            from_tokens=4096,
+            to_rank=32,
+            from_slices=3,
         ),
     ),
     "expand": (
@@ -242,12 +261,13 @@ def choose_launch_config(
     active_slots: int | None,
     rank: int = 0,
     tensor_cores: bool = False,
+    slices: int = 1,
 ) -> LaunchConfig:
-    """Pick a configuration from the tokens per active slot, the row count and the rank
-    (host-side facts only): the last tensor-core one whose ``from_tokens_per_slot``,
-    ``from_tokens``, ``from_rank`` and ``to_rank`` the call all reaches, when
-    ``tensor_cores`` (the call's dtypes and layout allow them) and there is one;
-    otherwise the last such FFMA one.
+    """Pick a configuration from the tokens per active slot, the row count, the rank and
+    the number of slices (host-side facts only): the last tensor-core one whose
+    ``from_tokens_per_slot``, ``from_tokens``, ``from_rank``, ``to_rank`` and
+    ``from_slices`` the call all reaches, when ``tensor_cores`` (the call's dtypes and
+    layout allow them) and there is one; otherwise the last such FFMA one.
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
     every token is then taken to have its own slot. ``rank`` 0 (not given) reaches
@@ -270,6 +290,7 @@ def choose_launch_config(
             and num_tokens >= config.from_tokens
             and rank >= config.from_rank
             and _fits(config.to_rank, rank)
+            and slices >= config.from_slices
         ):
             chosen[config.kernel == "mma"] = config
     return chosen[True] if tensor_cores and chosen[True] else chosen[False]

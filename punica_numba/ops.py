@@ -399,12 +399,13 @@ def _shrink_launch(
     num_tokens, rank = inputs.shape[0], weights[0].rows
     meta_facts = host_facts_of(metadata[4])
     active = meta_facts and meta_facts.active_slots
-    config = choose_launch_config("shrink", num_tokens, active, rank, tensor_cores=True)
+    slices = len(weights)
+    config = choose_launch_config("shrink", num_tokens, active, rank, True, slices)
     operands = None
     if config.kernel == "mma":
         operands = _mma_shrink_operands(inputs, weights)
         if operands is None:  # the tensor cores cannot take this call
-            config = choose_launch_config("shrink", num_tokens, active, rank)
+            config = choose_launch_config("shrink", num_tokens, active, rank, False, slices)
     if operands is not None:
         x, weights, wide = operands
         kernel = build_mma_shrink_kernel(

@@ -54,13 +54,21 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
         assert choose_launch_config(op, 64, slots).from_tokens_per_slot == 0, slots
     # every threshold reached: the last configuration whose rank range holds the rank
     for rank in (1, 1 << 10):
-        fitting = [c for c in configs if c.from_rank <= rank <= (c.to_rank or rank)]
-        assert choose_launch_config(op, 1 << 20, 1, rank, tensor_cores=True) == fitting[-1]
+        for slices in (1, 3):
+            fitting = [
+                c
+                for c in configs
+                if c.from_rank <= rank <= (c.to_rank or rank) and c.from_slices <= slices
+            ]
+            chosen = choose_launch_config(op, 1 << 20, 1, rank, True, slices)
+            assert chosen == fitting[-1], (rank, slices)
     for config in configs:
         tokens = max(config.from_tokens, 1 << 12)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
         tensor_cores = config.kernel == "mma"
-        chosen = choose_launch_config(op, tokens, slots, config.from_rank, tensor_cores)
+        chosen = choose_launch_config(
+            op, tokens, slots, config.from_rank, tensor_cores, config.from_slices
+        )
         assert (chosen.kernel == "mma") == tensor_cores, (config, chosen)
         assert chosen.from_tokens_per_slot >= config.from_tokens_per_slot, (config, chosen)
 
@@ -137,6 +145,21 @@ def test_to_rank_holds_back_a_config(monkeypatch):
             assert choose_launch_config(op, tokens, slots, rank + 1, tensor_cores) == past
 
 
+def test_from_slices_holds_back_a_config(monkeypatch):
+    """A tensor-core shrink tile that pays off only where several slices share x (QKV on
+    the H200) waits for that many slices."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    gated = [(op, c) for op in OPS for c in launch_configs(op) if c.from_slices > 1]
+    assert gated, "the GPU table gates a configuration on the slices"
+    for op, config in gated:
+        tokens = max(config.from_tokens, 1 << 12)
+        slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
+        rank = config.from_rank or 16
+        args = (op, tokens, slots, rank, config.kernel == "mma")
+        assert choose_launch_config(*args, config.from_slices) == config
+        assert choose_launch_config(*args, config.from_slices - 1) != config
+
+
 def test_from_tokens_holds_back_a_config(monkeypatch):
     """A configuration gated on the row count waits for that many rows, whatever the
     tokens per slot (e.g. the shrink's 128-thread blocks pay off only from T=128 on)."""
@@ -151,12 +174,16 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
         # a rank at which it is the pick (a configuration with the same thresholds but a
         # rank range of its own may take the others)
         ranks = [r for r in (config.from_rank, 16, 64) if r >= config.from_rank]
+        slices = config.from_slices
         picked = [
-            r for r in ranks if choose_launch_config(op, rows, slots, r, tensor_cores) == config
+            r
+            for r in ranks
+            if choose_launch_config(op, rows, slots, r, tensor_cores, slices) == config
         ]
         assert picked, config
         rank = picked[0]
-        assert choose_launch_config(op, rows - 1, slots, rank, tensor_cores) != config, config
+        below = choose_launch_config(op, rows - 1, slots, rank, tensor_cores, slices)
+        assert below != config, config
 
 
 def test_arithmetic_keys_group_what_adds_alike(table):
