@@ -143,7 +143,8 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=16,
             from_tokens=256,
         ),
-        # ... or 16 where the rank lets a 512-thread block have its registers (1024/32:
+        # ... or 16 where the rank lets a 512-thread block have its registers (at most
+        # 88 a thread up to r=32, 129-140 from r=33 on, ptxas; 1024/32:
         # 11.6 -> 8.5 µs; at r=64 8 warps: 256/1 16.9 -> 16.3, 1024/32 50 -> 20.6) ...
         LaunchConfig(
             "mma",
@@ -166,9 +167,11 @@ _GPU_CONFIGS = {
             from_tokens=4096,
             from_rank=33,
         ),
-        # 16 warps of 32 tokens at T=4096 and r <= 32 (4096/64: 20.4 -> 19.1, 4096 on one
+        # 16 warps of 32 tokens at T=4096 and r <= 16 (4096/64: 20.4 -> 19.1, 4096 on one
         # LoRA 17.7 -> 16.7; 8 warps of 16 tokens were faster still, 18.1 and 15.3, but
-        # one configuration cannot come both before and after the 16-warp row above) ...
+        # one configuration cannot come both before and after the 16-warp row above). At
+        # r=17..32 such a block needs 132-140 registers a thread, more than 512 threads
+        # can have (ptxas; the gpu profile's determinism test found it) ...
         LaunchConfig(
             "mma",
             threads=512,
@@ -177,7 +180,7 @@ _GPU_CONFIGS = {
             spread=False,
             from_tokens_per_slot=64,
             from_tokens=4096,
-            to_rank=32,
+            to_rank=16,
         ),
         # ... and 4 warps of 32 tokens with three slices (QKV 4096/64: 40.3 -> 28.2 µs; one
         # slice 22.9), whose blocks share x through L2 (a tile's slices are neighbours).
