@@ -1,8 +1,9 @@
 """The tensor-core expand: the op of :mod:`.expand`, 16 tokens of one slot at a time.
 
 With many tokens per slot the FFMA expand is bound by issuing instructions, not by
-memory (v7: T=4096 on one LoRA 77 µs, a fifth of the copy bandwidth; 32 µs here, v8). A
-warp's ``mma.sync`` (:mod:`.mma`) does 16 tokens x 8 columns x 16 ranks at once:
+memory (v7: T=4096 on one LoRA 77 µs, a fifth of the copy bandwidth; here 32 µs in v8,
+28.5 in v9). A warp's ``mma.sync`` (:mod:`.mma`) does 16 tokens x 8 columns x 16 ranks
+at once:
 
 * block: a tile of ``16 * M_TILES`` tokens of one segment (``blockIdx.x``, the tile
   table), one slice (``.y``), ``WARPS * 8 * N_TILES`` output columns (``.z``; groups

@@ -1,20 +1,22 @@
 """The tensor-core shrink: the op of :mod:`.shrink`, 16 tokens of one slot at a time.
 
 With many tokens per slot the FFMA shrink spends its time on arithmetic, not memory
-(T=4096 on one LoRA: 51 µs, 16 % of the copy bandwidth, in v6; 24.7 µs here, v7). A warp's
-``mma.sync`` (:mod:`.mma`) does 16 tokens x 8 ranks x 16 hidden elements at once, and
-x and A are 16-bit already, so the products are exact and nothing is split:
+(T=4096 on one LoRA: 51 µs, 16 % of the copy bandwidth, in v6; 24.7 µs in v7, 17.5 here,
+v9). A warp's ``mma.sync`` (:mod:`.mma`) does 16 tokens x 8 ranks x 16 hidden elements
+at once, and x and A are 16-bit already, so the products are exact and nothing is split:
 
 * block: a tile of ``16 * M_TILES`` tokens of one segment (the tile table), one slice,
   every rank (``8 * N_TILES`` >= r); the blocks of a tile's slices are neighbours
   (``blockIdx.x = tile * slices + slice``, :func:`.segments.tile_and_slice`), so a QKV
   layer's three slices read the tile's rows of x from DRAM once, not three times;
-* the hidden dimension is cut in steps of 16; warp ``w`` takes steps ``w, w + WARPS,
-  ...`` (so the block's warps read neighbouring stretches of each row), ``UNROLL`` steps
-  a pass, and it loads the next pass's fragments before it multiplies this pass's, so
-  that one pass's loads are in flight while the other's products run;
-* both operands keep the hidden dimension contiguous and are read as 8-byte words of
-  four elements (``[.., K/4]`` int64 views), straight into fragment registers, with no
+* the hidden dimension is cut in chunks of 32 (two steps of 16); warp ``w`` takes
+  chunks ``w, w + WARPS, ...`` (so the block's warps read neighbouring stretches of
+  each row), ``UNROLL`` chunks a pass, and it loads the next pass's fragments before it
+  multiplies this pass's, so that one pass's loads are in flight while the other's
+  products run;
+* both operands keep the hidden dimension contiguous and are read 16 bytes at a time
+  (two int64 words of four elements, ``[.., K/4]`` views; 8 bytes at a time where a row
+  starts 8 bytes past a multiple of 16), straight into fragment registers, with no
   shared memory (see "Whole words" below);
 * the warps' partial tiles are added in shared memory, in warp order, and each output
   is written by one thread: ``old + scaling * sum`` (``accumulate``) or the product
@@ -22,7 +24,7 @@ x and A are 16-bit already, so the products are exact and nothing is split:
 
 The order of the sum (the tensor cores' within a step, then steps in order per warp,
 then warps in order) is fixed for a given number of warps: its arithmetic key is
-``("mma", threads)``. Every step ``w + j * WARPS`` is visited by every warp's loop,
+``("mma", threads)``. Every chunk ``w + j * WARPS`` is visited by every warp's loop,
 past the end with zero fragments, so that all threads call ``mma`` equally often (the
 simulator needs it).
 
@@ -30,11 +32,14 @@ simulator needs it).
 elements ``2t, 2t + 1`` (register a0) and ``2t + 8, 2t + 9`` (a2) of each step of 16:
 two 4-byte loads per row, and each warp-wide load asks for 8 rows x 16 bytes. But a
 dot product does not care in which order its k come, only that x and A agree: so the
-kernel hands the tensor cores the step's elements in another order, in which lane ``t``
-holds the *neighbouring* elements ``4t .. 4t + 3`` (word ``t`` of the step: its low
-half in a0, its high half in a2, and the same for A's b0, b1). One 8-byte load per row
-then fills both registers, and a warp's 4 lanes of a row read 32 neighbouring bytes, a
-whole sector: half the load instructions of pairs, each moving twice the bytes.
+kernel hands the tensor cores each step's elements in another order, in which lane
+``t`` holds *neighbouring* elements. Of a chunk of 32, lane ``t`` loads the 16 bytes
+``8t .. 8t + 7``: its first word (elements ``8t .. 8t + 3``: low half in a0, high half
+in a2, and the same for A's b0, b1) feeds the chunk's first step, its second word the
+second step. One load per row fills four registers, and a warp's 4 lanes of a row read
+64 neighbouring bytes: a quarter of the load instructions of pairs. (8-byte words alone,
+one step at a time, gave T=4096 on one LoRA 24.2 -> 21.3 µs; with the next pass loaded
+ahead and 16-byte loads, 15.3: ``docs/benchmarks/h200_v9_candidates.json``.)
 
 Memory traffic per block: ``TILE_M * K`` elements of x, ``r * K`` of A (from L2 after
 the first tile of a slot), ``TILE_M * r`` outputs (read too when ``accumulate``).
@@ -165,8 +170,8 @@ def build_mma_shrink_kernel(
             acc[p] = float32(0.0)
         # Two passes' words, used in turn: while one pass multiplies, the other's loads
         # are on their way (a copy from one to the other would wait for them instead).
-        x_even = cuda.local.array(X_WORDS, int64)  # [u, row]
-        w_even = cuda.local.array(W_WORDS, int64)  # [u, n tile]
+        x_even = cuda.local.array(X_WORDS, int64)  # [u, row, word of the pair]
+        w_even = cuda.local.array(W_WORDS, int64)  # [u, n tile, word of the pair]
         x_odd = cuda.local.array(X_WORDS, int64)
         w_odd = cuda.local.array(W_WORDS, int64)
         load_pass(x, w, slot, token, g, t, warp, x_even, w_even)
