@@ -279,14 +279,22 @@ def _mma_shrink_operands(inputs: torch.Tensor, weights: Sequence[Stack]) -> tupl
     if inputs.dtype not in MMA_DTYPES or weights[0].rows > MMA_MAX_RANK or inputs.shape[1] % 8:
         return None
     x = _words(inputs)
-    words = [w for w, _ in _weight_forms(weights)] if x is not None else [None]
-    if any(w is None for w in words):
+    words = _weight_words(weights) if x is not None else None
+    if words is None:
         return None
     wide = all(_rows_start_at_16_bytes(t) for t in (inputs, *(w.view for w in weights)))
     return x, words, wide
 
 
+def _weight_words(weights: Sequence[Stack]) -> list | None:
+    """Each weight's int64 words (as :func:`_weight_forms` keeps them), or None when one of
+    them has none."""
+    words = [w for w, _ in _weight_forms(weights)]
+    return None if any(w is None for w in words) else words
+
+
 def _rows_start_at_16_bytes(t: torch.Tensor) -> bool:
+    """Whether every row of ``t`` starts at a multiple of 16 bytes."""
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
 
@@ -308,8 +316,8 @@ def _mma_expand_operands(
     ):
         return None
     out = _words(output)
-    words = [w for w, _ in _weight_forms(weights)] if out is not None else [None]
-    if any(w is None for w in words):
+    words = _weight_words(weights) if out is not None else None
+    if words is None:
         return None
     x = inputs if inputs.dtype == torch.float32 else inputs.view(torch.int16)
     return x, words, out
@@ -444,12 +452,12 @@ def _shrink_launch(
             return
         for base in range(0, len(weights), MAX_SLICES):
             chunk = list(weights[base : base + MAX_SLICES])
-            slices = len(chunk)
-            chunk += [chunk[0]] * (MAX_SLICES - slices)  # unused slots: never read
+            count = len(chunk)
+            chunk += [chunk[0]] * (MAX_SLICES - count)  # unused slots: never read
             if operands is not None:  # a tile's slices side by side along x
-                grid, args = (blocks * slices, 1, 1), (x, *chunk, output_tensor, base, slices)
+                grid, args = (blocks * count, 1, 1), (x, *chunk, output_tensor, base, count)
             else:
-                grid, args = (blocks, slices, rank_groups), (x, *chunk, output_tensor, base)
+                grid, args = (blocks, count, rank_groups), (x, *chunk, output_tensor, base)
             launcher(grid, config.threads, (*args, *meta, scaling32))
 
     launch.config = config  # what was chosen (the benchmark reports it)
