@@ -261,13 +261,15 @@ def _weight_forms(weights: Sequence[Stack]) -> list[tuple]:
 def _words(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` viewed as int64 words (8 bytes: four fp16/bf16 or two fp32 elements); None
     when its rows are not whole, aligned words."""
-    size, width = t.element_size(), 8
-    if t.stride(-1) != 1 or (t.shape[-1] * size) % width or t.data_ptr() % width:
+    if t.stride(-1) != 1 or (t.shape[-1] * t.element_size()) % 8 or not _rows_start_at(t, 8):
         return None
-    for stride in t.stride()[:-1]:  # (a loop: this runs on every launch of a new tensor)
-        if (stride * size) % width:
-            return None
     return t.view(torch.int64)
+
+
+def _rows_start_at(t: torch.Tensor, multiple: int) -> bool:
+    """Whether every row of ``t`` starts at a multiple of ``multiple`` bytes."""
+    size = t.element_size()
+    return t.data_ptr() % multiple == 0 and all(s * size % multiple == 0 for s in t.stride()[:-1])
 
 
 def _mma_shrink_operands(inputs: torch.Tensor, weights: Sequence[Stack]) -> tuple | None:
@@ -282,7 +284,7 @@ def _mma_shrink_operands(inputs: torch.Tensor, weights: Sequence[Stack]) -> tupl
     words = _weight_words(weights) if x is not None else None
     if words is None:
         return None
-    wide = all(_rows_start_at_16_bytes(t) for t in (inputs, *(w.view for w in weights)))
+    wide = all(_rows_start_at(t, 16) for t in (inputs, *(w.view for w in weights)))
     return x, words, wide
 
 
@@ -291,12 +293,6 @@ def _weight_words(weights: Sequence[Stack]) -> list | None:
     them has none."""
     words = [w for w, _ in _weight_forms(weights)]
     return None if any(w is None for w in words) else words
-
-
-def _rows_start_at_16_bytes(t: torch.Tensor) -> bool:
-    """Whether every row of ``t`` starts at a multiple of 16 bytes."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
 
 
 def _mma_expand_operands(
@@ -427,11 +423,10 @@ def _shrink_launch(
         )
     else:
         # Packed 8-byte words when x and every A allow it; else one element at a time.
-        x_words = _words(inputs)
-        forms = _weight_forms(weights)
-        packed = x_words is not None and all(words is not None for words, _ in forms)
+        x_words, w_words = _words(inputs), _weight_words(weights)
+        packed = x_words is not None and w_words is not None
         x = x_words if packed else inputs
-        weights = [words if packed else elements for words, elements in forms]
+        weights = w_words if packed else [elements for _, elements in _weight_forms(weights)]
         kernel = build_shrink_kernel(
             inputs.dtype,
             output_tensor.dtype,
@@ -611,9 +606,9 @@ def _expand_launch(
             rank % 16 == 0,
         )
     else:
-        forms = _weight_forms(weights)  # B in packed 8-byte words when every slice allows
-        packed = all(words is not None for words, _ in forms)
-        weights = [words if packed else elements for words, elements in forms]
+        w_words = _weight_words(weights)  # B in packed 8-byte words when every slice allows
+        packed = w_words is not None
+        weights = w_words if packed else [elements for _, elements in _weight_forms(weights)]
         words = rank // packing(dtype, packed)  # of one row of B: compiled in when short
         words = words if words <= COMPILED_WORDS else 0
         kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed, words)
