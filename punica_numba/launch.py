@@ -46,9 +46,8 @@ class LaunchConfig:
     ``from_rank`` on, up to ``to_rank`` (past it the kernel needs more registers than
     a block of its size can have, and would not launch), and from ``from_slices`` slices
     (the tensor-core shrink's slices share x, so with more of them other tiles pay
-    off). ``kernel="mma"`` is a
-    tensor-core kernel (:mod:`.kernels.shrink_mma`, :mod:`.kernels.expand_mma`):
-    ``tile_m`` tokens (16 per product tile) of one slot per
+    off). ``kernel="mma"`` is a tensor-core kernel (:mod:`.kernels.shrink_mma`,
+    :mod:`.kernels.expand_mma`): ``tile_m`` tokens (16 per product tile) of one slot per
     block, ``threads // 32`` warps; the expand covers ``tile_n`` output columns per block
     (``tile_n / warps``, a multiple of 16, per warp), the shrink every rank (``tile_n``
     unused). Only calls whose dtypes and layout the tensor cores take can use them
