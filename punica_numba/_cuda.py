@@ -36,6 +36,7 @@ import torch
 __all__ = [
     "SIMULATOR",
     "cuda",
+    "jit_kernel",
     "kernel_array",
     "launch_stream",
     "device_of",
@@ -137,6 +138,29 @@ def _one_shared_array_per_site() -> None:
 
 if SIMULATOR:
     _one_shared_array_per_site()
+
+
+#: Registers of one SM, and the most one thread can have.
+SM_REGISTERS, THREAD_REGISTERS = 65536, 255
+
+
+def jit_kernel(threads: int):
+    """``@cuda.jit`` for a kernel always launched with ``threads`` threads per block.
+
+    A block whose threads could need more registers than an SM has (more than 256
+    threads of up to 255 registers) is compiled with ``launch_bounds=threads`` (CUDA's
+    ``__launch_bounds__``): the compiler then keeps each thread to ``65536 / threads``
+    registers, and the block always launches. Without it ptxas may give a thread more,
+    and the launch fails ("out of resources"): the 16-warp tensor-core shrink took 138
+    registers at r=16 where its rows start 8 bytes past a multiple of 16 (72 with
+    16-byte loads). Smaller blocks always fit, and keep the compiler's own choice (the
+    bound changes it: it spends registers up to the bound). The simulator has no
+    registers.
+    """
+    if SIMULATOR or threads * THREAD_REGISTERS <= SM_REGISTERS:
+        return cuda.jit
+    return cuda.jit(launch_bounds=threads)
+
 
 #: torch dtypes the kernels read and write.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -46,15 +46,19 @@ class LaunchConfig:
     ``from_rank`` on, up to ``to_rank`` (past it the kernel needs more registers than
     a block of its size can have, and would not launch), and from ``from_slices`` slices
     (the tensor-core shrink's slices share x, so with more of them other tiles pay
-    off). ``kernel="mma"`` is a tensor-core kernel (:mod:`.kernels.shrink_mma`,
-    :mod:`.kernels.expand_mma`): ``tile_m`` tokens (16 per product tile) of one slot per
-    block, ``threads // 32`` warps; the expand covers ``tile_n`` output columns per block
-    (``tile_n / warps``, a multiple of 16, per warp), the shrink every rank (``tile_n``
-    unused). Only calls whose dtypes and layout the tensor cores take can use them
+    off). ``kernel="lanes"`` is the lane-split expand (:mod:`.kernels.expand_lanes`):
+    ``tile_m`` tokens per block, each row of B read by several lanes, ``vec`` rows per
+    lane group (its block's columns follow from the rank); only calls whose rows of B
+    split well can use it. ``kernel="mma"`` is a tensor-core kernel
+    (:mod:`.kernels.shrink_mma`, :mod:`.kernels.expand_mma`): ``tile_m`` tokens (16 per
+    product tile) of one slot per block, ``threads // 32`` warps; the expand covers
+    ``tile_n`` output columns per block (``tile_n / warps``, a multiple of 16, per warp),
+    the shrink ``tile_n`` ranks (0: every rank; else a block per group of ``tile_n``).
+    Only calls whose dtypes and layout the tensor cores take can use them
     (:func:`choose_launch_config`).
     """
 
-    kernel: str  # "rows", "tiled" or "mma"
+    kernel: str  # "rows", "tiled", "lanes" or "mma"
     threads: int  # threads per block
     tile_m: int  # tokens of one slot per block
     tile_n: int  # ranks (shrink) or columns (tiled expand) per block or group
@@ -77,16 +81,18 @@ class LaunchConfig:
     def arithmetic(self, op: str) -> tuple:
         """Launches whose configurations have equal keys give bit-identical results.
 
-        Every FFMA expand adds ``x[k] * B[n, k]`` for k = 0, 1, ... into one
-        accumulator; the shrink adds ``threads`` strided partial sums (warp shuffles,
-        then the warps' sums, on the GPU; a tree on the simulator). The tensor-core
+        Every row or tiled expand adds ``x[k] * B[n, k]`` for k = 0, 1, ... into one
+        accumulator; the lane-split expand adds each lane's stretch of k in order, then
+        the lanes' sums in a butterfly whose shape depends only on the rank; the shrink
+        adds ``threads`` strided partial sums (warp shuffles, then the warps' sums, on
+        the GPU; a tree on the simulator). The tensor-core
         kernels sum in an order of their own (the shrink's depends on its warps, the
         expand's on nothing but the rank).
         """
         if self.kernel == "mma":  # the tensor cores' sums: an order of their own
             return ("mma",) if op == "expand" else ("mma", self.threads)
         if op == "expand":
-            return ("sequential",)
+            return ("lanes",) if self.kernel == "lanes" else ("sequential",)
         return ("tree", self.threads)
 
 
@@ -98,10 +104,14 @@ _SIMULATOR_CONFIGS = {
         LaunchConfig("rows", threads=16, tile_m=4, tile_n=4, spread=False, from_tokens_per_slot=2),
         # Two warps, so that their partial tiles are added as on the GPU.
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=0, spread=False, from_tokens_per_slot=4),
+        # ... and a block per 8 ranks.
+        LaunchConfig("mma", threads=64, tile_m=16, tile_n=8, from_tokens_per_slot=4, from_rank=5),
     ),
     "expand": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
         LaunchConfig("rows", threads=8, tile_m=1, tile_n=32, spread=False, vec=4, from_tokens=6),
+        # One warp of lane groups: 32 / lanes rows of B at a time.
+        LaunchConfig("lanes", threads=32, tile_m=1, tile_n=0, spread=False, vec=2, from_rank=8),
         LaunchConfig("rows", threads=16, tile_m=4, tile_n=16, spread=False, from_tokens_per_slot=2),
         LaunchConfig(
             "rows", threads=8, tile_m=2, tile_n=32, spread=False, vec=4, from_tokens_per_slot=3
@@ -128,23 +138,17 @@ _GPU_CONFIGS = {
         LaunchConfig(
             "rows", threads=128, tile_m=4, tile_n=4, from_tokens_per_slot=12, from_tokens=1024
         ),
-        # Tensor cores (where the call's dtypes and layout allow them). Since v9 each
-        # warp reads 16 bytes of a row at a time and loads one pass ahead, and they beat
-        # the row kernels from 16 tokens per slot and T=256 on (v9's run of every
-        # configuration: 256/16 8.5 -> 7.5 µs, QKV 256/16 14.3 -> 8.0, 256/1 6.9 -> 6.7;
-        # 64/8 stays with the rows, 4.6 against 7.0). 8 warps per block ...
-        LaunchConfig(
-            "mma",
-            threads=256,
-            tile_m=16,
-            tile_n=0,
-            spread=False,
-            from_tokens_per_slot=16,
-            from_tokens=256,
-        ),
-        # ... or 16 where the rank lets a 512-thread block have its registers (at most
-        # 88 a thread up to r=32, 129-140 from r=33 on, ptxas; 1024/32:
-        # 11.6 -> 8.5 µs; at r=64 8 warps: 256/1 16.9 -> 16.3, 1024/32 50 -> 20.6) ...
+        # Tensor cores (where the call's dtypes and layout allow them). Since v9 each warp
+        # reads 16 bytes of a row at a time and loads one pass ahead. From 8 tokens per
+        # slot at r >= 33 (v10): 16 warps, a block per 8 ranks, so that a few tiles still
+        # make many blocks (r=64, 64/8: 13.4 µs by rows -> 6.07; every rank in one block
+        # of 8 warps 17.4) ...
+        LaunchConfig("mma", threads=512, tile_m=16, tile_n=8, from_tokens_per_slot=8, from_rank=33),
+        # ... and from 16 tokens per slot and T=256 on they beat the row kernels (v9's
+        # run of every configuration: 256/16 8.5 -> 7.5 µs, QKV 256/16 14.3 -> 8.0, 256/1
+        # 6.9 -> 6.7; 64/8 at r=16 stays with the rows, 4.6 against 7.0): 16 warps of
+        # every rank up to r=32 (from r=33 on ptxas wanted 129-140 registers a thread,
+        # more than a 512-thread block can have) ...
         LaunchConfig(
             "mma",
             threads=512,
@@ -155,7 +159,29 @@ _GPU_CONFIGS = {
             from_tokens=256,
             to_rank=32,
         ),
-        # ... 4 at T=4096 and r=64 (4096/64: 42.8 -> 32.4 µs, 4096 on one LoRA 37.6 -> 26.7),
+        # ... 16 warps of 16 ranks at r >= 33 (v10, r=64: 256/16 18.4 µs with 8 warps of
+        # every rank -> 8.16, 256/1 16.5 -> 6.69), 8 warps of 16 from T=1024 (1024/32
+        # 20.5 -> 16.0; 16 warps 17.1) ...
+        LaunchConfig(
+            "mma",
+            threads=512,
+            tile_m=16,
+            tile_n=16,
+            from_tokens_per_slot=16,
+            from_tokens=256,
+            from_rank=33,
+        ),
+        LaunchConfig(
+            "mma",
+            threads=256,
+            tile_m=16,
+            tile_n=16,
+            from_tokens_per_slot=16,
+            from_tokens=1024,
+            from_rank=33,
+        ),
+        # ... 4 of every rank at T=4096 and r=64 (4096/64: 42.8 -> 32.4 µs, 4096 on one LoRA
+        # 37.6 -> 26.7; 16-rank groups lost there, 40.3 with 4 warps of 32),
         LaunchConfig(
             "mma",
             threads=128,
@@ -166,20 +192,19 @@ _GPU_CONFIGS = {
             from_tokens=4096,
             from_rank=33,
         ),
-        # 16 warps of 32 tokens at T=4096 and r <= 16 (4096/64: 20.4 -> 19.1, 4096 on one
-        # LoRA 17.7 -> 16.7; 8 warps of 16 tokens were faster still, 18.1 and 15.3, but
-        # one configuration cannot come both before and after the 16-warp row above). At
-        # r=17..32 such a block needs 132-140 registers a thread, more than 512 threads
-        # can have (ptxas; the gpu profile's determinism test found it) ...
+        # 8 warps of every rank at T=4096 and r <= 32 (v10's run: 4096/64 18.7 -> 18.0 µs,
+        # 4096 on one LoRA 17.6 -> 15.9, against v9's 16 warps of 32 tokens, which also
+        # needed 132-140 registers a thread from r=17 on; v9 already used these blocks
+        # at T=256, before the 16-warp row, and a configuration has one place) ...
         LaunchConfig(
             "mma",
-            threads=512,
-            tile_m=32,
+            threads=256,
+            tile_m=16,
             tile_n=0,
             spread=False,
             from_tokens_per_slot=64,
             from_tokens=4096,
-            to_rank=16,
+            to_rank=32,
         ),
         # ... and 4 warps of 32 tokens with three slices (QKV 4096/64: 40.3 -> 28.2 µs; one
         # slice 22.9), whose blocks share x through L2 (a tile's slices are neighbours).
@@ -196,11 +221,20 @@ _GPU_CONFIGS = {
         ),
     ),
     "expand": (
+        # For a call whose rows of B do not split among lanes (below).
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=128),  # T=1: 3.0 µs, v4's 3.6
+        # Rows of B split among lanes (v10), where the rank allows: below 16 rows two
+        # warps, a lane group a column (T=1: 3.06 -> 2.69 µs; r=64 5.03 -> 3.25, the same
+        # run; 2.95 in another) ...
+        LaunchConfig("lanes", threads=64, tile_m=1, tile_n=0, vec=1),
         # From 16 rows on, 4 columns per thread: one load of the buffer feeds 4 products
         # (T=256 distinct 27.0 -> 16.7 µs, QKV 49.1 -> 26.9, r=64 86.4 -> 82.7); up to 12
-        # tokens per slot one token per block too (64/8: 5.2 µs, 4 tokens x 1 column 6.8).
+        # tokens per slot one token per block too (64/8: 5.2 µs, 4 tokens x 1 column 6.8);
+        # at r=16 it beats the lanes (T=256 distinct 15.0 µs against 17.4) ...
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=512, vec=4, from_tokens=16),
+        # ... not at r >= 33: four warps of lanes, 4 columns a group (r=64: T=16 distinct
+        # 13.3 -> 6.67 µs, T=64 distinct 28.2 -> 16.8, T=256 distinct 82.9 -> 53.5).
+        LaunchConfig("lanes", threads=128, tile_m=1, tile_n=0, vec=4, from_tokens=16, from_rank=33),
         # Many tokens per slot at rank <= 32: 4 tokens x 4 columns per thread beat the
         # shared-memory tiles (T=4096 on one LoRA 102 -> 76 µs, 1024/32 29.8 -> 23.0) ...
         LaunchConfig("rows", threads=128, tile_m=4, tile_n=512, vec=4, from_tokens_per_slot=12),
@@ -264,38 +298,39 @@ def choose_launch_config(
     rank: int = 0,
     tensor_cores: bool = False,
     slices: int = 1,
+    lane_split: bool = False,
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count, the rank and
     the number of slices (host-side facts only): the last tensor-core one whose
     ``from_tokens_per_slot``, ``from_tokens``, ``from_rank``, ``to_rank`` and
     ``from_slices`` the call all reaches, when ``tensor_cores`` (the call's dtypes and
-    layout allow them) and there is one; otherwise the last such FFMA one.
+    layout allow them) and there is one; otherwise the last such FFMA one, lane-split
+    expands included only when ``lane_split`` (the call's rows of B split into a few
+    words a lane: :func:`.kernels.expand_lanes.splits`).
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
     every token is then taken to have its own slot. ``rank`` 0 (not given) reaches
     no ``from_rank``. A configuration forced with :func:`force_launch_config` wins,
-    except a tensor-core one for a call that cannot use it and one past its ``to_rank``.
+    except one of a kernel the call cannot use and one past its ``to_rank``.
     """
     configs = launch_configs(op)
+    usable = {"mma": tensor_cores, "lanes": lane_split}
     forced = _forced.get(op)
-    if (
-        forced is not None
-        and (tensor_cores or forced.kernel != "mma")
-        and _fits(forced.to_rank, rank)
-    ):
+    if forced is not None and usable.get(forced.kernel, True) and _fits(forced.to_rank, rank):
         return forced
     per_slot = num_tokens / active_slots if active_slots else 1.0
     chosen = {False: configs[0], True: None}  # the last reached of each kind
     for config in configs[1:]:
         if (
-            per_slot >= config.from_tokens_per_slot
+            usable.get(config.kernel, True)
+            and per_slot >= config.from_tokens_per_slot
             and num_tokens >= config.from_tokens
             and rank >= config.from_rank
             and _fits(config.to_rank, rank)
             and slices >= config.from_slices
         ):
             chosen[config.kernel == "mma"] = config
-    return chosen[True] if tensor_cores and chosen[True] else chosen[False]
+    return chosen[True] or chosen[False]
 
 
 def _fits(to_rank: int | None, rank: int) -> bool:

@@ -34,10 +34,13 @@ from .kernels import (
     COMPILED_WORDS,
     MAX_SLICES,
     build_expand_kernel,
+    build_lanes_expand_kernel,
     build_mma_expand_kernel,
     build_mma_shrink_kernel,
     build_shrink_kernel,
     build_tiled_expand_kernel,
+    lanes_columns,
+    splits,
 )
 from .kernels.dtypes import packing
 from .kernels.mma import MMA_DTYPES
@@ -162,9 +165,25 @@ def _launcher(kernel) -> KernelLauncher:
 MMA_MAX_RANK = 64
 
 
-def _expand_kernel(config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bool, words: int):
-    """The expand kernel ``config`` names, compiled (once) for these dtypes (and the row
-    kernel for ``words`` per row of B, 0: read at run time)."""
+def _expand_kernel(
+    config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bool, words: int, wide: bool
+):
+    """The FFMA expand kernel ``config`` names, compiled (once) for these dtypes, B packed
+    or not, ``words`` per row of B, and (packed) whether B's rows start at multiples of 16
+    bytes. The row kernel compiles a row's length in only up to
+    :data:`~.kernels.COMPILED_WORDS` words (past it, reads it at run time)."""
+    if config.kernel == "lanes":
+        return build_lanes_expand_kernel(
+            x_dtype,
+            w_dtype,
+            out_dtype,
+            config.threads,
+            config.tile_m,
+            config.vec,
+            packed,
+            words,
+            wide,
+        )
     if config.kernel == "tiled":
         return build_tiled_expand_kernel(
             x_dtype,
@@ -177,6 +196,7 @@ def _expand_kernel(config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bo
             config.chunk,
             packed,
         )
+    words = words if words <= COMPILED_WORDS else 0
     return build_expand_kernel(
         x_dtype, w_dtype, out_dtype, config.threads, config.tile_m, packed, config.vec, words
     )
@@ -412,12 +432,14 @@ def _shrink_launch(
             config = choose_launch_config("shrink", num_tokens, active, rank, False, slices)
     if operands is not None:
         x, weights, wide = operands
+        # One block per group of tile_n ranks (0: every rank), along grid.y.
+        rank_groups = -(-rank // config.tile_n) if config.tile_n else 1
         kernel = build_mma_shrink_kernel(
             inputs.dtype,
             output_tensor.dtype,
             config.threads,
             config.tile_m // 16,
-            -(-rank // 8),
+            -(-min(rank, config.tile_n or rank) // 8),  # 8-rank tiles of one rank group
             accumulate,
             wide,
         )
@@ -436,7 +458,8 @@ def _shrink_launch(
             packed,
             accumulate,
         )
-    rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
+        # Rank groups over grid.z (the kernel strides by gridDim.z), or looped in a block.
+        rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)
@@ -450,7 +473,8 @@ def _shrink_launch(
             count = len(chunk)
             chunk += [chunk[0]] * (MAX_SLICES - count)  # unused slots: never read
             if operands is not None:  # a tile's slices side by side along x
-                grid, args = (blocks * count, 1, 1), (x, *chunk, output_tensor, base, count)
+                grid = (blocks * count, rank_groups, 1)
+                args = (x, *chunk, output_tensor, base, count)
             else:
                 grid, args = (blocks, count, rank_groups), (x, *chunk, output_tensor, base)
             launcher(grid, config.threads, (*args, *meta, scaling32))
@@ -586,13 +610,19 @@ def _expand_launch(
     dtype, rank = weights[0].dtype, weights[0].cols
     columns = [offset_start + sum(widths[:s]) for s in range(len(widths))]  # c_s
     active = meta_facts and meta_facts.active_slots
-    config = choose_launch_config("expand", num_tokens, active, rank, tensor_cores=True)
+    w_words = _weight_words(weights)  # B in packed 8-byte words when every slice allows
+    packed = w_words is not None
+    words = rank // packing(dtype, packed)  # of one row of B
+    choose = functools.partial(
+        choose_launch_config, "expand", num_tokens, active, rank, lane_split=splits(words)
+    )
+    config = choose(tensor_cores=True)
     x, out = inputs, output_tensor
     operands = None
     if config.kernel == "mma":
         operands = _mma_expand_operands(inputs, weights, output_tensor, columns)
         if operands is None:  # the tensor cores cannot take this call
-            config = choose_launch_config("expand", num_tokens, active, rank)
+            config = choose()
     if operands is not None:
         x, weights, out = operands
         columns = [c // 4 for c in columns]  # the kernel places slices by 4-column words
@@ -606,12 +636,15 @@ def _expand_launch(
             rank % 16 == 0,
         )
     else:
-        w_words = _weight_words(weights)  # B in packed 8-byte words when every slice allows
-        packed = w_words is not None
+        wide = packed and all(_rows_start_at(w.view, 16) for w in weights)
         weights = w_words if packed else [elements for _, elements in _weight_forms(weights)]
-        words = rank // packing(dtype, packed)  # of one row of B: compiled in when short
-        words = words if words <= COMPILED_WORDS else 0
-        kernel = _expand_kernel(config, inputs.dtype, dtype, output_tensor.dtype, packed, words)
+        kernel = _expand_kernel(
+            config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide
+        )
+    if config.kernel == "lanes":  # a block's columns depend on how many lanes share a row
+        per_block = lanes_columns(config.threads, config.vec, words)
+    else:
+        per_block = config.columns_per_block("expand")
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)
@@ -623,7 +656,6 @@ def _expand_launch(
             chunk = list(weights[base : base + MAX_SLICES])
             starts = columns[base : base + MAX_SLICES]
             widest = max(widths[base : base + MAX_SLICES])
-            per_block = config.columns_per_block("expand")
             groups = min(-(-widest // per_block), MAX_GRID_YZ) if config.spread else 1
             grid = (blocks, len(chunk), groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))

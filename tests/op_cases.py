@@ -70,6 +70,14 @@ def problems(draw, limits=KERNEL_LIMITS) -> Problem:
     return Problem(slots, prepared, num_loras, seed)
 
 
+def rows_at_8_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (16-bit elements) whose storage starts 8 bytes past a multiple of 16
+    (rows of a multiple of 16 bytes then all start there: the kernels' 8-byte loads)."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    skip = (8 - flat.data_ptr() % 16) % 16 // t.element_size()
+    return flat[skip : skip + t.numel()].view(t.shape).copy_(t)
+
+
 def _stack(weight: torch.Tensor, four_d: bool) -> torch.Tensor:
     return weight.unsqueeze(1) if four_d else weight  # [L, N, K] -> [L, 1, N, K]
 

@@ -21,6 +21,12 @@ from punica_numba.launch import (
 OPS = ("shrink", "expand")
 
 
+def _choose(*args, **kwargs):
+    """The heuristic for a call that can use every kernel the tables name (lane-split
+    expands included; tensor cores as the caller says)."""
+    return choose_launch_config(*args, lane_split=True, **kwargs)
+
+
 @pytest.fixture(params=[True, False], ids=["simulator-table", "gpu-table"])
 def table(request, monkeypatch):
     """Run a test against the simulator's table, then the GPU's."""
@@ -51,7 +57,7 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
     assert choose_launch_config(op, 1, 1) == configs[0]
     # a token per slot, foreign metadata, no active slot: one token per slot is assumed
     for slots in (64, None, 0):
-        assert choose_launch_config(op, 64, slots).from_tokens_per_slot == 0, slots
+        assert _choose(op, 64, slots).from_tokens_per_slot == 0, slots
     # every threshold reached: the last configuration whose rank range holds the rank
     for rank in (1, 1 << 10):
         for slices in (1, 3):
@@ -60,15 +66,13 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
                 for c in configs
                 if c.from_rank <= rank <= (c.to_rank or rank) and c.from_slices <= slices
             ]
-            chosen = choose_launch_config(op, 1 << 20, 1, rank, True, slices)
+            chosen = _choose(op, 1 << 20, 1, rank, True, slices)
             assert chosen == fitting[-1], (rank, slices)
     for config in configs:
         tokens = max(config.from_tokens, 1 << 12)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
         tensor_cores = config.kernel == "mma"
-        chosen = choose_launch_config(
-            op, tokens, slots, config.from_rank, tensor_cores, config.from_slices
-        )
+        chosen = _choose(op, tokens, slots, config.from_rank, tensor_cores, config.from_slices)
         assert (chosen.kernel == "mma") == tensor_cores, (config, chosen)
         assert chosen.from_tokens_per_slot >= config.from_tokens_per_slot, (config, chosen)
 
@@ -96,34 +100,34 @@ def test_tensor_cores_only_for_calls_that_allow_them(op, table):
     tensor_core_configs = [c for c in launch_configs(op) if c.kernel == "mma"]
     assert tensor_core_configs, "each table has a tensor-core configuration of each op"
     first = tensor_core_configs[0]
-    slots = 4
+    slots, rank = 4, first.from_rank
     tokens = int(first.from_tokens_per_slot * slots) + max(first.from_tokens, 1)
-    assert choose_launch_config(op, tokens, slots, tensor_cores=True).kernel == "mma"
-    without = choose_launch_config(op, tokens, slots)
+    assert choose_launch_config(op, tokens, slots, rank, tensor_cores=True).kernel == "mma"
+    without = choose_launch_config(op, tokens, slots, rank)
     assert without.kernel != "mma"
     for rows in (1, 16, 1 << 12, 1 << 20):
         assert choose_launch_config(op, rows, 1, 1 << 10).kernel != "mma"
     with force_launch_config(op, first):
         assert choose_launch_config(op, 1, 1, tensor_cores=True) == first
-        assert choose_launch_config(op, tokens, slots) == without
+        assert choose_launch_config(op, tokens, slots, rank) == without
 
 
 def test_from_rank_holds_back_a_config(monkeypatch):
     """Some configurations pay off only at large ranks (on the H200: the FFMA
-    shared-memory tiles of the expand at r=64, not r=16; the tensor-core shrink's 8-warp
-    blocks, where 16 warps do not fit); below, the call goes elsewhere."""
+    shared-memory tiles of the expand at r=64, not r=16; the tensor-core shrink's blocks
+    of 8 or 16 ranks, and from 8 tokens per slot at all); below, the call goes
+    elsewhere."""
     monkeypatch.setattr(launch, "SIMULATOR", False)
     gated = [(op, c) for op in OPS for c in launch_configs(op) if c.from_rank]
     assert {op for op, _ in gated} == set(OPS), "each op gates a configuration on the rank"
     for op, config in gated:
         tensor_cores = config.kernel == "mma"
-        tokens = max(config.from_tokens, 1 << 12)
+        tokens = config.from_tokens or 1 << 12  # (a later one may gate on more)
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank = config.from_rank
-        assert choose_launch_config(op, tokens, slots, rank, tensor_cores) == config
-        below = choose_launch_config(op, tokens, slots, rank - 1, tensor_cores)
+        assert _choose(op, tokens, slots, rank, tensor_cores) == config
+        below = _choose(op, tokens, slots, rank - 1, tensor_cores)
         assert below != config and below.from_rank < rank, (config, below)
-        assert (below.kernel == "mma") == tensor_cores, (config, below)
 
 
 def test_to_rank_holds_back_a_config(monkeypatch):
@@ -138,11 +142,11 @@ def test_to_rank_holds_back_a_config(monkeypatch):
         tokens = max(config.from_tokens, 1 << 12)
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank = config.to_rank
-        past = choose_launch_config(op, tokens, slots, rank + 1, tensor_cores)
+        past = _choose(op, tokens, slots, rank + 1, tensor_cores)
         assert past != config and (past.to_rank is None or past.to_rank > rank), (config, past)
         with force_launch_config(op, config):
-            assert choose_launch_config(op, tokens, slots, rank, tensor_cores) == config
-            assert choose_launch_config(op, tokens, slots, rank + 1, tensor_cores) == past
+            assert _choose(op, tokens, slots, rank, tensor_cores) == config
+            assert _choose(op, tokens, slots, rank + 1, tensor_cores) == past
 
 
 def test_from_slices_holds_back_a_config(monkeypatch):
@@ -156,8 +160,8 @@ def test_from_slices_holds_back_a_config(monkeypatch):
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank = config.from_rank or 16
         args = (op, tokens, slots, rank, config.kernel == "mma")
-        assert choose_launch_config(*args, config.from_slices) == config
-        assert choose_launch_config(*args, config.from_slices - 1) != config
+        assert _choose(*args, config.from_slices) == config
+        assert _choose(*args, config.from_slices - 1) != config
 
 
 def test_from_tokens_holds_back_a_config(monkeypatch):
@@ -175,14 +179,10 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
         # rank range of its own may take the others)
         ranks = [r for r in (config.from_rank, 16, 64) if r >= config.from_rank]
         slices = config.from_slices
-        picked = [
-            r
-            for r in ranks
-            if choose_launch_config(op, rows, slots, r, tensor_cores, slices) == config
-        ]
+        picked = [r for r in ranks if _choose(op, rows, slots, r, tensor_cores, slices) == config]
         assert picked, config
         rank = picked[0]
-        below = choose_launch_config(op, rows - 1, slots, rank, tensor_cores, slices)
+        below = _choose(op, rows - 1, slots, rank, tensor_cores, slices)
         assert below != config, config
 
 
@@ -191,9 +191,10 @@ def test_arithmetic_keys_group_what_adds_alike(table):
     between them from one step to the next without changing a bit; the tensor-core
     expands promise one order of their own, whatever their tiles. The shrinks group by
     threads, the tensor-core ones apart (their sums run in an order of their own)."""
-    assert {c.kernel for c in launch_configs("expand")} == {"rows", "tiled", "mma"}
+    assert {c.kernel for c in launch_configs("expand")} == {"rows", "tiled", "lanes", "mma"}
     for c in launch_configs("expand"):
-        assert c.arithmetic("expand") == (("mma",) if c.kernel == "mma" else ("sequential",))
+        own = {"mma": ("mma",), "lanes": ("lanes",)}
+        assert c.arithmetic("expand") == own.get(c.kernel, ("sequential",))
     for c in launch_configs("shrink"):
         kind = "mma" if c.kernel == "mma" else "tree"
         assert c.arithmetic("shrink") == (kind, c.threads)
@@ -222,3 +223,29 @@ def test_forcing_a_configuration_is_scoped_and_checked():
             pass
     with pytest.raises(ValueError, match="op must be one of"):
         launch_configs("gemm")
+
+
+def test_lane_split_only_for_calls_that_allow_it(table):
+    """A lane-split expand is picked, or taken when forced, only for a call whose rows of
+    B split into at most ``MAX_LANE_WORDS`` words a lane; others get the row expands."""
+    lanes = [c for c in launch_configs("expand") if c.kernel == "lanes"]
+    assert lanes, "each table has a lane-split expand"
+    for config in lanes:
+        tokens, rank = max(config.from_tokens, 1), max(config.from_rank, 16)
+        assert _choose("expand", tokens, tokens, rank) == config
+        assert choose_launch_config("expand", tokens, tokens, rank).kernel == "rows"
+        with force_launch_config("expand", config):
+            assert _choose("expand", 1 << 12, 1, rank) == config
+            assert choose_launch_config("expand", 1 << 12, 1, rank).kernel != "lanes"
+
+
+def test_rows_of_b_split_among_lanes():
+    """How many lanes share a row of ``words`` words, and which rows split at all."""
+    from punica_numba.kernels.expand_lanes import MAX_LANE_WORDS, lanes_per_row, splits
+
+    # bf16, packed: r=8, 16, 20, 32, 64, 128, 256, 512 -> 2, 4, 5, ... words a row
+    assert [lanes_per_row(w) for w in (1, 2, 4, 5, 8, 16, 32, 64, 128)] == [
+        1, 1, 2, 1, 4, 8, 16, 32, 32
+    ]  # fmt: skip
+    assert splits(4) and splits(16) and splits(128) and splits(MAX_LANE_WORDS)
+    assert not splits(MAX_LANE_WORDS + 1) and not splits(17)  # odd: one lane, too many

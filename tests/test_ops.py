@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from punica_numba import lora_expand, lora_shrink, ops
-from punica_numba.launch import force_launch_config, launch_configs
+from punica_numba.launch import config_name, force_launch_config, launch_configs
 
-from .op_cases import check_expand, check_shrink, expand_cases, shrink_cases
+from .op_cases import check_expand, check_shrink, expand_cases, rows_at_8_bytes, shrink_cases
 
 
 @given(shrink_cases())
@@ -113,18 +113,14 @@ def test_packed_and_element_paths(dtype, hidden, rank):
     )
 
 
-def _rows_at_8_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` (16-bit elements) whose storage starts 8 bytes past a multiple of 16."""
-    flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
-    skip = (8 - flat.data_ptr() % 16) % 16 // t.element_size()
-    return flat[skip : skip + t.numel()].view(t.shape).copy_(t)
-
-
 @pytest.mark.parametrize("aligned", [True, False], ids=["rows-at-16-bytes", "rows-at-8-bytes"])
-def test_tensor_core_shrink_loads_16_or_8_bytes(aligned, monkeypatch):
-    """The tensor-core shrink reads x and A 16 bytes at a time where every row starts at a
-    multiple of 16 bytes, and 8 at a time (the same words) where rows start at 8: both
-    right."""
+@pytest.mark.parametrize(
+    "config", [c for c in launch_configs("shrink") if c.kernel == "mma"], ids=config_name
+)
+def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
+    """Every tensor-core shrink reads x and A 16 bytes at a time where every row starts at
+    a multiple of 16 bytes, and 8 at a time (the same words) where rows start at 8: both
+    right, at r=20 (three groups of 8 ranks where a block takes 8, the last one short)."""
     from .op_cases import Problem, ShrinkCase
 
     built = []
@@ -133,13 +129,57 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(aligned, monkeypatch):
 
     def shrink(x, weights, out, *rest):
         if not aligned:
-            x, weights = _rows_at_8_bytes(x), [_rows_at_8_bytes(w) for w in weights]
+            x, weights = rows_at_8_bytes(x), [rows_at_8_bytes(w) for w in weights]
         lora_shrink(x, weights, out, *rest)
 
     slots = [0, 2, -1, 1, 2, 2, 0, 1, 1, 0, 2, 2, 1, 0, 0, 2, 1, 2]
     problem = Problem(slots=slots, prepared=len(slots), num_loras=3, seed=11)
-    case = ShrinkCase(problem, 48, 8, 2, 0, torch.bfloat16, torch.float32, 0.5, True)
-    config = next(c for c in launch_configs("shrink") if c.kernel == "mma")
+    rank = min(20, config.to_rank or 20)  # (past its to_rank a forced one is not used)
+    case = ShrinkCase(problem, 48, rank, 2, 0, torch.bfloat16, torch.float32, 0.5, True)
     with force_launch_config("shrink", config):
         check_shrink(shrink, case)
     assert built and set(built) == {aligned}, built
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["rows-at-16-bytes", "rows-at-8-bytes"])
+@pytest.mark.parametrize("rank", [3, 8, 16, 20, 64, 256])
+def test_lane_split_expand_at_every_lane_count(rank, aligned, monkeypatch):
+    """The lane-split expand shares a row of B among 1 (r=3: single elements; r=8, 20:
+    one lane reads the whole row), 2 (r=16), 8 (r=64) or 32 (r=256) lanes, reading pairs
+    of words with one 16-byte load where every row of B starts at a multiple of 16
+    bytes, and two 8-byte loads where rows start at 8 (or, r=20, are 40 bytes long):
+    every case right."""
+    from .op_cases import ExpandCase, Problem
+
+    built = []
+    build = ops.build_lanes_expand_kernel
+    monkeypatch.setattr(
+        ops, "build_lanes_expand_kernel", lambda *a: built.append(a[-3:]) or build(*a)
+    )
+
+    def expand(x, weights, out, *rest, **kwargs):
+        if not aligned:
+            weights = [rows_at_8_bytes(w) for w in weights]
+        lora_expand(x, weights, out, *rest, **kwargs)
+
+    problem = Problem(slots=[0, 2, -1, 1, 2, 2, 0], prepared=7, num_loras=3, seed=3)
+    case = ExpandCase(
+        problem,
+        rank,
+        [5, 3],
+        1,
+        1,
+        torch.float32,
+        torch.bfloat16,
+        torch.bfloat16,
+        True,
+        False,
+        False,
+    )
+    config = next(c for c in launch_configs("expand") if c.kernel == "lanes")
+    with force_launch_config("expand", config):
+        check_expand(expand, case)
+    packed = rank % 4 == 0  # rows of whole 8-byte words
+    words = rank // 4 if packed else rank
+    wide = aligned and rank % 8 == 0  # every row at a multiple of 16 bytes (not r=20's)
+    assert built and set(built) == {(packed, words, wide)}, built

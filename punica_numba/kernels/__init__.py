@@ -4,6 +4,8 @@
 * :mod:`.segments` from a block index to a tile of one slot's tokens;
 * :mod:`.shrink`   ``x @ A^T`` into the fp32 buffer;
 * :mod:`.expand`   ``buffer @ B^T`` into the layer output;
+* :mod:`.expand_lanes` the same expand with each row of B split among lanes, for
+  few tokens per slot at larger ranks;
 * :mod:`.expand_tiled` the same expand as shared-memory tiles, for many tokens per
   slot (prefill);
 * :mod:`.mma`      one warp's tensor-core product, on the GPU and on the simulator;
@@ -12,6 +14,7 @@
 """
 
 from .expand import COMPILED_WORDS, build_expand_kernel
+from .expand_lanes import build_lanes_expand_kernel, lanes_columns, splits
 from .expand_mma import build_mma_expand_kernel
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
@@ -21,8 +24,11 @@ __all__ = [
     "COMPILED_WORDS",
     "MAX_SLICES",
     "build_expand_kernel",
+    "build_lanes_expand_kernel",
     "build_mma_expand_kernel",
     "build_mma_shrink_kernel",
     "build_shrink_kernel",
     "build_tiled_expand_kernel",
+    "lanes_columns",
+    "splits",
 ]

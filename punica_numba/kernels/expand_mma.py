@@ -72,7 +72,7 @@ import functools
 import torch
 from numba import float32, int64, uint32, uint64
 
-from .._cuda import SIMULATOR, cuda
+from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dtypes import bf16_pair, bf16_pair_values, bf16_word, loader, word_halves
 from .mma import FRAGMENT_WORDS, mma_into, pair_of, split_pair
 from .segments import read_tile, tile_token
@@ -141,7 +141,7 @@ def build_mma_expand_kernel(
         """Word q of row n of B (zero past the rank)."""
         return b_rows[n, q] if WHOLE_STEPS or q < b_rows.shape[1] else int64(0)
 
-    @cuda.jit
+    @jit_kernel(threads)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
         # out: [M, W/4] int64 words; col*: the word of a slice's first column

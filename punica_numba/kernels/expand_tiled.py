@@ -41,7 +41,7 @@ import functools
 import torch
 from numba import float32, int64
 
-from .._cuda import cuda
+from .._cuda import cuda, jit_kernel
 from .dtypes import loader, memory_type, packing, storer, word_loader
 from .segments import read_tile, tile_token
 
@@ -86,7 +86,7 @@ def build_tiled_expand_kernel(
     MICRO = MICRO_M * MICRO_N
     X_ELEMENT, W_WORD = memory_type(x_dtype, False), memory_type(w_dtype, packed)
 
-    @cuda.jit
+    @jit_kernel(threads)
     def expand_tiled(
         x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs
     ):

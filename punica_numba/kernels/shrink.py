@@ -30,7 +30,7 @@ import functools
 import torch
 from numba import float32, int64
 
-from .._cuda import SIMULATOR, cuda
+from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dtypes import loader, memory_type, packing, storer, word_loader
 from .segments import read_tile, tile_token
 
@@ -81,7 +81,7 @@ def build_shrink_kernel(
 
     ACCUMULATE = accumulate
 
-    @cuda.jit
+    @jit_kernel(THREADS)
     def shrink(x, w0, w1, w2, out, slice_base, tiles, sorted_tokens, scaling):
         # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [4, B] int32
         slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)

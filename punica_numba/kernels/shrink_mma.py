@@ -6,9 +6,13 @@ v9). A warp's ``mma.sync`` (:mod:`.mma`) does 16 tokens x 8 ranks x 16 hidden el
 at once, and x and A are 16-bit already, so the products are exact and nothing is split:
 
 * block: a tile of ``16 * M_TILES`` tokens of one segment (the tile table), one slice,
-  every rank (``8 * N_TILES`` >= r); the blocks of a tile's slices are neighbours
-  (``blockIdx.x = tile * slices + slice``, :func:`.segments.tile_and_slice`), so a QKV
-  layer's three slices read the tile's rows of x from DRAM once, not three times;
+  and ``8 * N_TILES`` ranks starting at ``blockIdx.y * 8 * N_TILES`` (one group covers
+  every rank, or, where the tiles are few, several groups share the work: r=64 with 16
+  tiles gives 16 blocks of every rank, or 64 of 16 ranks); the blocks of a tile's
+  slices are neighbours (``blockIdx.x = tile * slices + slice``,
+  :func:`.segments.tile_and_slice`), so a QKV layer's three slices read the tile's rows
+  of x from DRAM once, not three times (a block of a later rank group reads them again,
+  mostly from L2);
 * the hidden dimension is cut in chunks of 32 (two steps of 16); warp ``w`` takes
   chunks ``w, w + WARPS, ...`` (so the block's warps read neighbouring stretches of
   each row), ``UNROLL`` chunks a pass, and it loads the next pass's fragments before it
@@ -23,7 +27,8 @@ at once, and x and A are 16-bit already, so the products are exact and nothing i
   alone.
 
 The order of the sum (the tensor cores' within a step, then steps in order per warp,
-then warps in order) is fixed for a given number of warps: its arithmetic key is
+then warps in order) is fixed for a given number of warps, whatever the rank group (a
+product tile's column does not depend on its other columns): its arithmetic key is
 ``("mma", threads)``. Every chunk ``w + j * WARPS`` is visited by every warp's loop,
 past the end with zero fragments, so that all threads call ``mma`` equally often (the
 simulator needs it).
@@ -41,8 +46,9 @@ second step. One load per row fills four registers, and a warp's 4 lanes of a ro
 one step at a time, gave T=4096 on one LoRA 24.2 -> 21.3 µs; with the next pass loaded
 ahead and 16-byte loads, 15.3: ``docs/benchmarks/h200_v9_candidates.json``.)
 
-Memory traffic per block: ``TILE_M * K`` elements of x, ``r * K`` of A (from L2 after
-the first tile of a slot), ``TILE_M * r`` outputs (read too when ``accumulate``).
+Memory traffic per block: ``TILE_M * K`` elements of x, ``TILE_N * K`` of A (from L2
+after the first tile of a slot), ``TILE_M * TILE_N`` outputs (read too when
+``accumulate``).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import functools
 import torch
 from numba import float32, int64, uint32
 
-from .._cuda import SIMULATOR, cuda
+from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dtypes import loader, storer, word_halves, words_loader
 from .mma import FRAGMENT_WORDS, mma_into
 from .segments import read_tile, tile_and_slice, tile_token
@@ -71,9 +77,10 @@ def build_mma_shrink_kernel(
     wide: bool = True,
 ):
     """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
-    warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles (``8 *
-    n_tiles >= r``), whether the products are added to the output or stored, and whether
-    every row of x and A starts at a multiple of 16 bytes (``wide``: 16-byte loads).
+    warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles per block
+    (``blockIdx.y`` numbers the block's group of ``8 * n_tiles`` ranks), whether the
+    products are added to the output or stored, and whether every row of x and A starts
+    at a multiple of 16 bytes (``wide``: 16-byte loads).
 
     The kernel takes x as ``[T, K/4]`` and A as ``[L, r, K/4]`` int64 words of four
     elements (K a multiple of 8)."""
@@ -97,10 +104,10 @@ def build_mma_shrink_kernel(
     ACCUMULATE = accumulate
 
     @cuda.jit(device=True)
-    def load_pass(x, w, slot, token, g, t, chunk, xw, ww):
+    def load_pass(x, w, slot, token, n0, g, t, chunk, xw, ww):
         """A warp's words of one pass (its first chunk ``chunk``; zero past the rows' end):
-        words 2t, 2t + 1 of each chunk, of the lane's token rows and of A's rows ``8 nj +
-        g`` (past the rank, the last row again: B's columns there are never stored)."""
+        words 2t, 2t + 1 of each chunk, of the lane's token rows and of A's rows ``n0 + 8 nj
+        + g`` (past the rank, the last row again: B's columns there are never stored)."""
         for u in range(UNROLL):
             q = 8 * (chunk + u * WARPS) + 2 * t
             inside = q < x.shape[1]  # and so is q + 1: a row has an even number of words
@@ -108,7 +115,7 @@ def build_mma_shrink_kernel(
                 v = (u * ROWS + i) * 2
                 xw[v], xw[v + 1] = two_words(x[token[i]], q) if inside else (int64(0), int64(0))
             for nj in range(N_TILES):
-                n = min(8 * nj + g, w.shape[1] - 1)
+                n = min(n0 + 8 * nj + g, w.shape[1] - 1)
                 v = (u * N_TILES + nj) * 2
                 ww[v], ww[v + 1] = two_words(w[slot, n], q) if inside else (int64(0), int64(0))
 
@@ -127,9 +134,10 @@ def build_mma_shrink_kernel(
                         p = (mi * N_TILES + nj) * 4
                         add_product(acc, p, a0, a1, a2, a3, b0, b1, scratch)
 
-    @cuda.jit
+    @jit_kernel(THREADS)
     def shrink(x, w0, w1, w2, out, slice_base, slices, tiles, sorted_tokens, scaling):
         # x: [M, K/4] int64 words; w*: [L, R, K/4] words; out: [S, M, R]; tiles: [4, B]
+        # grid: (tiles * slices, rank groups, 1)
         tile, s_local = tile_and_slice(cuda.blockIdx.x, slices)
         slot, position, rows, first_token = read_tile(tiles, tile)
         if slot == -1:
@@ -142,6 +150,7 @@ def build_mma_shrink_kernel(
             w = w2
         out_slice = slice_base + s_local
         rank = w.shape[1]
+        n0 = cuda.blockIdx.y * TILE_N  # the block's first rank
         chunks = (x.shape[1] + 7) // 8  # 32 elements = 8 words per chunk
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
@@ -163,7 +172,7 @@ def build_mma_shrink_kernel(
             out_token[j] = tile_token(sorted_tokens, position, rows, first_token, row)
             old[j] = float32(0.0)
             if ACCUMULATE and e < TILE_M * TILE_N:
-                old[j] = load_out(out[out_slice, out_token[j], min(n, rank - 1)])
+                old[j] = load_out(out[out_slice, out_token[j], min(n0 + n, rank - 1)])
 
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + i]
         for p in range(OUTPUTS):
@@ -174,11 +183,11 @@ def build_mma_shrink_kernel(
         w_even = cuda.local.array(W_WORDS, int64)  # [u, n tile, word of the pair]
         x_odd = cuda.local.array(X_WORDS, int64)
         w_odd = cuda.local.array(W_WORDS, int64)
-        load_pass(x, w, slot, token, g, t, warp, x_even, w_even)
+        load_pass(x, w, slot, token, n0, g, t, warp, x_even, w_even)
         for first in range(0, chunks, 2 * STRIDE):
-            load_pass(x, w, slot, token, g, t, first + STRIDE + warp, x_odd, w_odd)
+            load_pass(x, w, slot, token, n0, g, t, first + STRIDE + warp, x_odd, w_odd)
             multiply_pass(x_even, w_even, acc, my_scratch)
-            load_pass(x, w, slot, token, g, t, first + 2 * STRIDE + warp, x_even, w_even)
+            load_pass(x, w, slot, token, n0, g, t, first + 2 * STRIDE + warp, x_even, w_even)
             multiply_pass(x_odd, w_odd, acc, my_scratch)
 
         for mi in range(M_TILES):
@@ -190,10 +199,10 @@ def build_mma_shrink_kernel(
         for j in range(PER_THREAD):
             e = tid + THREADS * j
             row, n = e // TILE_N, e % TILE_N
-            if e < TILE_M * TILE_N and row < rows and n < rank:
+            if e < TILE_M * TILE_N and row < rows and n0 + n < rank:
                 total = partials[0, row, n]
                 for v in range(1, WARPS):
                     total += partials[v, row, n]
-                out[out_slice, out_token[j], n] = store_out(old[j] + scaling * total)
+                out[out_slice, out_token[j], n0 + n] = store_out(old[j] + scaling * total)
 
     return shrink
