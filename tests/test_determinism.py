@@ -9,6 +9,9 @@ rank group or kernel. So each op is run, on fresh copies of the same inputs, und
 every configuration the heuristic can pick (``force_launch_config``), twice under the
 first; every run must be right (the property tests' check passes under each
 configuration) and every run in a group of equal keys must give bit-identical outputs.
+A run counts under the configuration that ran: where the call cannot use the forced
+one (a rank past its ``to_rank``, a kernel the call does not allow), the heuristic's
+pick runs instead.
 The row expands run once more with the rank read at run time rather than compiled in
 (``kernels.expand.COMPILED_WORDS``): the same products in the same order, so the same
 bits.
@@ -17,6 +20,7 @@ bits.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import defaultdict
 from unittest import mock
 
@@ -24,8 +28,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from punica_numba import lora_expand, lora_shrink, ops
+from punica_numba import launch, ops
 from punica_numba.launch import force_launch_config, launch_configs
+from punica_numba.ops import prepare_expand, prepare_shrink
 
 from .op_cases import (
     ExpandCase,
@@ -38,40 +43,45 @@ from .op_cases import (
 )
 from .strategies import assign_slots
 
-OPS = {"shrink": (lora_shrink, check_shrink), "expand": (lora_expand, check_expand)}
+OPS = {"shrink": (prepare_shrink, check_shrink), "expand": (prepare_expand, check_expand)}
 
 #: Each example runs an op once per configuration plus once more: at the gpu profile's
 #: sizes, fewer examples than the property tests keep the run to a few minutes.
 FEWER = settings(max_examples=min(settings.default.max_examples, 75))
 
 
-def _run_under(op: str, config, case, rank_at_run_time: bool = False) -> torch.Tensor:
+def _run_under(op: str, config, case, rank_at_run_time: bool = False) -> tuple:
     """Run ``op`` on the case under ``config`` (and, if asked, with no rank compiled into
-    the row expand); the check must pass; return the output."""
-    impl, check = OPS[op]
-    outputs = []
+    the row expand); the check must pass; return the configuration that ran and the
+    output. A forced configuration the call cannot use (a kernel it does not allow, a
+    rank past the configuration's ``to_rank``) gives way to the heuristic's pick, so the
+    configuration that ran is the one its launch names, not always ``config``."""
+    prepare, check = OPS[op]
+    ran = []
     no_rank_compiled_in = mock.patch.object(ops, "COMPILED_WORDS", -1)
 
     def forced(*args, **kwargs):
         with force_launch_config(op, config):
             with no_rank_compiled_in if rank_at_run_time else contextlib.nullcontext():
-                impl(*args, **kwargs)
-        outputs.append(args[2].clone())  # output_tensor
+                launch = prepare(*args, **kwargs)
+                launch()
+        # (a call with nothing to launch changes nothing: any configuration will do)
+        ran.append((getattr(launch, "config", config), args[2].clone()))  # output_tensor
 
     check(forced, case)  # builds the same inputs from the case's seeds on every call
-    (output,) = outputs
-    return output
+    (run,) = ran
+    return run
 
 
 def check_deterministic(op: str, case) -> None:
-    """Bit-identical outputs across repeated runs and across configurations of equal
-    arithmetic keys; each configuration alone is right."""
+    """Bit-identical outputs across repeated runs and across the configurations of equal
+    arithmetic keys that ran; each configuration alone is right."""
     configs = launch_configs(op)
-    runs = [(configs[0], _run_under(op, configs[0], case))]  # the repeat
-    runs += [(config, _run_under(op, config, case)) for config in configs]
+    runs = [_run_under(op, configs[0], case)]  # the repeat
+    runs += [_run_under(op, config, case) for config in configs]
     if op == "expand":
         rows = [config for config in configs if config.kernel == "rows"]
-        runs += [(config, _run_under(op, config, case, True)) for config in rows]
+        runs += [_run_under(op, config, case, True) for config in rows]
     by_order = defaultdict(list)
     for config, output in runs:
         by_order[config.arithmetic(op)].append((config, output))
@@ -132,3 +142,20 @@ def test_expand_deterministic_at_a_real_size():
         False,
     )
     check_deterministic("expand", case)
+
+
+def test_a_forced_configuration_the_call_cannot_use_counts_as_what_ran(monkeypatch):
+    """Forced past its ``to_rank``, a tensor-core shrink gives way to the heuristic's FFMA
+    pick; that run must be compared with the FFMA runs, not with the tensor cores'
+    (whose sums run in another order). A capped twin of the table's first tensor-core
+    shrink (same threads: the same arithmetic key) makes such a run at r=5."""
+    shrinks = launch_configs("shrink")
+    first = next(c for c in shrinks if c.kernel == "mma")
+    capped = dataclasses.replace(first, tile_n=24, spread=True, to_rank=4)
+    table = launch._SIMULATOR_CONFIGS if launch.SIMULATOR else launch._GPU_CONFIGS
+    monkeypatch.setitem(table, "shrink", (*shrinks, capped))
+    problem = Problem(list(range(8)), 8, 8, seed=5)  # a token per slot: FFMA picked
+    case = ShrinkCase(problem, 40, 5, 1, 0, torch.bfloat16, torch.float32, 0.5, False)
+    ran, _ = _run_under("shrink", capped, case)
+    assert ran != capped and ran.kernel != "mma", ran
+    check_deterministic("shrink", case)
