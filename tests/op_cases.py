@@ -154,6 +154,26 @@ class ExpandCase:
     strided_input: bool
 
 
+def serving_expand_case(
+    problem: Problem, rank: int, widths: list[int], offset_start: int = 0, extra_columns: int = 0
+) -> ExpandCase:
+    """An expand as a served layer makes it: the fp32 shrink buffer in, bf16 weights and
+    output, added to the output, 3-D weights, a contiguous buffer."""
+    return ExpandCase(
+        problem,
+        rank,
+        widths,
+        offset_start,
+        extra_columns,
+        torch.float32,
+        torch.bfloat16,
+        torch.bfloat16,
+        add_inputs=True,
+        four_d=False,
+        strided_input=False,
+    )
+
+
 @st.composite
 def expand_cases(draw, limits=KERNEL_LIMITS, tensor_cores: bool = False) -> ExpandCase:
     """Any expand the op takes; with ``tensor_cores``, only those the tensor-core expand

@@ -33,12 +33,12 @@ from punica_numba.launch import force_launch_config, launch_configs
 from punica_numba.ops import prepare_expand, prepare_shrink
 
 from .op_cases import (
-    ExpandCase,
     Problem,
     ShrinkCase,
     check_expand,
     check_shrink,
     expand_cases,
+    serving_expand_case,
     shrink_cases,
 )
 from .strategies import assign_slots
@@ -128,19 +128,7 @@ def test_shrink_deterministic_at_a_real_size():
 
 @pytest.mark.gpu
 def test_expand_deterministic_at_a_real_size():
-    case = ExpandCase(
-        _large_problem(),
-        16,
-        [4096, 1024, 1024],
-        0,
-        0,
-        torch.float32,
-        torch.bfloat16,
-        torch.bfloat16,
-        True,
-        False,
-        False,
-    )
+    case = serving_expand_case(_large_problem(), 16, [4096, 1024, 1024])
     check_deterministic("expand", case)
 
 

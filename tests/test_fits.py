@@ -6,11 +6,12 @@ need more than the SM's 65,536 registers does not launch: CUDA reports "out of
 resources" and the call fails. The heuristic keeps such configurations below their
 ``to_rank``; this test forces each configuration (``force_launch_config``) at each
 rank of a ladder up to that bound (up to ``ops.MMA_MAX_RANK`` for the tensor cores,
-which take no more), with rows at multiples of 16 bytes and 8 bytes past (the
-16- and 8-byte loads are compiled apart, and their registers differ), and checks that
-it ran and that its result is right. (v9's table
-once let the 16-warp, 32-token tensor-core shrink reach r=32, where it needs 132-140
-registers a thread; only a property test that happened to draw such a rank found it.)
+which take no more), with rows at multiples of 16 bytes and at 8 bytes past (the 16-
+and 8-byte loads are compiled apart, and their registers differ), and checks that it
+ran and that its result is right. (v9's table let the 16-warp, 32-token tensor-core
+shrink reach r=32, where ptxas gave it 132-140 registers a thread; and its 16-warp
+shrink of every rank took 138 at r=16 with rows at 8 bytes. Blocks of more than 256
+threads are now compiled with launch bounds, ``_cuda.jit_kernel``.)
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from punica_numba import ops
 from punica_numba.launch import config_name, force_launch_config, launch_configs
 
 from .op_cases import (
-    ExpandCase,
     Problem,
     ShrinkCase,
     check_expand,
     check_shrink,
     rows_at_8_bytes,
+    serving_expand_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -91,17 +92,5 @@ def test_every_shrink_configuration_launches_at_its_ranks(config, aligned):
 def test_every_expand_configuration_launches_at_its_ranks(config, aligned):
     expand = _forced("expand", config, ops.prepare_expand, aligned)
     for rank in _ranks(config):
-        case = ExpandCase(
-            _problem(),
-            rank,
-            [512, 128],
-            0,
-            0,
-            torch.float32,
-            torch.bfloat16,
-            torch.bfloat16,
-            True,
-            False,
-            False,
-        )
+        case = serving_expand_case(_problem(), rank, [512, 128])
         check_expand(expand, case)

@@ -149,7 +149,7 @@ def test_lane_split_expand_at_every_lane_count(rank, aligned, monkeypatch):
     of words with one 16-byte load where every row of B starts at a multiple of 16
     bytes, and two 8-byte loads where rows start at 8 (or, r=20, are 40 bytes long):
     every case right."""
-    from .op_cases import ExpandCase, Problem
+    from .op_cases import Problem, serving_expand_case
 
     built = []
     build = ops.build_lanes_expand_kernel
@@ -163,19 +163,7 @@ def test_lane_split_expand_at_every_lane_count(rank, aligned, monkeypatch):
         lora_expand(x, weights, out, *rest, **kwargs)
 
     problem = Problem(slots=[0, 2, -1, 1, 2, 2, 0], prepared=7, num_loras=3, seed=3)
-    case = ExpandCase(
-        problem,
-        rank,
-        [5, 3],
-        1,
-        1,
-        torch.float32,
-        torch.bfloat16,
-        torch.bfloat16,
-        True,
-        False,
-        False,
-    )
+    case = serving_expand_case(problem, rank, [5, 3], offset_start=1, extra_columns=1)
     config = next(c for c in launch_configs("expand") if c.kernel == "lanes")
     with force_launch_config("expand", config):
         check_expand(expand, case)
