@@ -357,6 +357,15 @@ print(f"and, at the tiny size, {agreement} with the emulation of rung 1")
 # 8-byte words of 4 columns. Its sums run in an order of their own (its arithmetic key
 # differs), so it is left out below; this problem, with its offset of 3 columns, is not
 # one it takes anyway.
+#
+# A fourth, `punica_numba.kernels.expand_lanes`, turns this notebook's layout around for
+# long rows of `B`: at r=64 a row is 128 bytes, and a thread that owns a whole column
+# waits on its 16 words one after another. There a row is shared by several
+# neighbouring lanes (8 at r=64), each reading 16 bytes of it and multiplying its
+# stretch of the rank; warp shuffles then add the lanes' parts. The heuristic takes it
+# for one token per slot (at r=64: T=64 distinct 28 -> 16 µs on the H200). Its sum is
+# grouped differently (each lane's stretch, then the lanes' parts), so it too has an
+# arithmetic key of its own and is left out below.
 
 # %%
 others = [
