@@ -695,9 +695,12 @@ def _replay_key(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> t
         scale.hex(),  # its exact bits (0.0 == -0.0, but their launches differ)
         accumulate,  # (a given buffer may sit where the wrapper's own was)
         # Every input of the heuristic is in the key already; its answers are there for
-        # a configuration forced on it (launch.force_launch_config).
-        choose_launch_config("shrink", rows, slots, buffer.shape[2]),
-        choose_launch_config("expand", rows, slots, buffer.shape[2]),
+        # a configuration forced on it (launch.force_launch_config), asked as for a call
+        # that can use every kernel, so that a forced one of any kind shows.
+        *(
+            choose_launch_config(op, rows, slots, buffer.shape[2], True, lane_split=True)
+            for op in ("shrink", "expand")
+        ),
     )
 
 
