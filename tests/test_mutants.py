@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 
-from punica_numba import lora_shrink
-from punica_numba.launch import choose_launch_config, launch_configs
+from punica_numba.launch import launch_configs
+from punica_numba.ops import prepare_shrink
 
 from . import test_determinism, tolerance
 from .mutants import (
@@ -123,13 +123,19 @@ def test_determinism_check_rejects_launch_dependent_bits(monkeypatch):
     keys = [c.arithmetic("shrink") for c in configs]
     target = next(c for c in reversed(configs) if keys.count(c.arithmetic("shrink")) > 1)
 
-    def nudged(*args):
-        lora_shrink(*args)
-        if choose_launch_config("shrink", 1, None) == target:
-            out = args[2]  # [S, T, r]; token 0 has a LoRA in the ordinary problem
-            out[0, 0, 0] = torch.nextafter(
-                out[0, 0, 0], torch.tensor(float("inf"), device=out.device)
-            )
+    def nudged(*args):  # prepare_shrink's signature; the launch it returns nudges
+        launch = prepare_shrink(*args)
+
+        def run():
+            launch()
+            if launch.config == target:
+                out = args[2]  # [S, T, r]; token 0 has a LoRA in the ordinary problem
+                out[0, 0, 0] = torch.nextafter(
+                    out[0, 0, 0], torch.tensor(float("inf"), device=out.device)
+                )
+
+        run.config = launch.config
+        return run
 
     ops = dict(test_determinism.OPS, shrink=(nudged, check_shrink))
     monkeypatch.setattr(test_determinism, "OPS", ops)
