@@ -50,6 +50,7 @@ import punica_numba
 from punica_numba import LoRAKernelMeta, lora_expand, reference
 from punica_numba._cuda import cuda, kernel_array, launch_stream
 from punica_numba.kernels.dtypes import loader, storer
+from punica_numba.kernels.expand_lanes import lanes_per_row
 from punica_numba.kernels.segments import tile_grid_bound, tile_table
 from punica_numba.launch import force_launch_config, launch_configs
 
@@ -358,14 +359,9 @@ print(f"and, at the tiny size, {agreement} with the emulation of rung 1")
 # differs), so it is left out below; this problem, with its offset of 3 columns, is not
 # one it takes anyway.
 #
-# A fourth, `punica_numba.kernels.expand_lanes`, turns this notebook's layout around for
-# long rows of `B`: at r=64 a row is 128 bytes, and a thread that owns a whole column
-# waits on its 16 words one after another. There a row is shared by several
-# neighbouring lanes (8 at r=64), each reading 16 bytes of it and multiplying its
-# stretch of the rank; warp shuffles then add the lanes' parts. The heuristic takes it
-# for one token per slot (at r=64: T=64 distinct 28 -> 16 µs on the H200). Its sum is
-# grouped differently (each lane's stretch, then the lanes' parts), so it too has an
-# arithmetic key of its own and is left out below.
+# A fourth, `punica_numba.kernels.expand_lanes`, shares each row of `B` among several
+# lanes (rung 4 below); its sums are grouped differently, so it too has an arithmetic
+# key of its own and is left out here.
 
 # %%
 others = [
@@ -380,6 +376,77 @@ for config in others:
     assert torch.equal(got_other, got), config
 kinds = [f"{c.kernel}{f' vec={c.vec}' if c.vec > 1 else ''}" for c in others]
 print(f"{len(others)} other configuration(s) ({', '.join(kinds)}): the same bits")
+
+# %% [markdown]
+# ## Rung 4: a row of `B` shared by lanes
+#
+# At r=16 a row of `B` is 32 bytes, and the thread that owns a column reads it in four
+# 8-byte words. At r=64 it is 128 bytes: the thread's products wait on 16 words in turn,
+# and each load instruction of a warp asks for one word of each of 32 rows. The
+# library's lane-split expand (`punica_numba.kernels.expand_lanes`) turns the layout
+# around: `LANES` neighbouring lanes share a row, each reading two neighbouring words
+# (one 16-byte load) and multiplying its stretch of the rank, so one load instruction
+# of a warp brings `32 / LANES` whole rows, 512 neighbouring bytes.
+#
+# The lanes' partial sums are then added by a *butterfly*: at each step every lane adds
+# the value of the lane `offset` away (`cuda.shfl_xor_sync` on the GPU), for offsets
+# `LANES / 2, ..., 1`. After the last step every lane of the group holds the same total
+# (lane `i` computes `a + b` where lane `i ^ offset` computes `b + a`: the same number),
+# and the group's first lane adds the old output and stores. The simulator has no warp
+# shuffles, so there the parts go through shared memory and the first lane adds them in
+# the butterfly's order.
+#
+# The emulation below does that arithmetic for r=32 (bf16: 8 words a row, 4 lanes of
+# 2 words each), and the library's kernel, forced, must agree with it bit for bit on
+# the simulator. The order is not the row kernel's (`k = 0 .. r-1` in one accumulator),
+# hence the kernel's own arithmetic key. On the H200 it took one token per slot at r=64
+# from 28 to 16 µs (T=64) and from 83 to 53 µs (T=256).
+
+# %%
+LANE_CFG = next(c for c in launch_configs("expand") if c.kernel == "lanes")
+LANE_DIMS = dict(T=5, R=32, L=3, widths=(24, 8, 8))
+xl, Bl, outl, slots_l, meta_l = make_problem(**LANE_DIMS, seed=2)
+LANES = lanes_per_row(LANE_DIMS["R"] * Bl[0].element_size() // 8)  # words of a row of B
+STRETCH = LANE_DIMS["R"] // LANES  # elements of a row each lane multiplies
+
+
+def expand_lanes_emulated(x, B, out, slots, offset):
+    """Each output: every lane's stretch of k in order, the butterfly, then the old value."""
+    xs = x.float().cpu().numpy()
+    o = out.float().cpu().numpy().copy()
+    column = offset
+    for s, B_s in enumerate(B):
+        w = B_s.float().cpu().numpy()
+        for t, slot in enumerate(slots.tolist()):
+            if slot == -1:
+                continue
+            for n in range(w.shape[1]):
+                parts = np.zeros(LANES, np.float32)  # one per lane
+                for lane in range(LANES):
+                    for k in range(lane * STRETCH, (lane + 1) * STRETCH):
+                        parts[lane] += xs[s, t, k] * w[slot, n, k]
+                step = LANES // 2
+                while step:  # lane i adds lane i + step (lane 0's view of the butterfly)
+                    parts[:step] = parts[:step] + parts[step : 2 * step]
+                    step //= 2
+                o[t, column + n] += parts[0]  # the old output, plus the sum
+        column += w.shape[1]
+    return torch.from_numpy(o).to(out.dtype)  # one rounding
+
+
+want_l = reference.lora_expand(xl, Bl, outl, slots_l, OFFSET, add_inputs=True)
+emulated_l = expand_lanes_emulated(xl, Bl, outl, slots_l, OFFSET)
+check_close(emulated_l, want_l.cpu(), "rung 4: emulation")
+got_l = outl.clone()
+with force_launch_config("expand", LANE_CFG):
+    lora_expand(
+        xl, Bl, got_l, *meta_l.meta_args(LANE_DIMS["T"]), offset_start=OFFSET, add_inputs=True
+    )
+check_close(got_l, want_l, "rung 4: the library's lane-split expand")
+check_untouched(got_l, outl, slots_l, LANE_DIMS["widths"])
+agreement = same_bits(got_l, emulated_l, "lane-split kernel vs its emulation")
+print(f"r={LANE_DIMS['R']}: {LANES} lanes a row, {STRETCH} elements each; the library's")
+print(f"lane-split expand agrees with the reference, and {agreement} with the emulation")
 
 # %% [markdown]
 # ## `offset_start` and `add_inputs`
