@@ -18,6 +18,7 @@ import contextlib
 from dataclasses import dataclass
 
 from ._cuda import SIMULATOR
+from .kernels.expand_lanes import lanes_columns
 
 __all__ = [
     "LaunchConfig",
@@ -72,10 +73,14 @@ class LaunchConfig:
     to_rank: int | None = None  # and at most this (None: any): a bigger one does not fit
     from_slices: int = 1  # and where the call has at least this many slices
 
-    def columns_per_block(self, op: str) -> int:
-        """Ranks (shrink) or output columns (expand) one block covers per group."""
+    def columns_per_block(self, op: str, words: int = 0) -> int:
+        """Ranks (shrink) or output columns (expand) one block covers per group. A
+        lane-split expand's depend on the ``words`` in one row of B (how many lanes share
+        a row: :func:`.kernels.expand_lanes.lanes_columns`)."""
         if op == "expand" and self.kernel == "rows":
             return self.threads * self.vec
+        if op == "expand" and self.kernel == "lanes":
+            return lanes_columns(self.threads, self.vec, words)
         return self.tile_n
 
     def arithmetic(self, op: str) -> tuple:

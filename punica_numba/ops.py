@@ -39,7 +39,6 @@ from .kernels import (
     build_mma_shrink_kernel,
     build_shrink_kernel,
     build_tiled_expand_kernel,
-    lanes_columns,
     splits,
 )
 from .kernels.dtypes import packing
@@ -316,13 +315,18 @@ def _weight_words(weights: Sequence[Stack]) -> list | None:
 
 
 def _mma_expand_operands(
-    inputs: torch.Tensor, weights: Sequence[Stack], output: torch.Tensor, columns: list[int]
+    inputs: torch.Tensor,
+    weights: Sequence[Stack],
+    words: list | None,
+    output: torch.Tensor,
+    columns: list[int],
 ) -> tuple | None:
-    """The tensor-core expand's operands ``(x, weights, out)``, or None when it cannot take
+    """The tensor-core expand's operands ``(x, words, out)``, or None when it cannot take
     the call. It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
     bf16 (as its int16 bits), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole int64 words
-    (four elements), and an output it can read and write in words of four columns: every
-    slice's first column and width a multiple of 4 (:mod:`.kernels.expand_mma`)."""
+    (four elements: ``words``, from :func:`_weight_words`, None where there are none), and
+    an output it can read and write in words of four columns: every slice's first column
+    and width a multiple of 4 (:mod:`.kernels.expand_mma`)."""
     if (
         weights[0].dtype != torch.bfloat16
         or output.dtype != torch.bfloat16
@@ -332,8 +336,7 @@ def _mma_expand_operands(
     ):
         return None
     out = _words(output)
-    words = _weight_words(weights) if out is not None else None
-    if words is None:
+    if words is None or out is None:
         return None
     x = inputs if inputs.dtype == torch.float32 else inputs.view(torch.int16)
     return x, words, out
@@ -620,7 +623,7 @@ def _expand_launch(
     x, out = inputs, output_tensor
     operands = None
     if config.kernel == "mma":
-        operands = _mma_expand_operands(inputs, weights, output_tensor, columns)
+        operands = _mma_expand_operands(inputs, weights, w_words, output_tensor, columns)
         if operands is None:  # the tensor cores cannot take this call
             config = choose()
     if operands is not None:
@@ -641,10 +644,7 @@ def _expand_launch(
         kernel = _expand_kernel(
             config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide
         )
-    if config.kernel == "lanes":  # a block's columns depend on how many lanes share a row
-        per_block = lanes_columns(config.threads, config.vec, words)
-    else:
-        per_block = config.columns_per_block("expand")
+    per_block = config.columns_per_block("expand", words)
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)

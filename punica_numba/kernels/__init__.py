@@ -14,7 +14,7 @@
 """
 
 from .expand import COMPILED_WORDS, build_expand_kernel
-from .expand_lanes import build_lanes_expand_kernel, lanes_columns, splits
+from .expand_lanes import build_lanes_expand_kernel, splits
 from .expand_mma import build_mma_expand_kernel
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
@@ -29,6 +29,5 @@ __all__ = [
     "build_mma_shrink_kernel",
     "build_shrink_kernel",
     "build_tiled_expand_kernel",
-    "lanes_columns",
     "splits",
 ]
