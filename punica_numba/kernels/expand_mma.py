@@ -75,7 +75,7 @@ from numba import float32, int64, uint32, uint64
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dtypes import bf16_pair, bf16_pair_values, bf16_word, loader, word_halves
 from .mma import FRAGMENT_WORDS, mma_into, pair_of, split_pair
-from .segments import read_tile, tile_token
+from .segments import read_tile, slice_of, tile_token
 
 __all__ = ["build_mma_expand_kernel", "output_column"]
 
@@ -149,15 +149,7 @@ def build_mma_expand_kernel(
         if slot == -1:
             return
         s_local = cuda.blockIdx.y
-        if s_local == 0:
-            w = w0
-            word0 = col0
-        elif s_local == 1:
-            w = w1
-            word0 = col1
-        else:
-            w = w2
-            word0 = col2
+        w, word0 = slice_of(s_local, w0, w1, w2, col0, col1, col2)
         s = slice_base + s_local
         width = w.shape[1]  # a multiple of 4
         tid = cuda.threadIdx.x

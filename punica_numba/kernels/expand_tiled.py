@@ -43,7 +43,7 @@ from numba import float32, int64
 
 from .._cuda import cuda, jit_kernel
 from .dtypes import loader, memory_type, packing, storer, word_loader
-from .segments import read_tile, tile_token
+from .segments import read_tile, slice_of, tile_token
 
 __all__ = ["build_tiled_expand_kernel"]
 
@@ -95,15 +95,7 @@ def build_tiled_expand_kernel(
         if slot == -1:
             return  # the whole block leaves together, before any barrier
         s_local = cuda.blockIdx.y
-        if s_local == 0:
-            w = w0
-            column0 = col0
-        elif s_local == 1:
-            w = w1
-            column0 = col1
-        else:
-            w = w2
-            column0 = col2
+        w, column0 = slice_of(s_local, w0, w1, w2, col0, col1, col2)
         s = slice_base + s_local
         width = w.shape[1]
         words = w.shape[2]

@@ -36,6 +36,7 @@ __all__ = [
     "TABLE_ROWS",
     "clear_tile_table",
     "read_tile",
+    "slice_of",
     "tile_and_slice",
     "tile_grid_bound",
     "tile_table",
@@ -137,3 +138,17 @@ def tile_token(sorted_tokens, position, rows, first_token, j):
     if j == 0:
         return int64(first_token)
     return int64(sorted_tokens[position + min(j, rows - 1)])
+
+
+@cuda.jit(device=True, inline="always")
+def slice_of(s_local, w0, w1, w2, start0, start1, start2):
+    """The weights and first output column (or word) of slice ``s_local`` (0, 1 or 2) of
+    a launch: Numba kernels take no arrays of arrays, so each slice's weights arrive as
+    an argument of their own."""
+    if s_local == 0:
+        w, start = w0, start0
+    elif s_local == 1:
+        w, start = w1, start1
+    else:
+        w, start = w2, start2
+    return w, start
