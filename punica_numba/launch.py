@@ -55,6 +55,9 @@ class LaunchConfig:
     product tile) of one slot per block, ``threads // 32`` warps; the expand covers
     ``tile_n`` output columns per block (``tile_n / warps``, a multiple of 16, per warp),
     the shrink ``tile_n`` ranks (0: every rank; else a block per group of ``tile_n``).
+    An expand's blocks walk ``passes`` column groups each, striding by the grid: its
+    tile's tokens and buffer rows are looked up and loaded once for them all, and a slice
+    narrower than the widest leaves fewer blocks idle.
     Only calls whose dtypes and layout the tensor cores take can use them
     (:func:`choose_launch_config`).
     """
@@ -64,6 +67,7 @@ class LaunchConfig:
     tile_m: int  # tokens of one slot per block
     tile_n: int  # ranks (shrink) or columns (tiled expand) per block or group
     spread: bool = True  # spread rank / column groups over grid.z, or loop inside the block
+    passes: int = 1  # expand, spread: column groups each block walks (grid.z = groups / passes)
     micro: tuple[int, int] = (1, 1)  # tiled: the register tile of one thread
     chunk: int = 0  # tiled: ranks staged in shared memory at a time
     vec: int = 1  # row expand: output columns per thread
@@ -122,8 +126,9 @@ _SIMULATOR_CONFIGS = {
             "rows", threads=8, tile_m=2, tile_n=32, spread=False, vec=4, from_tokens_per_slot=3
         ),
         LaunchConfig("tiled", 8, 4, 8, micro=(2, 2), chunk=4, from_tokens_per_slot=3, from_rank=4),
-        # One warp, two 8-column tiles: a word of output per lane and row.
-        LaunchConfig("mma", threads=32, tile_m=16, tile_n=16, from_tokens_per_slot=4),
+        # One warp, two 8-column tiles: a word of output per lane and row; each block
+        # walks two column groups.
+        LaunchConfig("mma", threads=32, tile_m=16, tile_n=16, passes=2, from_tokens_per_slot=4),
     ),
 }
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
@@ -272,9 +277,32 @@ _GPU_CONFIGS = {
         # block (v9: 256/16 5.56 µs, 256/1 4.66, QKV 256/16 7.43, r=64 256/16 8.81) ...
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=8),
         # ... and two warps of four from 1024 rows on (v9: 1024/32 11.1 -> 11.0 µs, 4096 on
-        # one LoRA 28.9 -> 28.8, QKV 4096/64 53.7 -> 50.5, r=64 4096/64 61.2 -> 61.0).
+        # one LoRA 28.9 -> 28.8, QKV 4096/64 53.7 -> 50.5, r=64 4096/64 61.2 -> 61.0), each
+        # block walking two column groups (v11's run, one pass -> two: 4096 on one LoRA
+        # 28.5 -> 27.4 µs, 1024/32 11.0 -> 10.9, QKV 4096/64 50.2 -> 43.4: with one pass
+        # half its blocks, those of the 1024-wide slices past their columns, had nothing
+        # to do; r=64 4096/64 60.8 -> 57.6; four passes lost at r=16: 31.2 and 12.1) ...
         LaunchConfig(
-            "mma", threads=64, tile_m=16, tile_n=128, from_tokens_per_slot=8, from_tokens=1024
+            "mma",
+            threads=64,
+            tile_m=16,
+            tile_n=128,
+            passes=2,
+            from_tokens_per_slot=8,
+            from_tokens=1024,
+        ),
+        # ... eight at r >= 33 from T=4096, where a tile's buffer rows (r=64: 32 registers
+        # of fragments a lane) are loaded once for more columns (4096/64 57.6 -> 50.6 µs;
+        # four passes 52.7, sixteen 65.0).
+        LaunchConfig(
+            "mma",
+            threads=64,
+            tile_m=16,
+            tile_n=128,
+            passes=8,
+            from_tokens_per_slot=8,
+            from_tokens=4096,
+            from_rank=33,
         ),
     ),
 }
@@ -344,10 +372,13 @@ def _fits(to_rank: int | None, rank: int) -> bool:
 
 def config_name(config: LaunchConfig) -> str:
     """A short label, e.g. ``rows_t256_m1_n4``, ``rows_t128_m4_n512_v4`` (4 columns per
-    thread), ``tiled_t256_m64_n128_u8x4_c16`` or ``mma_t128_m16_n128``."""
+    thread), ``tiled_t256_m64_n128_u8x4_c16``, ``mma_t128_m16_n128`` or
+    ``mma_t64_m16_n128_p2`` (two column groups per block)."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
         name += f"_v{config.vec}"
+    if config.passes > 1:
+        name += f"_p{config.passes}"
     if config.kernel == "tiled":
         name += f"_u{config.micro[0]}x{config.micro[1]}_c{config.chunk}"
     return name

@@ -656,7 +656,8 @@ def _expand_launch(
             chunk = list(weights[base : base + MAX_SLICES])
             starts = columns[base : base + MAX_SLICES]
             widest = max(widths[base : base + MAX_SLICES])
-            groups = min(-(-widest // per_block), MAX_GRID_YZ) if config.spread else 1
+            groups = -(-widest // (per_block * config.passes))  # each block walks `passes`
+            groups = min(groups, MAX_GRID_YZ) if config.spread else 1
             grid = (blocks, len(chunk), groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
             starts += [0] * (MAX_SLICES - len(starts))

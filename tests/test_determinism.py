@@ -147,3 +147,22 @@ def test_a_forced_configuration_the_call_cannot_use_counts_as_what_ran(monkeypat
     ran, _ = _run_under("shrink", capped, case)
     assert ran != capped and ran.kernel != "mma", ran
     check_deterministic("shrink", case)
+
+
+def test_tensor_core_expand_bits_do_not_depend_on_its_passes(monkeypatch):
+    """A block that walks several column groups (``passes``) adds the same products as one
+    block per group: twins of the table's first tensor-core expand with 1 and 3 passes
+    (the same arithmetic key) give the same bits; each is right. Slices of 72, 24 and 8
+    columns: several groups for the widest, one for the narrowest."""
+    expands = launch_configs("expand")
+    first = next(c for c in expands if c.kernel == "mma")
+    twins = [dataclasses.replace(first, passes=p, from_tokens_per_slot=1e9) for p in (1, 3)]
+    table = launch._SIMULATOR_CONFIGS if launch.SIMULATOR else launch._GPU_CONFIGS
+    monkeypatch.setitem(table, "expand", (*expands, *twins))
+    problem = Problem([0] * 12 + [1] * 8, 20, 2, seed=3)  # tiles of several tokens
+    case = serving_expand_case(problem, 16, [72, 24, 8])
+    runs = [_run_under("expand", config, case) for config in (first, *twins)]
+    assert [config for config, _ in runs] == [first, *twins]  # the tensor cores ran each
+    (_, want), *others = runs
+    for config, got in others:
+        assert torch.equal(got, want), f"{config} and {first} give different bits"
