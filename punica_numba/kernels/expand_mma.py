@@ -7,7 +7,8 @@ at once:
 
 * block: a tile of ``16 * M_TILES`` tokens of one segment (``blockIdx.x``, the tile
   table), one slice (``.y``), ``WARPS * 8 * N_TILES`` output columns (``.z``; groups
-  stride by ``gridDim.z``);
+  stride by ``gridDim.z``, so a grid of fewer groups than the slice has makes each block
+  walk several: ``LaunchConfig.passes``);
 * warp: every token of the tile x its own ``8 * N_TILES`` columns, as ``M_TILES x
   N_TILES`` products of 16 tokens x 8 columns, each over the rank in steps of 16;
 * the A operand is the buffer row ``x[s, token, :]``, the B operand row n of
