@@ -132,16 +132,21 @@ def test_expand_deterministic_at_a_real_size():
     check_deterministic("expand", case)
 
 
+def _add_configs(monkeypatch, op: str, *extra) -> None:
+    """For the test only: this machine's table of ``op`` holds ``extra`` too, so that
+    ``force_launch_config`` takes them and ``check_deterministic`` runs them."""
+    table = launch._SIMULATOR_CONFIGS if launch.SIMULATOR else launch._GPU_CONFIGS
+    monkeypatch.setitem(table, op, (*launch_configs(op), *extra))
+
+
 def test_a_forced_configuration_the_call_cannot_use_counts_as_what_ran(monkeypatch):
     """Forced past its ``to_rank``, a tensor-core shrink gives way to the heuristic's FFMA
     pick; that run must be compared with the FFMA runs, not with the tensor cores'
     (whose sums run in another order). A capped twin of the table's first tensor-core
     shrink (same threads: the same arithmetic key) makes such a run at r=5."""
-    shrinks = launch_configs("shrink")
-    first = next(c for c in shrinks if c.kernel == "mma")
+    first = next(c for c in launch_configs("shrink") if c.kernel == "mma")
     capped = dataclasses.replace(first, tile_n=24, spread=True, to_rank=4)
-    table = launch._SIMULATOR_CONFIGS if launch.SIMULATOR else launch._GPU_CONFIGS
-    monkeypatch.setitem(table, "shrink", (*shrinks, capped))
+    _add_configs(monkeypatch, "shrink", capped)
     problem = Problem(list(range(8)), 8, 8, seed=5)  # a token per slot: FFMA picked
     case = ShrinkCase(problem, 40, 5, 1, 0, torch.bfloat16, torch.float32, 0.5, False)
     ran, _ = _run_under("shrink", capped, case)
@@ -154,11 +159,9 @@ def test_tensor_core_expand_bits_do_not_depend_on_its_passes(monkeypatch):
     block per group: twins of the table's first tensor-core expand with 1 and 3 passes
     (the same arithmetic key) give the same bits; each is right. Slices of 72, 24 and 8
     columns: several groups for the widest, one for the narrowest."""
-    expands = launch_configs("expand")
-    first = next(c for c in expands if c.kernel == "mma")
+    first = next(c for c in launch_configs("expand") if c.kernel == "mma")
     twins = [dataclasses.replace(first, passes=p, from_tokens_per_slot=1e9) for p in (1, 3)]
-    table = launch._SIMULATOR_CONFIGS if launch.SIMULATOR else launch._GPU_CONFIGS
-    monkeypatch.setitem(table, "expand", (*expands, *twins))
+    _add_configs(monkeypatch, "expand", *twins)
     problem = Problem([0] * 12 + [1] * 8, 20, 2, seed=3)  # tiles of several tokens
     case = serving_expand_case(problem, 16, [72, 24, 8])
     runs = [_run_under("expand", config, case) for config in (first, *twins)]
