@@ -126,9 +126,9 @@ _SIMULATOR_CONFIGS = {
             "rows", threads=8, tile_m=2, tile_n=32, spread=False, vec=4, from_tokens_per_slot=3
         ),
         LaunchConfig("tiled", 8, 4, 8, micro=(2, 2), chunk=4, from_tokens_per_slot=3, from_rank=4),
-        # One warp, two 8-column tiles: a word of output per lane and row; each block
-        # walks two column groups.
-        LaunchConfig("mma", threads=32, tile_m=16, tile_n=16, passes=2, from_tokens_per_slot=4),
+        # One warp, four 8-column tiles: a 16-byte word of output per lane and row where
+        # the output allows; each block walks two column groups.
+        LaunchConfig("mma", threads=32, tile_m=16, tile_n=32, passes=2, from_tokens_per_slot=4),
     ),
 }
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):

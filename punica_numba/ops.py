@@ -321,8 +321,10 @@ def _mma_expand_operands(
     output: torch.Tensor,
     columns: list[int],
 ) -> tuple | None:
-    """The tensor-core expand's operands ``(x, words, out)``, or None when it cannot take
-    the call. It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
+    """The tensor-core expand's operands ``(x, words, out, wide)``, or None when it cannot
+    take the call; ``wide``: the output can be read and written in 16-byte words (its
+    rows start at multiples of 16 bytes, every slice's first column and width are
+    multiples of 8). It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
     bf16 (as its int16 bits), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole int64 words
     (four elements: ``words``, from :func:`_weight_words`, None where there are none), and
     an output it can read and write in words of four columns: every slice's first column
@@ -339,7 +341,10 @@ def _mma_expand_operands(
     if words is None or out is None:
         return None
     x = inputs if inputs.dtype == torch.float32 else inputs.view(torch.int16)
-    return x, words, out
+    wide = _rows_start_at(output, 16) and all(
+        c % 8 == 0 and w.rows % 8 == 0 for c, w in zip(columns, weights)
+    )
+    return x, words, out, wide
 
 
 def _nothing() -> None:
@@ -627,16 +632,17 @@ def _expand_launch(
         if operands is None:  # the tensor cores cannot take this call
             config = choose()
     if operands is not None:
-        x, weights, out = operands
+        x, weights, out, wide = operands
         columns = [c // 4 for c in columns]  # the kernel places slices by 4-column words
-        warps = config.threads // 32
+        n_tiles = config.tile_n // (8 * config.threads // 32)  # 8-column tiles per warp
         kernel = build_mma_expand_kernel(
             inputs.dtype,
             config.threads,
             config.tile_m // 16,
-            config.tile_n // (8 * warps),
+            n_tiles,
             -(-rank // 16),
             rank % 16 == 0,
+            wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
         )
     else:
         wide = packed and all(_rows_start_at(w.view, 16) for w in weights)

@@ -141,6 +141,47 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
     assert built and set(built) == {aligned}, built
 
 
+@pytest.mark.parametrize(
+    "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
+)
+def test_tensor_core_expand_writes_16_or_8_byte_words(config, monkeypatch):
+    """The tensor-core expand reads and writes its output 16 bytes at a time where the
+    output's rows start at multiples of 16 bytes and the slices at multiples of 8 columns
+    (and a warp has a multiple of 4 tiles), 8 at a time otherwise (here: the same slices
+    4 columns further right in a 4-column wider output). Both right, and the same bits:
+    only the rows of B fed to each tensor-core column differ."""
+    from punica_numba import reference
+    from punica_numba.meta import LoRAKernelMeta
+
+    from .strategies import DEVICE
+
+    built = []
+    build = ops.build_mma_expand_kernel
+    monkeypatch.setattr(ops, "build_mma_expand_kernel", lambda *a: built.append(a[-1]) or build(*a))
+    gen = torch.Generator().manual_seed(5)
+    slots = torch.tensor([0, 2, -1, 1, 2, 2, 0, 1, 1, 0, 2, 2, 1, 0, 0, 2, 1, 2] * 2)
+    T, L, r, widths = len(slots), 3, 24, [72, 16, 8]
+    meta = LoRAKernelMeta.make(L, T, DEVICE)
+    meta.prepare_tensors(slots.to(DEVICE))
+    x = torch.randn(len(widths), T, r, generator=gen).to(DEVICE)
+    weights = [torch.randn(L, n, r, generator=gen).to(DEVICE, torch.bfloat16) for n in widths]
+    outputs = []
+    for shift in (0, 4):  # 16-byte words, then 8-byte ones
+        out = torch.randn(T, sum(widths) + shift, generator=gen).to(DEVICE, torch.bfloat16)
+        if outputs:  # the same old outputs, 4 columns further right
+            out[:, shift:] = outputs[0][1]
+        old = out.clone()
+        with force_launch_config("expand", config):
+            lora_expand(x, weights, out, *meta.meta_args(T), offset_start=shift, add_inputs=True)
+        want = reference.lora_expand(x, weights, old, slots.to(DEVICE), shift, True)
+        error = ((out.double() - want).abs().max() / want.abs().max()).item()
+        assert error < 1e-2, (shift, error)
+        outputs.append((out[:, shift:], old[:, shift:]))
+    n_tiles = config.tile_n // (config.threads // 4)
+    assert built == [n_tiles % 4 == 0, False], built
+    assert torch.equal(outputs[0][0], outputs[1][0])
+
+
 @pytest.mark.parametrize("aligned", [True, False], ids=["rows-at-16-bytes", "rows-at-8-bytes"])
 @pytest.mark.parametrize("rank", [3, 8, 16, 20, 64, 256])
 def test_lane_split_expand_at_every_lane_count(rank, aligned, monkeypatch):

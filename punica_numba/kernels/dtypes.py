@@ -41,6 +41,7 @@ __all__ = [
     "bf16_word",
     "word_halves",
     "words_loader",
+    "words_storer",
 ]
 
 _BF16_QUIET_NAN = np.int16(0x7FC0)
@@ -225,7 +226,7 @@ def word_loader(dtype: torch.dtype, packed: bool):
     return _bf16_element if dtype == torch.bfloat16 else _element
 
 
-# -- two neighbouring words in one 16-byte load --------------------------------------------
+# -- two neighbouring words in one 16-byte load or store ----------------------------------
 #
 # Numba has no vector load from an array; an intrinsic bitcasts the address of a word to
 # a pointer to two and loads them at once (``ld.global.v2.u64``, one ``LDG.E.128``): half
@@ -273,3 +274,49 @@ def words_loader(wide: bool):
     of 16 bytes) one 16-byte load on the GPU; else, and on the simulator, two loads of
     the same words (so the same results)."""
     return _two_words_on_gpu() if wide and not SIMULATOR else _two_words_one_by_one
+
+
+@functools.cache
+def _store_two_on_gpu():
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def store_two(typingctx, row, q, first, second):
+        signature = types.void(row, q, first, second)
+
+        def codegen(context, builder, sig, args):
+            row_type, q_type = sig.args[:2]
+            array = context.make_array(row_type)(context, builder, args[0])
+            index = context.cast(builder, args[1], q_type, types.intp)
+            address = cgutils.get_item_pointer(context, builder, row_type, array, [index])
+            pair = ir.VectorType(ir.IntType(64), 2)
+            value = ir.Constant(pair, ir.Undefined)
+            for i, word in enumerate(args[2:]):
+                value = builder.insert_element(value, word, ir.Constant(ir.IntType(32), i))
+            builder.store(value, builder.bitcast(address, pair.as_pointer()), align=16)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    @cuda.jit(device=True)
+    def two_words_stored(row, q, first, second):
+        store_two(row, q, first, second)
+
+    return two_words_stored
+
+
+@cuda.jit(device=True)
+def _two_words_stored_one_by_one(row, q, first, second):
+    row[q] = first
+    row[q + 1] = second
+
+
+def words_storer(wide: bool):
+    """The device function ``(row, q, first, second)`` that stores ``row[q], row[q + 1] =
+    first, second`` in a 1-D C-contiguous int64 array: with ``wide`` (word ``q`` starts at
+    a multiple of 16 bytes) one 16-byte store on the GPU (``st.global.v2.u64``); else, and
+    on the simulator, two stores of the same words."""
+    return _store_two_on_gpu() if wide and not SIMULATOR else _two_words_stored_one_by_one

@@ -32,6 +32,16 @@ and the warp's 4 lanes of a row cover 32 neighbouring bytes, a whole sector, in 
 access. The renumbering only chooses which row of B feeds which tensor-core column;
 every output is still the same dot product.
 
+**16-byte words** (``wide``). Four tiles at a time do the same for a 16-byte word:
+tile ``j``'s column ``c`` is ``32 * (j // 4) + 8 * (c // 2) + 2 * (j % 4) + c % 2``, so
+tiles ``4i .. 4i + 3`` leave lane ``t`` the eight columns ``32 i + 8t .. 32 i + 8t + 7``,
+read and written by one 16-byte load and store (``ld/st.global.v2.u64``): a warp's
+access moves 8 rows x 64 bytes, twice the bytes per instruction (Nsight Compute had
+found the L1 the busiest unit, 77 % at T=4096 on one LoRA, with DRAM at 31 %). It
+needs a warp of a multiple of 4 tiles, output rows that start at multiples of 16 bytes
+and slices that start and end at multiples of 8 columns; other calls keep the 8-byte
+words. Again only the rows of B fed to each tensor-core column change: the same bits.
+
 **Precision.** The buffer is fp32 but the tensor cores take 16-bit operands. Each
 buffer element is split into two bf16 values, ``hi + lo`` (:func:`.mma.split_pair`),
 and each product tile is two ``mma``: ``lo @ B`` first, then ``hi @ B``, into the same
@@ -74,7 +84,15 @@ import torch
 from numba import float32, int64, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
-from .dtypes import bf16_pair, bf16_pair_values, bf16_word, loader, word_halves
+from .dtypes import (
+    bf16_pair,
+    bf16_pair_values,
+    bf16_word,
+    loader,
+    word_halves,
+    words_loader,
+    words_storer,
+)
 from .mma import FRAGMENT_WORDS, mma_into, pair_of, split_pair
 from .segments import read_tile, slice_of, tile_token
 
@@ -85,22 +103,32 @@ WORD_COLUMNS = 4
 
 
 @cuda.jit(device=True)
-def output_column(tile, column):
+def output_column(tile, column, run):
     """The output column (within a warp's ``8 * N_TILES``) of column ``column`` of the
-    warp's product tile ``tile``: see the module's notes."""
-    return 16 * (tile // 2) + 4 * (column // 2) + 2 * (tile % 2) + column % 2
+    warp's product tile ``tile``, where ``run`` tiles (2: 8-byte words of output, 4:
+    16-byte ones) leave each lane neighbouring columns: see the module's notes."""
+    return 8 * run * (tile // run) + 2 * run * (column // 2) + 2 * (tile % run) + column % 2
 
 
 @functools.cache
 def build_mma_expand_kernel(
-    x_dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, k_steps: int, whole: bool
+    x_dtype: torch.dtype,
+    threads: int,
+    m_tiles: int,
+    n_tiles: int,
+    k_steps: int,
+    whole: bool,
+    wide: bool = False,
 ):
     """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
     warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
     (``n_tiles`` even: two tiles make a lane's word), the rank in steps of 16 (``k_steps
-    = ceil(r / 16)``) and ``whole``: whether r is a multiple of 16, so that no step
-    reaches past it and no bound is checked. The rank itself is read at run time, so
-    that a test drawing many ranks compiles a handful of kernels, not one per rank.
+    = ceil(r / 16)``), ``whole``: whether r is a multiple of 16, so that no step
+    reaches past it and no bound is checked, and ``wide``: 16-byte words of output
+    (``n_tiles`` a multiple of 4; the caller's promise that output rows start at
+    multiples of 16 bytes and slices start and end at multiples of 8 columns). The rank
+    itself is read at run time, so that a test drawing many ranks compiles a handful of
+    kernels, not one per rank.
     B and the output are bf16.
 
     The kernel takes the buffer as fp32, or as the int16 bits of its bf16 elements; B
@@ -112,6 +140,10 @@ def build_mma_expand_kernel(
         raise ValueError(f"threads must be whole warps, got {threads}")
     if n_tiles % 2:
         raise ValueError(f"n_tiles must be even (two tiles make a word), got {n_tiles}")
+    if wide and n_tiles % 4:
+        raise ValueError(
+            f"16-byte words take 4 tiles each: n_tiles must be a multiple of 4, got {n_tiles}"
+        )
     SPLIT = x_dtype == torch.float32
     if not SPLIT and x_dtype != torch.bfloat16:
         raise ValueError(f"the buffer must be fp32 or bf16, got {x_dtype}")
@@ -121,6 +153,9 @@ def build_mma_expand_kernel(
     WHOLE_STEPS = whole  # no k of any step lies past the rank: no checks
     ROWS = 2 * M_TILES  # token rows a lane touches: g + 8 * i
     WORDS = N_TILES // 2  # output words a lane holds per row
+    RUN = 4 if wide else 2  # tiles whose columns a lane holds side by side
+    PAIR = RUN // 2  # words a lane reads or writes at once: 1 (8 bytes) or 2 (16 bytes)
+    load_pair, store_pair = words_loader(wide), words_storer(wide)
     WARP_N = 8 * N_TILES
     BLOCK_N = WARPS * WARP_N
     TERMS = 2 if SPLIT else 1  # products per tile: lo and hi, or the buffer as it is
@@ -141,6 +176,20 @@ def build_mma_expand_kernel(
     def word_of(b_rows, n, q):
         """Word q of row n of B (zero past the rank)."""
         return b_rows[n, q] if WHOLE_STEPS or q < b_rows.shape[1] else int64(0)
+
+    @cuda.jit(device=True, inline="always")
+    def new_word(acc, old, mi, half, i, v):
+        """Word v of token row i (row ``half`` of m-tile ``mi``): tiles 2v and 2v + 1 of
+        the products plus the old word, rounded to four bf16."""
+        p0 = (mi * N_TILES + 2 * v) * 4 + 2 * half
+        p1 = p0 + 4  # tile 2v + 1
+        old_low, old_high = word_halves(old[i * WORDS + v])
+        o0, o1 = bf16_pair_values(old_low)
+        o2, o3 = bf16_pair_values(old_high)
+        return bf16_word(
+            bf16_pair(acc[p0] + o0, acc[p0 + 1] + o1),
+            bf16_pair(acc[p1] + o2, acc[p1 + 1] + o3),
+        )
 
     @jit_kernel(threads)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
@@ -183,9 +232,12 @@ def build_mma_expand_kernel(
         # wraparound of negative indices (a compare and two selects per access).
         b_rows = w[slot]
         last_n = uint64(width - 1)
-        lane_n = uint64(output_column(0, g))  # the lane's B row in tile 0, from n0
-        lane_word = uint64(word0 + t)  # word v of a row: lane_word + (n0 >> 2) + 4 v
+        lane_n = uint64(output_column(0, g, RUN))  # the lane's B row in tile 0, from n0
+        # The lane's first word of a row: lane_word + (n0 >> 2); its words v, v + 1 of a
+        # pair (wide) sit side by side, pairs (or single words) 4 * PAIR words apart.
+        lane_word = uint64(word0 + PAIR * t)
         last_word = uint64(word0 + ((width - WORD_COLUMNS) >> 2))
+        last_start = last_word - uint64(PAIR - 1)  # of the slice's last pair (or word)
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
         old = cuda.local.array(OLD_WORDS, int64)  # old[i * WORDS + v]: row i, word v
         n0 = uint64(cuda.blockIdx.z * BLOCK_N + warp * WARP_N)  # a multiple of 16
@@ -195,15 +247,22 @@ def build_mma_expand_kernel(
             # past the tile repeat a token, words past the slice its last word: in
             # bounds, never stored.)
             for i in range(ROWS):
-                for v in range(WORDS):
-                    word = min(first_word + uint64(4 * v), last_word)
-                    old[i * WORDS + v] = out[token[i], word] if add_inputs else int64(0)
+                row = out[token[i]]
+                for v in range(0, WORDS, PAIR):
+                    word = min(first_word + uint64(4 * v), last_start)
+                    if not add_inputs:
+                        old[i * WORDS + v] = int64(0)
+                        old[i * WORDS + v + PAIR - 1] = int64(0)
+                    elif PAIR == 2:
+                        old[i * WORDS + v], old[i * WORDS + v + 1] = load_pair(row, word)
+                    else:
+                        old[i * WORDS + v] = row[word]
             for p in range(OUTPUTS):
                 acc[p] = float32(0.0)
             for kk in range(K_STEPS):
                 for nj in range(N_TILES):
                     # B's column g of tile nj is row n of B
-                    n = min(n0 + lane_n + uint64(output_column(nj, 0)), last_n)
+                    n = min(n0 + lane_n + uint64(output_column(nj, 0, RUN)), last_n)
                     b0, b1 = word_halves(word_of(b_rows, n, 4 * kk + t))  # k = 16 kk + 4t ..
                     for mi in range(M_TILES):
                         p = (mi * N_TILES + nj) * 4
@@ -216,17 +275,15 @@ def build_mma_expand_kernel(
             for i in range(ROWS):
                 mi, half = i // 2, i % 2
                 if 16 * mi + g + 8 * half < rows:
-                    for v in range(WORDS):
-                        if first_word + uint64(4 * v) <= last_word:
-                            p0 = (mi * N_TILES + 2 * v) * 4 + 2 * half
-                            p1 = p0 + 4  # tile 2v + 1
-                            old_low, old_high = word_halves(old[i * WORDS + v])
-                            o0, o1 = bf16_pair_values(old_low)
-                            o2, o3 = bf16_pair_values(old_high)
-                            out[token[i], first_word + uint64(4 * v)] = bf16_word(
-                                bf16_pair(acc[p0] + o0, acc[p0 + 1] + o1),
-                                bf16_pair(acc[p1] + o2, acc[p1 + 1] + o3),
-                            )
+                    row = out[token[i]]
+                    for v in range(0, WORDS, PAIR):
+                        word = first_word + uint64(4 * v)
+                        if word <= last_start:
+                            first = new_word(acc, old, mi, half, i, v)
+                            if PAIR == 2:
+                                store_pair(row, word, first, new_word(acc, old, mi, half, i, v + 1))
+                            else:
+                                row[word] = first
             n0 += uint64(cuda.gridDim.z * BLOCK_N)
 
     return expand
