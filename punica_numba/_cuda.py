@@ -144,7 +144,7 @@ if SIMULATOR:
 SM_REGISTERS, THREAD_REGISTERS = 65536, 255
 
 
-def jit_kernel(threads: int):
+def jit_kernel(threads: int, max_registers: int | None = None):
     """``@cuda.jit`` for a kernel always launched with ``threads`` threads per block.
 
     A block whose threads could need more registers than an SM has (more than 256
@@ -156,10 +156,36 @@ def jit_kernel(threads: int):
     16-byte loads). Smaller blocks always fit, and keep the compiler's own choice (the
     bound changes it: it spends registers up to the bound). The simulator has no
     registers.
+
+    ``max_registers``: a ceiling that binds only where the compiler goes over it. Each
+    compiled kernel that has more registers a thread is compiled again with the ceiling
+    (Numba's ``max_registers``, ptxas's ``-maxrregcount``), and :class:`KernelLauncher`
+    launches that one instead (:class:`RegisterCeiling`). Not a ceiling on every
+    compilation, because ptxas spends registers up to one: with 128, the tensor-core
+    expand at r=16 went from 78 registers to 102, and was slower.
     """
-    if SIMULATOR or threads * THREAD_REGISTERS <= SM_REGISTERS:
+    if SIMULATOR:
         return cuda.jit
-    return cuda.jit(launch_bounds=threads)
+    options = {} if threads * THREAD_REGISTERS <= SM_REGISTERS else {"launch_bounds": threads}
+    if max_registers is None:
+        return cuda.jit(**options)
+
+    def jit(function):
+        kernel = cuda.jit(**options)(function)
+        kernel.register_ceiling = RegisterCeiling(
+            max_registers, cuda.jit(**options, max_registers=max_registers)(function)
+        )
+        return kernel
+
+    return jit
+
+
+class RegisterCeiling(NamedTuple):
+    """A kernel's most registers a thread (see :func:`jit_kernel`), and its twin compiled
+    with that ceiling, for the overloads that went over it."""
+
+    registers: int
+    capped: object  # the twin Numba dispatcher
 
 
 #: torch dtypes the kernels read and write.
@@ -243,6 +269,8 @@ class KernelLauncher:
         self.dispatcher = dispatcher
         # overload key -> (cuda.core kernel, ((raw index, C type), ...) of the scalars)
         self._compiled: dict[tuple, tuple] = {}
+        #: overload key -> the Numba kernel its launches run (to inspect: registers).
+        self.kernels: dict[tuple, object] = {}
         self._configs: dict[tuple, object] = {}
 
     def __call__(self, grid: tuple, block: int, args: tuple) -> None:
@@ -267,13 +295,19 @@ class KernelLauncher:
 
     def _compile_and_launch(self, key: tuple, grid: tuple, block: int, args: tuple) -> None:
         """Launch through Numba's dispatcher (which compiles), and remember the compiled
-        kernel with where its scalars sit among the raw parameters, and their C types."""
+        kernel with where its scalars sit among the raw parameters, and their C types.
+        A kernel over its register ceiling (:func:`jit_kernel`) is remembered by its
+        capped twin: later launches run that one (the same code, so the same results)."""
         _not_replayable()  # Numba's launch is not one a record can repeat
         args = _unpacked(args)
         numba_args = [_as_arg(a) for a in args]
         self.dispatcher[grid, block, launch_stream()](*numba_args)
         types = tuple(self.dispatcher.typeof_pyval(a) for a in numba_args)
         kernel = self.dispatcher.overloads[types]
+        ceiling = getattr(self.dispatcher, "register_ceiling", None)
+        if ceiling is not None and kernel.regs_per_thread > ceiling.registers:
+            kernel = ceiling.capped.compile(types)  # the same code, fewer registers
+        self.kernels[key] = kernel
         scalars, index = [], 0
         for ty, a in zip(kernel.argument_types, args):
             if isinstance(a, torch.Tensor):

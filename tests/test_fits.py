@@ -94,3 +94,49 @@ def test_every_expand_configuration_launches_at_its_ranks(config, aligned):
     for rank in _ranks(config):
         case = serving_expand_case(_problem(), rank, [512, 128])
         check_expand(expand, case)
+
+
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize(
+    "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
+)
+def test_tensor_core_expand_keeps_to_its_register_ceiling(config, rank, monkeypatch):
+    """A tensor-core expand that ptxas compiles with more registers a thread than
+    ``expand_mma.MAX_REGISTERS`` runs as its twin compiled with that ceiling (on the H200
+    the 16-byte-word kernel took 132 at r=64); one under it runs as compiled. The first
+    launch of a fresh launcher runs Numba's own compilation, the later ones the kernel
+    kept: the same code, so the same bits."""
+    from punica_numba import lora_expand
+    from punica_numba.kernels.expand_mma import MAX_REGISTERS
+    from punica_numba.meta import LoRAKernelMeta
+
+    built = []
+    build = ops.build_mma_expand_kernel
+    monkeypatch.setattr(
+        ops, "build_mma_expand_kernel", lambda *a: built.append(build(*a)) or built[-1]
+    )
+    ops._launcher.cache_clear()  # a fresh launcher: its first launch compiles
+    problem = _problem()
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor(problem.slots, device="cuda")
+    meta = LoRAKernelMeta.make(problem.num_loras, len(slots), "cuda")
+    meta.prepare_tensors(slots)
+    x = torch.randn(1, len(slots), rank, generator=gen).cuda()
+    weights = [torch.randn(problem.num_loras, 512, rank, generator=gen).to("cuda", torch.bfloat16)]
+    old = torch.randn(len(slots), 512, generator=gen).to("cuda", torch.bfloat16)
+    results = []
+    for _ in range(3):
+        out = old.clone()
+        with force_launch_config("expand", config):
+            lora_expand(x, weights, out, *meta.meta_args(len(slots)), add_inputs=True)
+        results.append(out)
+    assert len({id(k) for k in built}) == 1, built
+    launcher = ops._launcher(built[0])
+    [kept] = launcher.kernels.values()  # the kernel its launches run
+    compiled = built[0].overloads[tuple(kept.argument_types)]  # Numba's own compilation
+    assert kept.regs_per_thread <= MAX_REGISTERS, kept.regs_per_thread
+    if compiled.regs_per_thread > MAX_REGISTERS:
+        assert kept is not compiled
+    else:
+        assert kept is compiled, (compiled.regs_per_thread, kept.regs_per_thread)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[1], results[2])

@@ -71,6 +71,13 @@ wraparound), the column groups are walked by a ``while`` loop, and the lane's nu
 come from shifts and masks; with B read as words, that took the warp's instructions
 (16 tokens x 64 columns) from 1,104 to 688 and its registers from 92 to 78.
 
+**Registers.** At most 128 a thread (:data:`MAX_REGISTERS`), so that an SM holds 16
+warps of it. ptxas gave the 16-byte-word kernel 132 at r=64 on the H200, and 12 warps
+fitted: 4096 tokens on 64 LoRAs took 60.5 µs, against 44.7 µs with the ceiling (124
+registers, no spills). The ceiling binds only where ptxas goes over it
+(:func:`.._cuda.jit_kernel`): imposed on every build it made ptxas spend more, 78
+registers at r=16 became 102, and slower.
+
 Memory traffic per block: ``TILE_M * r`` buffer elements, ``BLOCK_N * r`` of B (from L2
 after the first tile of a slot), and ``TILE_M * BLOCK_N`` outputs (read too when
 ``add_inputs``).
@@ -100,6 +107,8 @@ __all__ = ["build_mma_expand_kernel", "output_column"]
 
 #: Output columns per word of output (four bf16 in 8 bytes).
 WORD_COLUMNS = 4
+#: The most registers a thread may have: 65536 / 128 = 16 warps an SM (module notes).
+MAX_REGISTERS = 128
 
 
 @cuda.jit(device=True)
@@ -191,7 +200,7 @@ def build_mma_expand_kernel(
             bf16_pair(acc[p1] + o2, acc[p1 + 1] + o3),
         )
 
-    @jit_kernel(threads)
+    @jit_kernel(threads, MAX_REGISTERS)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
         # out: [M, W/4] int64 words; col*: the word of a slice's first column
