@@ -274,7 +274,12 @@ _GPU_CONFIGS = {
         # FFMA kernels above are bound by issuing instructions (v8's run of every
         # configuration: 64/8 4.9 -> 4.6 µs, 256/16 8.8 -> 5.9, 256/1 7.5 -> 5.3, 1024/32
         # 23.2 -> 12.8, 4096 on one LoRA 77 -> 32). One warp of two 8-column tiles per
-        # block (v9: 256/16 5.56 µs, 256/1 4.66, QKV 256/16 7.43, r=64 256/16 8.81) ...
+        # block (v9: 256/16 5.56 µs, 256/1 4.66, QKV 256/16 7.43, r=64 256/16 8.81). Since
+        # v12 a lane reads and writes 16-byte words of output where the output allows
+        # (h200_v12_candidates.json, 8-byte words -> 16 within one run: 64/8 4.08 -> 3.69
+        # µs, 256/16 5.41 -> 4.92, 4096 on one LoRA with two passes 25.9 -> 24.0; r=64
+        # 4096/64 with eight passes 48.8 -> 43.7 with the 128-register ceiling, 59.1
+        # without) ...
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=8),
         # ... and two warps of four from 1024 rows on (v9: 1024/32 11.1 -> 11.0 µs, 4096 on
         # one LoRA 28.9 -> 28.8, QKV 4096/64 53.7 -> 50.5, r=64 4096/64 61.2 -> 61.0), each
