@@ -233,11 +233,24 @@ def word_loader(dtype: torch.dtype, packed: bool):
 # the load instructions of two 8-byte loads, and a warp's access moves twice the bytes.
 
 
+def _pair_address(context, builder, sig, args):
+    """In an intrinsic's codegen whose first two arguments are ``(row, q)``: the address
+    of word ``q`` of the 1-D int64 array ``row``, as a pointer to two words."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+
+    row_type, q_type = sig.args[:2]
+    array = context.make_array(row_type)(context, builder, args[0])
+    index = context.cast(builder, args[1], q_type, types.intp)
+    address = cgutils.get_item_pointer(context, builder, row_type, array, [index])
+    return builder.bitcast(address, ir.VectorType(ir.IntType(64), 2).as_pointer())
+
+
 @functools.cache
 def _two_words_on_gpu():
     from llvmlite import ir
     from numba import types
-    from numba.core import cgutils
     from numba.cuda.extending import intrinsic
 
     @intrinsic
@@ -245,12 +258,7 @@ def _two_words_on_gpu():
         signature = types.UniTuple(types.int64, 2)(row, q)
 
         def codegen(context, builder, sig, args):
-            row_type, q_type = sig.args
-            array = context.make_array(row_type)(context, builder, args[0])
-            index = context.cast(builder, args[1], q_type, types.intp)
-            address = cgutils.get_item_pointer(context, builder, row_type, array, [index])
-            pair = ir.VectorType(ir.IntType(64), 2)
-            value = builder.load(builder.bitcast(address, pair.as_pointer()), align=16)
+            value = builder.load(_pair_address(context, builder, sig, args), align=16)
             words = [builder.extract_element(value, ir.Constant(ir.IntType(32), i)) for i in (0, 1)]
             return context.make_tuple(builder, sig.return_type, words)
 
@@ -280,7 +288,6 @@ def words_loader(wide: bool):
 def _store_two_on_gpu():
     from llvmlite import ir
     from numba import types
-    from numba.core import cgutils
     from numba.cuda.extending import intrinsic
 
     @intrinsic
@@ -288,15 +295,11 @@ def _store_two_on_gpu():
         signature = types.void(row, q, first, second)
 
         def codegen(context, builder, sig, args):
-            row_type, q_type = sig.args[:2]
-            array = context.make_array(row_type)(context, builder, args[0])
-            index = context.cast(builder, args[1], q_type, types.intp)
-            address = cgutils.get_item_pointer(context, builder, row_type, array, [index])
-            pair = ir.VectorType(ir.IntType(64), 2)
-            value = ir.Constant(pair, ir.Undefined)
+            address = _pair_address(context, builder, sig, args)
+            value = ir.Constant(address.type.pointee, ir.Undefined)
             for i, word in enumerate(args[2:]):
                 value = builder.insert_element(value, word, ir.Constant(ir.IntType(32), i))
-            builder.store(value, builder.bitcast(address, pair.as_pointer()), align=16)
+            builder.store(value, address, align=16)
             return context.get_dummy_value()
 
         return signature, codegen
