@@ -291,7 +291,7 @@ class KernelLauncher:
             config = self._configs[(grid, block)] = _core_launch_config(grid, block)
         _core_launch(_core_stream(), config, cu_kernel, *raw)
         if _recording.record is not None:
-            _recording.record.add(config, cu_kernel, raw, args)
+            _recording.record.add(grid, block, cu_kernel, raw, args)
 
     def _compile_and_launch(self, key: tuple, grid: tuple, block: int, args: tuple) -> None:
         """Launch through Numba's dispatcher (which compiles), and remember the compiled
@@ -395,7 +395,7 @@ class LaunchRecord:
     on the same memory with the same scalars: it keys the record on everything its
     launches depend on) can :meth:`replay` it: the host then skips choosing
     configurations and describing arguments, and only calls the driver, on torch's
-    current stream.
+    current stream, with every parameter laid out in memory once (:class:`ReadyLaunch`).
 
     Like a CUDA graph, a record holds raw device pointers, so it may only be replayed
     (``replayable``) when each of them stays valid: a tensor passed as it is must share
@@ -409,7 +409,7 @@ class LaunchRecord:
 
     def __init__(self, tensors):
         self.pointers = [t.data_ptr() for t in tensors]
-        self.launches: list[tuple] = []  # (cuda.core launch config, kernel, raw parameters)
+        self.launches: list[ReadyLaunch] = []
         self.described: list[PackedTensors] = []  # keeps the memory they describe alive
         self.replayable = True
 
@@ -422,21 +422,46 @@ class LaunchRecord:
     def __exit__(self, *exception) -> None:
         _recording.record = None
 
-    def add(self, config, kernel, raw: list, args) -> None:
-        """Note one launch (``raw`` is the launcher's own list, never changed after), and
+    def add(self, grid: tuple, block: int, kernel, raw: list, args) -> None:
+        """Note one launch of the cuda.core ``kernel`` with the raw parameters ``raw``, and
         whether each tensor in it is safe to point at again."""
         for a in args:
             if type(a) is PackedTensors:
                 self.described.append(a)
             elif isinstance(a, torch.Tensor) and a.data_ptr() not in self.pointers:
                 self.replayable = False  # e.g. a temporary made for this call only
-        self.launches.append((config, kernel, raw))
+        self.launches.append(ReadyLaunch(grid, block, kernel, raw))
 
     def replay(self) -> None:
         """Make the recorded launches again, on torch's current stream."""
-        stream = _core_stream()
-        for config, kernel, raw in self.launches:
-            _core_launch(stream, config, kernel, *raw)
+        stream = _current_stream_handle()
+        for launch in self.launches:
+            _driver_launch(stream, launch)
+
+
+class ReadyLaunch:
+    """One launch with its parameters laid out in memory once, as the driver takes them:
+    ``params`` is the address of an array of pointers, one to each parameter's value.
+
+    ``cuda.core.launch`` converts every parameter on every launch, and Numba passes an
+    array as ``5 + 2 * ndim`` of them (:func:`array_params`): a shrink of three weight
+    stacks has 71. Made ready once, a launch is one driver call (``cuLaunchKernel``).
+    """
+
+    def __init__(self, grid: tuple, block: int, kernel, raw: list):
+        self.grid = (*grid, 1, 1)[:3]
+        self.block = block
+        self.kernel = kernel  # (it keeps its module, and so the code, loaded)
+        self.function = _function_of(kernel)
+        # Each value as the C object the kernel takes: the scalars already are (the
+        # launcher converted them), a bool is the kernel's one-byte boolean, and every
+        # other int is one of an array's 8-byte fields (pointer, size, shape, stride).
+        self.values = tuple(_C_FIELD[type(v)](v) if type(v) in _C_FIELD else v for v in raw)
+        self.pointers = (ctypes.c_void_p * len(raw))(*map(ctypes.addressof, self.values))
+        self.params = ctypes.addressof(self.pointers)
+
+
+_C_FIELD = {bool: ctypes.c_bool, int: ctypes.c_int64}
 
 
 class _Recording(threading.local):
@@ -472,11 +497,14 @@ def _c_type(ty):
 
 
 if not SIMULATOR:
+    from cuda.bindings.driver import CUresult
+    from cuda.bindings.driver import cuLaunchKernel as _cu_launch_kernel
     from cuda.core import LaunchConfig as _CoreLaunchConfig
     from cuda.core import launch as _core_launch
     from numba.cuda.cudadrv.driver import _to_core_stream
 
     _CORE_STREAMS: dict[int, object] = {}
+    _CUDA_SUCCESS = CUresult.CUDA_SUCCESS
 
     def _core_launch_config(grid, block):
         return _CoreLaunchConfig(grid=grid, block=block, shmem_size=0)
@@ -498,6 +526,19 @@ if not SIMULATOR:
         def _current_stream_handle() -> int:
             """The ``cudaStream_t`` of torch's current stream (older torch)."""
             return torch.cuda.current_stream().cuda_stream
+
+    def _function_of(kernel) -> int:
+        """The driver's handle of a cuda.core kernel (a ``CUkernel``, which the driver
+        launches as a function in the current context)."""
+        return int(kernel.handle)
+
+    def _driver_launch(stream: int, launch: ReadyLaunch) -> None:
+        """Launch a :class:`ReadyLaunch` on the stream whose handle is ``stream``."""
+        (result,) = _cu_launch_kernel(
+            launch.function, *launch.grid, launch.block, 1, 1, 0, stream, launch.params, 0
+        )
+        if result != _CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel failed: {result!r}")
 
     def _core_stream():
         """torch's current stream as a cuda.core stream (created once per torch stream)."""

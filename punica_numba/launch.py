@@ -25,6 +25,7 @@ __all__ = [
     "choose_launch_config",
     "config_name",
     "force_launch_config",
+    "forced_launch_configs",
     "launch_configs",
     "tile_sizes",
 ]
@@ -313,6 +314,12 @@ _GPU_CONFIGS = {
 }
 
 _forced: dict[str, LaunchConfig] = {}
+
+
+def forced_launch_configs() -> tuple:
+    """The configurations forced now (:func:`force_launch_config`), as ``(op, config)``
+    pairs: a key for whatever was chosen under them."""
+    return tuple(_forced.items())
 
 
 def launch_configs(op: str) -> tuple[LaunchConfig, ...]:

@@ -37,7 +37,7 @@ from ._checks import (
     memory_layout,
 )
 from ._cuda import LaunchRecord
-from .launch import choose_launch_config
+from .launch import forced_launch_configs
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta, host_facts_of
 from .ops import _expand_launch, _shrink_launch
@@ -681,26 +681,22 @@ def _replay_key(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> t
     """Everything the launches of ``_shrink_then_expand`` depend on: the memory of x, the
     buffer and y, read the same way; the checked weights (``check_stack`` gives a new
     Stack when a weight changes); the metadata and what the host knows of it; the
-    configurations the heuristic picks; the scale; and whether the shrink adds."""
+    configurations forced on the heuristic (every other input of it is in the key
+    already); the scale; and whether the shrink adds."""
     facts = host_facts_of(meta[4])  # the wrapper's own metadata: never None
-    rows, slots = x2.shape[0], facts.active_slots
     return (
-        *map(memory_layout, (x2, buffer, y2)),
+        memory_layout(x2),
+        memory_layout(buffer),
+        memory_layout(y2),
         *map(id, a),  # (as many as of b: checked)
         *map(id, b),
         id(meta),
         facts.num_tokens,
         facts.max_slot_in_use,
-        slots,
+        facts.active_slots,
         scale.hex(),  # its exact bits (0.0 == -0.0, but their launches differ)
         accumulate,  # (a given buffer may sit where the wrapper's own was)
-        # Every input of the heuristic is in the key already; its answers are there for
-        # a configuration forced on it (launch.force_launch_config), asked as for a call
-        # that can use every kernel, so that a forced one of any kind shows.
-        *(
-            choose_launch_config(op, rows, slots, buffer.shape[2], True, lane_split=True)
-            for op in ("shrink", "expand")
-        ),
+        forced_launch_configs(),
     )
 
 

@@ -315,18 +315,30 @@ def test_the_launcher_sees_torchs_current_stream():
 
 def _stub_driver(monkeypatch) -> list:
     """The launcher's GPU path on any machine: return the list that the stubbed driver
-    appends each launch to, as ``(config, kernel, raw parameters)``."""
+    appends each launch to, as ``(config, kernel, raw parameters)``. A replayed launch
+    (:class:`~punica_numba._cuda.ReadyLaunch`) is read back from the memory its
+    parameter pointers point at, as the driver would read it."""
     sent = []
     monkeypatch.setattr(_cuda, "SIMULATOR", False)
     monkeypatch.setattr(_cuda, "launch_stream", lambda: 0)
     monkeypatch.setattr(_cuda, "_core_stream", lambda: "stream", raising=False)
+    monkeypatch.setattr(_cuda, "_current_stream_handle", lambda: "stream", raising=False)
     monkeypatch.setattr(_cuda, "_core_launch_config", lambda g, b: (g, b), raising=False)
+    monkeypatch.setattr(_cuda, "_function_of", lambda kernel: kernel, raising=False)
     monkeypatch.setattr(
         _cuda,
         "_core_launch",
         lambda stream, config, kernel, *raw: sent.append((config, kernel, raw)),
         raising=False,
     )
+
+    def driver_launch(stream, ready):
+        assert stream == "stream"
+        pointers = (ctypes.c_void_p * len(ready.values)).from_address(ready.params)
+        raw = tuple(type(v).from_address(p) for v, p in zip(ready.values, pointers))
+        sent.append(((ready.grid, ready.block), ready.function, raw))
+
+    monkeypatch.setattr(_cuda, "_driver_launch", driver_launch, raising=False)
     return sent
 
 
@@ -568,6 +580,43 @@ def test_a_record_that_could_point_at_stale_memory_is_not_replayable(monkeypatch
         else:
             launcher((2, 1, 1), 32, (x.clone(), packed, 3))
     assert not record.replayable
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slices", [1, 3])
+def test_a_replayed_call_adds_what_a_fresh_call_adds(monkeypatch, slices):
+    """On the GPU, for real: once a call is replayed (one driver call per launch, from
+    parameters laid out once), it adds the very bits a freshly prepared call adds, and
+    each laid-out value has the size the compiled kernel takes for its parameter."""
+    wrapper = _wrapper()
+    y = torch.zeros(T, N * slices, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    a = tuple(torch.randn(L, 1, R, H, device=DEVICE).to(torch.bfloat16) for _ in range(slices))
+    b = tuple(torch.randn(L, 1, N, R, device=DEVICE).to(torch.bfloat16) for _ in range(slices))
+
+    def added() -> torch.Tensor:
+        y.zero_()
+        wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,) * slices)
+        return y.clone()
+
+    fresh = added()  # compiles
+    assert fresh.abs().sum() > 0
+    driven = []
+    real = _cuda._driver_launch
+    monkeypatch.setattr(_cuda, "_driver_launch", lambda *args: driven.append(real(*args)))
+    for _ in range(3):  # seen (compiled by then), recorded, replayed
+        driven.clear()
+        assert torch.equal(added(), fresh)
+    assert len(driven) == 2  # the last call: shrink and expand, replayed
+    replays = check_stack("w", a[0]).launch["shrink_then_expand"].values()
+    (replay,) = [r for r in replays if r.record is not None]
+    for ready in replay.record.launches:
+        sizes = [size for _offset, size in ready.kernel.arguments_info]
+        assert [ctypes.sizeof(v) for v in ready.values] == sizes
+    # A launch the driver refuses (an empty grid) is an error, not a silent no-op.
+    empty = _cuda.ReadyLaunch((0, 1, 1), ready.block, ready.kernel, list(ready.values))
+    with pytest.raises(RuntimeError, match="cuLaunchKernel failed"):
+        real(_cuda._current_stream_handle(), empty)
 
 
 def test_records_do_not_nest():
