@@ -144,7 +144,11 @@ _GPU_CONFIGS = {
         LaunchConfig("rows", threads=256, tile_m=1, tile_n=4, from_tokens=16),
         # ... and from T=128 on, more (smaller) blocks hide latency better (T=256
         # distinct 18.0 -> 14.9 µs in v5's run); below, they lose (T=1: 3.1 -> 3.8).
-        LaunchConfig("rows", threads=128, tile_m=1, tile_n=4, from_tokens=128),
+        # Since v13 8 ranks a block (h200_v13_candidates.json, two runs each: 256
+        # distinct 13.8/13.9 -> 13.0/13.0 µs; QKV 29.5/29.2 -> 29.9/29.8, r=64 38.4/38.2
+        # -> 38.0/39.3; the same sums, so the same bits: the arithmetic depends only on
+        # the threads).
+        LaunchConfig("rows", threads=128, tile_m=1, tile_n=8, from_tokens=128),
         LaunchConfig("rows", threads=256, tile_m=4, tile_n=4, from_tokens_per_slot=12),
         LaunchConfig(
             "rows", threads=128, tile_m=4, tile_n=4, from_tokens_per_slot=12, from_tokens=1024
