@@ -248,8 +248,13 @@ _GPU_CONFIGS = {
         # at r=16 it beats the lanes (T=256 distinct 15.0 µs against 17.4) ...
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=512, vec=4, from_tokens=16),
         # ... not at r >= 33: four warps of lanes, 4 columns a group (r=64: T=16 distinct
-        # 13.3 -> 6.67 µs, T=64 distinct 28.2 -> 16.8, T=256 distinct 82.9 -> 53.5).
+        # 13.3 -> 6.67 µs, T=64 distinct 28.2 -> 16.8, T=256 distinct 82.9 -> 53.5) ...
         LaunchConfig("lanes", threads=128, tile_m=1, tile_n=0, vec=4, from_tokens=16, from_rank=33),
+        # ... 8 columns a group from T=64 (v13, h200_v13_candidates.json, two runs each:
+        # r=64 T=64 distinct 15.70/15.85 -> 15.28/15.22 µs, T=256 distinct 52.0/52.5 ->
+        # 47.1/47.4; at T=16 8 columns lost, 6.20 -> 7.40/7.53). The lanes' sums do not
+        # depend on the columns a group takes: the same bits.
+        LaunchConfig("lanes", threads=128, tile_m=1, tile_n=0, vec=8, from_tokens=64, from_rank=33),
         # Many tokens per slot at rank <= 32: 4 tokens x 4 columns per thread beat the
         # shared-memory tiles (T=4096 on one LoRA 102 -> 76 µs, 1024/32 29.8 -> 23.0) ...
         LaunchConfig("rows", threads=128, tile_m=4, tile_n=512, vec=4, from_tokens_per_slot=12),
