@@ -43,6 +43,7 @@ __all__ = [
     "KERNEL_DTYPES",
     "KernelLauncher",
     "LaunchRecord",
+    "ReadyLaunch",
 ]
 
 
