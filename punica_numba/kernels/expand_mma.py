@@ -71,6 +71,23 @@ wraparound), the column groups are walked by a ``while`` loop, and the lane's nu
 come from shifts and masks; with B read as words, that took the warp's instructions
 (16 tokens x 64 columns) from 1,104 to 688 and its registers from 92 to 78.
 
+**Order of the loads.** At decode a block's time is a chain of trips to memory, each
+waiting for the one before: the tile table, then the tokens (``sorted_tokens``), then
+the buffer rows, B and the old outputs, then the stores. B waits only for the slot,
+and the old outputs only for the tokens, but written in the order "buffer, then the
+rest", ptxas issued B's loads only after the buffer's values had arrived and been
+split (it does not move loads across the work that waits on them): one more trip in
+the chain. So where a lane's words of B for every rank step fit in
+:data:`EARLY_B_WORDS` (r <= 32 with 64 columns a warp, r <= 64 with 32), the kernel
+loads B right after the table and the old outputs right after the tokens, before the
+buffer, and a block that walks several column groups loads the next group's B and
+old outputs right after its stores. On the H200 (``h200_v14_candidates.json``, run
+D) that took 64 tokens over 8 LoRAs from 4.08 to 3.91 µs, 256 over 16 from 5.23 to
+4.95 and 1024 over 32 from 9.58 to 9.01. With more words (r=64: 32 a lane) the
+registers run out: loading half of them early, ptxas spilled 120 bytes a thread at
+the 128-register ceiling and r=64 256/16 went from 8.3 to 8.9 µs (run B), so those
+builds keep the first order. Either order does the same arithmetic: the same bits.
+
 **Registers.** At most 128 a thread (:data:`MAX_REGISTERS`), so that an SM holds 16
 warps of it. ptxas gave the 16-byte-word kernel 132 at r=64 on the H200, and 12 warps
 fitted: 4096 tokens on 64 LoRAs took 60.5 µs, against 44.7 µs with the ceiling (124
@@ -107,6 +124,8 @@ __all__ = ["build_mma_expand_kernel", "output_column"]
 
 #: Output columns per word of output (four bf16 in 8 bytes).
 WORD_COLUMNS = 4
+#: Words of B (two registers each) a lane loads ahead, before the tokens are known.
+EARLY_B_WORDS = 16
 #: The most registers a thread may have: 65536 / 128 = 16 warps an SM (module notes).
 MAX_REGISTERS = 128
 
@@ -172,6 +191,10 @@ def build_mma_expand_kernel(
     OUTPUTS = M_TILES * N_TILES * 4
     OLD_WORDS = ROWS * WORDS
     SCRATCH_WARPS = WARPS if SIMULATOR else 1  # the GPU never touches the scratch
+    # Whether the lane's words of B for every rank step fit EARLY_B_WORDS: then they are
+    # loaded first and the old outputs before the buffer ("Order of the loads").
+    EARLY = K_STEPS * N_TILES <= EARLY_B_WORDS
+    EARLY_WORDS = K_STEPS * N_TILES if EARLY else 1  # (a local array has at least one)
 
     @cuda.jit(device=True)
     def element(row, k):
@@ -200,6 +223,38 @@ def build_mma_expand_kernel(
             bf16_pair(acc[p1] + o2, acc[p1 + 1] + o3),
         )
 
+    @cuda.jit(device=True, inline="always")
+    def b_word(b_rows, n0, lane_n, last_n, nj, kk, t):
+        """The lane's word of B for tile nj and rank step kk of the column group at n0:
+        B's column g of tile nj is row n of B (rows past the slice repeat its last)."""
+        n = min(n0 + lane_n + uint64(output_column(nj, 0, RUN)), last_n)
+        return word_of(b_rows, n, 4 * kk + t)
+
+    @cuda.jit(device=True, inline="always")
+    def load_early_b(early_b, b_rows, n0, lane_n, last_n, t):
+        """The lane's words of B for every rank step of the column group at n0."""
+        for kk in range(K_STEPS):
+            for nj in range(N_TILES):
+                early_b[kk * N_TILES + nj] = b_word(b_rows, n0, lane_n, last_n, nj, kk, t)
+
+    @cuda.jit(device=True, inline="always")
+    def load_old(old, out, token, n0, lane_word, last_start, add_inputs):
+        """The lane's old output words of every token row of the column group at n0
+        (zeros without add_inputs). Rows past the tile repeat a token, words past the
+        slice its last word: in bounds, never stored."""
+        first_word = lane_word + (n0 >> uint64(2))
+        for i in range(ROWS):
+            row = out[token[i]]
+            for v in range(0, WORDS, PAIR):
+                word = min(first_word + uint64(4 * v), last_start)
+                if not add_inputs:
+                    old[i * WORDS + v] = int64(0)
+                    old[i * WORDS + v + PAIR - 1] = int64(0)
+                elif PAIR == 2:
+                    old[i * WORDS + v], old[i * WORDS + v + 1] = load_pair(row, word)
+                else:
+                    old[i * WORDS + v] = row[word]
+
     @jit_kernel(threads, MAX_REGISTERS)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
@@ -217,9 +272,32 @@ def build_mma_expand_kernel(
         scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
         my_scratch = scratch[warp if SIMULATOR else 0]
 
+        # Unsigned column and word numbers from here on: indexing with them needs no
+        # wraparound of negative indices (a compare and two selects per access).
+        b_rows = w[slot]
+        last_n = uint64(width - 1)
+        lane_n = uint64(output_column(0, g, RUN))  # the lane's B row in tile 0, from n0
+        # The lane's first word of a row: lane_word + (n0 >> 2); its words v, v + 1 of a
+        # pair (wide) sit side by side, pairs (or single words) 4 * PAIR words apart.
+        lane_word = uint64(word0 + PAIR * t)
+        last_word = uint64(word0 + ((width - WORD_COLUMNS) >> 2))
+        last_start = last_word - uint64(PAIR - 1)  # of the slice's last pair (or word)
+        n0 = uint64(cuda.blockIdx.z * BLOCK_N + warp * WARP_N)  # a multiple of 16
+        step_n = uint64(cuda.gridDim.z * BLOCK_N)
+
+        # EARLY: loads in the order of what they wait for ("Order of the loads"). B needs
+        # only the slot ... (A warp past the slice's columns loads nothing.)
+        early_b = cuda.local.array(EARLY_WORDS, int64)
+        if EARLY and n0 < uint64(width):
+            load_early_b(early_b, b_rows, n0, lane_n, last_n, t)
+
+        # ... the old outputs and the buffer rows need the tokens.
         token = cuda.local.array(ROWS, int64)  # row g + 8 * (i % 2) of m-tile i // 2
         for i in range(ROWS):
             token[i] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * i)
+        old = cuda.local.array(OLD_WORDS, int64)  # old[i * WORDS + v]: row i, word v
+        if EARLY and n0 < uint64(width):
+            load_old(old, out, token, n0, lane_word, last_start, add_inputs)
 
         # The A fragments of every k step, once: a[((kk * M_TILES + mi) * TERMS + term) * 4
         # + q] holds elements k, k + 1 (their lo halves for term 0, hi for term 1).
@@ -237,42 +315,20 @@ def build_mma_expand_kernel(
                     else:
                         a[base + q] = pair_of(v0, v1)
 
-        # Unsigned column and word numbers from here on: indexing with them needs no
-        # wraparound of negative indices (a compare and two selects per access).
-        b_rows = w[slot]
-        last_n = uint64(width - 1)
-        lane_n = uint64(output_column(0, g, RUN))  # the lane's B row in tile 0, from n0
-        # The lane's first word of a row: lane_word + (n0 >> 2); its words v, v + 1 of a
-        # pair (wide) sit side by side, pairs (or single words) 4 * PAIR words apart.
-        lane_word = uint64(word0 + PAIR * t)
-        last_word = uint64(word0 + ((width - WORD_COLUMNS) >> 2))
-        last_start = last_word - uint64(PAIR - 1)  # of the slice's last pair (or word)
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
-        old = cuda.local.array(OLD_WORDS, int64)  # old[i * WORDS + v]: row i, word v
-        n0 = uint64(cuda.blockIdx.z * BLOCK_N + warp * WARP_N)  # a multiple of 16
         while n0 < uint64(width):
             first_word = lane_word + (n0 >> uint64(2))
-            # The old outputs first: their trip to memory overlaps the loads of B. (Rows
-            # past the tile repeat a token, words past the slice its last word: in
-            # bounds, never stored.)
-            for i in range(ROWS):
-                row = out[token[i]]
-                for v in range(0, WORDS, PAIR):
-                    word = min(first_word + uint64(4 * v), last_start)
-                    if not add_inputs:
-                        old[i * WORDS + v] = int64(0)
-                        old[i * WORDS + v + PAIR - 1] = int64(0)
-                    elif PAIR == 2:
-                        old[i * WORDS + v], old[i * WORDS + v + 1] = load_pair(row, word)
-                    else:
-                        old[i * WORDS + v] = row[word]
+            if not EARLY:  # their trip to memory overlaps the loads of B
+                load_old(old, out, token, n0, lane_word, last_start, add_inputs)
             for p in range(OUTPUTS):
                 acc[p] = float32(0.0)
             for kk in range(K_STEPS):
                 for nj in range(N_TILES):
-                    # B's column g of tile nj is row n of B
-                    n = min(n0 + lane_n + uint64(output_column(nj, 0, RUN)), last_n)
-                    b0, b1 = word_halves(word_of(b_rows, n, 4 * kk + t))  # k = 16 kk + 4t ..
+                    if EARLY:
+                        word = early_b[kk * N_TILES + nj]
+                    else:
+                        word = b_word(b_rows, n0, lane_n, last_n, nj, kk, t)
+                    b0, b1 = word_halves(word)  # k = 16 kk + 4t ..
                     for mi in range(M_TILES):
                         p = (mi * N_TILES + nj) * 4
                         for term in range(TERMS):  # lo first, then hi
@@ -293,6 +349,9 @@ def build_mma_expand_kernel(
                                 store_pair(row, word, first, new_word(acc, old, mi, half, i, v + 1))
                             else:
                                 row[word] = first
-            n0 += uint64(cuda.gridDim.z * BLOCK_N)
+            n0 += step_n
+            if EARLY and n0 < uint64(width):  # the next pass's loads, as before the first
+                load_early_b(early_b, b_rows, n0, lane_n, last_n, t)
+                load_old(old, out, token, n0, lane_word, last_start, add_inputs)
 
     return expand
