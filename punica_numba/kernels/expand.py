@@ -108,7 +108,10 @@ def build_expand_kernel(
         b_k = cuda.local.array(VEC, float32)
         tid = cuda.threadIdx.x
         mine = (tid // SPAN) * SPAN * VEC + tid % SPAN  # the thread's first column in a group
-        for n0 in range(cuda.blockIdx.z * THREADS * VEC, width, cuda.gridDim.z * THREADS * VEC):
+        # A while loop, not range(): range's trip count with a run-time step is a
+        # division routine ahead of the first loads (expand_mma's notes).
+        n0 = cuda.blockIdx.z * THREADS * VEC
+        while n0 < width:
             for c in range(VEC):  # columns n0 + mine + SPAN * c: a warp's are neighbours
                 row[c] = min(n0 + mine + SPAN * c, width - 1)
             # Read the old outputs first: their trip to memory overlaps the loads of B
@@ -147,5 +150,6 @@ def build_expand_kernel(
                         n = n0 + mine + SPAN * c
                         if n < width:
                             out[token[j], column0 + n] = store_out(acc[j * VEC + c])
+            n0 += cuda.gridDim.z * THREADS * VEC
 
     return expand

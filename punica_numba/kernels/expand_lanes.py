@@ -149,7 +149,10 @@ def build_lanes_expand_kernel(
         old = cuda.local.array(OUTPUTS, float32)
         parts = cuda.shared.array((1 if SHUFFLE else THREADS, OUTPUTS), float32)
 
-        for n0 in range(cuda.blockIdx.z * COLUMNS, width, cuda.gridDim.z * COLUMNS):
+        # A while loop, not range(): range's trip count with a run-time step is a
+        # division routine ahead of the first loads (expand_mma's notes).
+        n0 = cuda.blockIdx.z * COLUMNS
+        while n0 < width:
             for v in range(VEC):  # past the slice: the last row again, never stored
                 row[v] = min(n0 + group + GROUPS * v, width - 1)
             if add_inputs and lane == 0:  # the storing lane reads them now, not after
@@ -203,5 +206,6 @@ def build_lanes_expand_kernel(
                                 if add_inputs:  # the old output is added last (the op's order)
                                     total = old[j * VEC + v] + total
                                 out[token[j], column0 + n] = store_out(total)
+            n0 += cuda.gridDim.z * COLUMNS
 
     return expand

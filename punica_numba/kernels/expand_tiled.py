@@ -116,7 +116,10 @@ def build_tiled_expand_kernel(
         w_regs = cuda.local.array(W_LOADS, W_WORD)
         xr = cuda.local.array(MICRO_M, float32)
         wr = cuda.local.array(MICRO_N, float32)
-        for n0 in range(cuda.blockIdx.z * TILE_N, width, cuda.gridDim.z * TILE_N):
+        # A while loop, not range(): range's trip count with a run-time step is a
+        # division routine ahead of the first loads (expand_mma's notes).
+        n0 = cuda.blockIdx.z * TILE_N
+        while n0 < width:
             for p in range(MICRO):
                 acc[p] = float32(0.0)
             for k0 in range(0, rank, CHUNK):
@@ -170,5 +173,6 @@ def build_tiled_expand_kernel(
                         n = n0 + tn + GRID_N * q
                         if n < width:
                             out[t, column0 + n] = store_out(acc[i * MICRO_N + q])
+            n0 += cuda.gridDim.z * TILE_N
 
     return expand_tiled
