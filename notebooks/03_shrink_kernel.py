@@ -142,13 +142,16 @@ print("rung 0 (torch, per segment) agrees with the reference")
 # segments for one block. The library instead builds the whole **tile table** at once
 # on the device, with a `cumsum` of tiles per segment and a `searchsorted` of the block
 # numbers (`punica_numba.kernels.segments.tile_table`), when it prepares the metadata;
-# a block then does a single lookup, `table[:, blockIdx.x]`. Both must agree.
+# a block then does a single lookup, `table[blockIdx.x]`. Both must agree.
 #
 # The table holds more than the segment and offset the walk finds: the tile's slot,
 # the position of its first token in the sorted order, its number of tokens, and that
 # first token's row. Each is a read the block would otherwise make *after* learning its
 # segment, and every read waits a trip to memory for the one before it. At decode,
 # where a block has one token and little else to do, that chain is most of its time.
+# A block reads its row of the table (16 bytes) in one load, so the four arrive
+# together: read one by one, the compiler waited for the slot before asking for the
+# rest, and the chain grew by a trip.
 
 # %%
 # The library picks a configuration per call from host-side facts (punica_numba.launch);
@@ -175,11 +178,11 @@ T = TINY["T"]
 _, order_t, counts_t, starts_t, ids_t, _ = meta.meta_args(T)
 ids, counts, starts, order = (t.tolist() for t in (ids_t, counts_t, starts_t, order_t))
 bound = tile_grid_bound(T, len(ids), TILE_M)
-table = tile_table(ids_t, counts_t, starts_t, order_t, TILE_M, bound)  # [4, B]
+table = tile_table(ids_t, counts_t, starts_t, order_t, TILE_M, bound)  # [B, 4]
 rows = []
 for block in range(bound):
     seg, first = tile_of_block(block, ids, counts, TILE_M)
-    library = tuple(table[:, block].tolist())  # slot, position, rows, first token
+    library = tuple(table[block].tolist())  # slot, position, rows, first token
     if seg == -1:
         assert library == (-1, 0, 0, 0), (block, library)
         continue

@@ -183,7 +183,7 @@ def expand_emulated(x, B, out, meta, T, offset, add_inputs, writer):
     table = tile_table(ids, counts, starts, meta.token_indices_sorted_by_lora_ids, TILE_M, blocks)
     for block_x in range(blocks):  # blockIdx.x
         # the block's lookup in the tile table: slot, sorted position, rows, first token
-        slot, position, rows, first_token = table[:, block_x].tolist()
+        slot, position, rows, first_token = table[block_x].tolist()
         if slot == -1:
             continue
         tokens = [first_token] + [order[position + min(j, rows - 1)] for j in range(1, TILE_M)]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import check_device, check_int
-from .kernels.segments import TABLE_ROWS, clear_tile_table, tile_grid_bound, tile_table
+from .kernels.segments import TABLE_FIELDS, clear_tile_table, tile_grid_bound, tile_table
 from .launch import tile_sizes
 
 __all__ = ["HostFacts", "LoRAKernelMeta", "Segment", "host_facts_of"]
@@ -47,7 +47,7 @@ class HostFacts:
     num_tokens: int = 0  # tokens in the last prepared mapping
     max_slot_in_use: int = -1  # the largest slot in it, -1 if none
     active_slots: int = 0  # distinct slots other than -1 in it
-    tile_tables: dict = field(default_factory=dict)  # tile_m -> [4, bound] int32 (device)
+    tile_tables: dict = field(default_factory=dict)  # tile_m -> [bound, 4] int32 (device)
     # tile_m -> the kernels' metadata arguments, described once (see ops._kernel_metadata)
     kernel_metadata: dict = field(default_factory=dict)
 
@@ -111,9 +111,9 @@ class LoRAKernelMeta:
             max_num_tokens=max_num_tokens,
             _positions=positions,
         )
-        for tile_m in tile_sizes():  # [4, bound] each: no tile anywhere yet
+        for tile_m in tile_sizes():  # [bound, 4] each: no tile anywhere yet
             bound = tile_grid_bound(max_num_tokens, max_loras + 1, tile_m)
-            table = torch.empty((len(TABLE_ROWS), bound), **i32)
+            table = torch.empty((bound, len(TABLE_FIELDS)), **i32)
             meta.host.tile_tables[tile_m] = clear_tile_table(table)
         # Let the ops find the host-side facts from the tensors they are handed.
         meta.active_lora_ids._punica_host_facts = meta.host
@@ -220,7 +220,7 @@ class LoRAKernelMeta:
                 self.lora_token_start_loc,
                 self.token_indices_sorted_by_lora_ids,
                 tile_m,
-                table.shape[1],
+                table.shape[0],
                 out=table,
             )
 

@@ -229,10 +229,10 @@ def _tiles(num_tokens: int, metadata: tuple, tile_m: int, facts) -> tuple[torch.
     _, sorted_tokens, counts, starts, lora_ids, _ = metadata
     blocks = tile_grid_bound(num_tokens, lora_ids.shape[0], tile_m)
     table = facts.tile_tables.get(tile_m) if facts is not None else None
-    if table is None or table.shape[1] < blocks:
+    if table is None or table.shape[0] < blocks:
         table = tile_table(lora_ids, counts, starts, sorted_tokens, tile_m, blocks)
     if SIMULATOR:
-        blocks = int((table[0, :blocks] >= 0).sum())
+        blocks = int((table[:blocks, 0] >= 0).sum())
     return table, blocks
 
 

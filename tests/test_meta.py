@@ -348,8 +348,9 @@ def test_reused_meta_shows_no_stale_state(case):
 
 
 def plain_tile_table(slots: list[int], tile_m: int, num_blocks: int) -> list[list[int]]:
-    """The tile table, column by column, from a walk over the plain model's segments."""
-    columns = []
+    """The tile table, row by row (a row per block), from a walk over the plain model's
+    segments."""
+    table = []
     if any(s != -1 for s in slots):  # else no segment at all: every block exits
         order, ids, counts, starts = plain_segments(slots)
         for slot, count, start in zip(ids, counts, starts):
@@ -357,10 +358,9 @@ def plain_tile_table(slots: list[int], tile_m: int, num_blocks: int) -> list[lis
                 continue
             for first in range(0, count, tile_m):
                 position = start + first
-                columns.append([slot, position, min(tile_m, count - first), order[position]])
-    assert len(columns) <= num_blocks, "the grid bound is too small"
-    columns += [[-1, 0, 0, 0]] * (num_blocks - len(columns))
-    return [list(row) for row in zip(*columns)] if columns else [[], [], [], []]
+                table.append([slot, position, min(tile_m, count - first), order[position]])
+    assert len(table) <= num_blocks, "the grid bound is too small"
+    return table + [[-1, 0, 0, 0]] * (num_blocks - len(table))
 
 
 @given(case=batch_sequences())
@@ -374,11 +374,11 @@ def test_tile_tables_match_a_walk_over_the_segments(case):
         meta.prepare_tensors(mapping_tensor(slots))
         _, order, counts, starts, ids, _ = meta.meta_args(len(slots))
         for tile_m, table in host_facts_of(meta.active_lora_ids).tile_tables.items():
-            want = plain_tile_table(slots, tile_m, table.shape[1])
+            want = plain_tile_table(slots, tile_m, table.shape[0])
             context = f"step {step}, tile_m={tile_m}, slots={slots}"
             assert table.tolist() == want, context
             if any(s != -1 for s in slots):
-                made = tile_table(ids, counts, starts, order, tile_m, table.shape[1])
+                made = tile_table(ids, counts, starts, order, tile_m, table.shape[0])
                 assert made.tolist() == want, context
 
 

@@ -323,3 +323,47 @@ def words_storer(wide: bool):
     a multiple of 16 bytes) one 16-byte store on the GPU (``st.global.v2.u64``); else, and
     on the simulator, two stores of the same words."""
     return _store_two_on_gpu() if wide and not SIMULATOR else _two_words_stored_one_by_one
+
+
+# -- four int32 in one 16-byte load ---------------------------------------------------------
+
+
+@functools.cache
+def _four_int32_on_gpu():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load_four(typingctx, row):
+        signature = types.UniTuple(types.int32, 4)(row)
+
+        def codegen(context, builder, sig, args):
+            array = context.make_array(sig.args[0])(context, builder, args[0])
+            vector = ir.VectorType(ir.IntType(32), 4)
+            value = builder.load(builder.bitcast(array.data, vector.as_pointer()), align=16)
+            fields = [
+                builder.extract_element(value, ir.Constant(ir.IntType(32), i)) for i in range(4)
+            ]
+            return context.make_tuple(builder, sig.return_type, fields)
+
+        return signature, codegen
+
+    @cuda.jit(device=True)
+    def four_loaded(row):
+        return load_four(row)
+
+    return four_loaded
+
+
+@cuda.jit(device=True)
+def _four_one_by_one(row):
+    return row[0], row[1], row[2], row[3]
+
+
+def four_int32_loader():
+    """The device function ``row -> (row[0], row[1], row[2], row[3])`` for a 1-D
+    C-contiguous int32 array that starts at a multiple of 16 bytes (the caller's promise):
+    one 16-byte load on the GPU (``ld.global.v4.u32``), so the four arrive together;
+    four loads on the simulator (the same values)."""
+    return _four_int32_on_gpu() if not SIMULATOR else _four_one_by_one

@@ -8,7 +8,7 @@ its work up in a *tile table*, made on the device by a few torch operations:
 * segment i (slot ``lora_ids[i]`` with ``counts[i]`` tokens) is cut into
   ``ceil(counts[i] / tile_m)`` tiles of up to ``tile_m`` tokens;
 * the tiles of all segments, the ``-1`` segment left out, are numbered in order;
-* column ``b`` of the table describes tile ``b``: its slot, where its first token
+* row ``b`` of the table describes tile ``b``: its slot, where its first token
   sits in the sorted order, how many tokens it has, and that first token's row.
 
 Because ``sum_i ceil(c_i / tile_m) <= ceil(M / tile_m) + len(lora_ids)``, a grid of
@@ -23,6 +23,12 @@ and start, then the sorted token, would be four trips to memory before the first
 activation load; with the slot, position, row count and first token in the table
 it is one (:func:`read_tile`), and a block of one token can load its
 activation straight away (:func:`tile_token`).
+
+One trip, that is, if the four fields arrive together. Read as four loads of a
+``[4, B]`` table (the layout before session 13), they did not: the compiler issued
+the slot's load, waited for it to decide whether the block leaves, and only then
+issued the other three, two trips in every kernel. So a tile is a row of the
+``[B, 4]`` table, 16 bytes at a multiple of 16, read in one load.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ import torch
 from numba import int64
 
 from .._cuda import cuda
+from .dtypes import four_int32_loader
 
 __all__ = [
-    "TABLE_ROWS",
+    "TABLE_FIELDS",
     "clear_tile_table",
     "read_tile",
     "slice_of",
@@ -43,9 +50,9 @@ __all__ = [
     "tile_token",
 ]
 
-#: The table's rows: slot (-1: no tile), position of the tile's first token in the
+#: The table's columns: slot (-1: no tile), position of the tile's first token in the
 #: sorted order, tokens in the tile, the first token's row.
-TABLE_ROWS = ("slot", "position", "rows", "first_token")
+TABLE_FIELDS = ("slot", "position", "rows", "first_token")
 
 
 def tile_grid_bound(num_tokens: int, num_segments: int, tile_m: int) -> int:
@@ -62,7 +69,9 @@ def tile_table(
     num_blocks: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ``[4, num_blocks]`` int32 tile table for these segments (no host sync).
+    """The ``[num_blocks, 4]`` int32 tile table for these segments (no host sync); a
+    new table is contiguous, so each row starts at a multiple of 16 bytes, as
+    :func:`read_tile` needs of ``out`` too.
 
     Semantics:
         tiles[i] = ceil(counts[i] / tile_m) if lora_ids[i] != -1 else 0
@@ -70,9 +79,9 @@ def tile_table(
         for b < num_blocks: i = the segment with ends[i-1] <= b < ends[i],
             first = (b - ends[i-1]) * tile_m       (offset of the tile in its segment)
             position = starts[i] + first
-            table[:, b] = (lora_ids[i], position, min(tile_m, counts[i] - first),
-                           sorted_tokens[position])
-        past the last tile: table[:, b] = (-1, 0, 0, 0)
+            table[b] = (lora_ids[i], position, min(tile_m, counts[i] - first),
+                        sorted_tokens[position])
+        past the last tile: table[b] = (-1, 0, 0, 0)
     """
     tiles = torch.where(lora_ids != -1, (counts.to(torch.int64) + tile_m - 1) // tile_m, 0)
     ends = torch.cumsum(tiles, 0)  # [L+1]
@@ -93,7 +102,8 @@ def tile_table(
             position,
             torch.where(real, rows, 0),
             torch.where(real, token.to(torch.int64), 0),
-        ]
+        ],
+        dim=1,
     )
     if out is None:
         return table.to(torch.int32)
@@ -104,15 +114,19 @@ def tile_table(
 def clear_tile_table(table: torch.Tensor) -> torch.Tensor:
     """Mark every block of ``table`` as having no tile, ``(-1, 0, 0, 0)``; in place."""
     table.zero_()
-    table[0].fill_(-1)
+    table[:, 0].fill_(-1)
     return table
+
+
+_load_four = four_int32_loader()
 
 
 @cuda.jit(device=True)
 def read_tile(tiles, block):
-    """Tile ``block``'s ``(slot, position, rows, first_token)``: column ``block`` of the
-    table, four independent loads. ``slot`` is -1 when there is no tile."""
-    return tiles[0, block], tiles[1, block], tiles[2, block], tiles[3, block]
+    """Tile ``block``'s ``(slot, position, rows, first_token)``: row ``block`` of the
+    table, in one 16-byte load on the GPU (module notes). ``slot`` is -1 when there is
+    no tile."""
+    return _load_four(tiles[block])
 
 
 @cuda.jit(device=True)

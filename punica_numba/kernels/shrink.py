@@ -83,7 +83,7 @@ def build_shrink_kernel(
 
     @jit_kernel(THREADS)
     def shrink(x, w0, w1, w2, out, slice_base, tiles, sorted_tokens, scaling):
-        # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [4, B] int32
+        # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [B, 4] int32
         slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
         if slot == -1:
             return  # the whole block leaves together, before any barrier

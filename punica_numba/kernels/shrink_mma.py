@@ -136,7 +136,7 @@ def build_mma_shrink_kernel(
 
     @jit_kernel(THREADS)
     def shrink(x, w0, w1, w2, out, slice_base, slices, tiles, sorted_tokens, scaling):
-        # x: [M, K/4] int64 words; w*: [L, R, K/4] words; out: [S, M, R]; tiles: [4, B]
+        # x: [M, K/4] int64 words; w*: [L, R, K/4] words; out: [S, M, R]; tiles: [B, 4]
         # grid: (tiles * slices, rank groups, 1)
         tile, s_local = tile_and_slice(cuda.blockIdx.x, slices)
         slot, position, rows, first_token = read_tile(tiles, tile)
