@@ -25,7 +25,7 @@ it is one (:func:`read_tile`), and a block of one token can load its
 activation straight away (:func:`tile_token`).
 
 One trip, that is, if the four fields arrive together. Read as four loads of a
-``[4, B]`` table (the layout before session 13), they did not: the compiler issued
+``[4, B]`` table (v4 to v13), they did not: the compiler issued
 the slot's load, waited for it to decide whether the block leaves, and only then
 issued the other three, two trips in every kernel. So a tile is a row of the
 ``[B, 4]`` table, 16 bytes at a multiple of 16, read in one load.
