@@ -226,17 +226,17 @@ def word_loader(dtype: torch.dtype, packed: bool):
     return _bf16_element if dtype == torch.bfloat16 else _element
 
 
-# -- two neighbouring words in one 16-byte load or store ----------------------------------
+# -- 16 bytes in one load or store: two int64 words, or four int32 ---------------------
 #
-# Numba has no vector load from an array; an intrinsic bitcasts the address of a word to
-# a pointer to two and loads them at once (``ld.global.v2.u64``, one ``LDG.E.128``): half
-# the load instructions of two 8-byte loads, and a warp's access moves twice the bytes.
+# Numba has no vector load from an array; an intrinsic bitcasts the address of an element
+# to a pointer to a vector of 16 bytes and loads (or stores) it at once: two int64 words
+# (``ld.global.v2.u64``, one ``LDG.E.128``: half the load instructions of two 8-byte
+# loads, and a warp's access moves twice the bytes) or four int32 (a tile-table row).
 
 
-def _pair_address(context, builder, sig, args):
+def _vector_address(context, builder, sig, args, vector):
     """In an intrinsic's codegen whose first two arguments are ``(row, q)``: the address
-    of word ``q`` of the 1-D int64 array ``row``, as a pointer to two words."""
-    from llvmlite import ir
+    of element ``q`` of the 1-D array ``row``, as a pointer to ``vector``."""
     from numba import types
     from numba.core import cgutils
 
@@ -244,25 +244,38 @@ def _pair_address(context, builder, sig, args):
     array = context.make_array(row_type)(context, builder, args[0])
     index = context.cast(builder, args[1], q_type, types.intp)
     address = cgutils.get_item_pointer(context, builder, row_type, array, [index])
-    return builder.bitcast(address, ir.VectorType(ir.IntType(64), 2).as_pointer())
+    return builder.bitcast(address, vector.as_pointer())
 
 
 @functools.cache
-def _two_words_on_gpu():
+def _vector_load(bits: int, count: int):
+    """The intrinsic ``(row, q) -> tuple`` that loads ``count`` ``bits``-bit integers
+    (16 bytes, at a multiple of 16) from element ``q`` of the 1-D array ``row`` at once."""
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    vector = ir.VectorType(ir.IntType(bits), count)
+
     @intrinsic
-    def load_two(typingctx, row, q):
-        signature = types.UniTuple(types.int64, 2)(row, q)
+    def load(typingctx, row, q):
+        signature = types.UniTuple(getattr(types, f"int{bits}"), count)(row, q)
 
         def codegen(context, builder, sig, args):
-            value = builder.load(_pair_address(context, builder, sig, args), align=16)
-            words = [builder.extract_element(value, ir.Constant(ir.IntType(32), i)) for i in (0, 1)]
-            return context.make_tuple(builder, sig.return_type, words)
+            value = builder.load(_vector_address(context, builder, sig, args, vector), align=16)
+            lanes = [
+                builder.extract_element(value, ir.Constant(ir.IntType(32), i)) for i in range(count)
+            ]
+            return context.make_tuple(builder, sig.return_type, lanes)
 
         return signature, codegen
+
+    return load
+
+
+@functools.cache
+def _two_words_on_gpu():
+    load_two = _vector_load(64, 2)
 
     @cuda.jit(device=True)
     def two_words(row, q):
@@ -295,7 +308,8 @@ def _store_two_on_gpu():
         signature = types.void(row, q, first, second)
 
         def codegen(context, builder, sig, args):
-            address = _pair_address(context, builder, sig, args)
+            pair = ir.VectorType(ir.IntType(64), 2)
+            address = _vector_address(context, builder, sig, args, pair)
             value = ir.Constant(address.type.pointee, ir.Undefined)
             for i, word in enumerate(args[2:]):
                 value = builder.insert_element(value, word, ir.Constant(ir.IntType(32), i))
@@ -325,33 +339,13 @@ def words_storer(wide: bool):
     return _store_two_on_gpu() if wide and not SIMULATOR else _two_words_stored_one_by_one
 
 
-# -- four int32 in one 16-byte load ---------------------------------------------------------
-
-
 @functools.cache
 def _four_int32_on_gpu():
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def load_four(typingctx, row):
-        signature = types.UniTuple(types.int32, 4)(row)
-
-        def codegen(context, builder, sig, args):
-            array = context.make_array(sig.args[0])(context, builder, args[0])
-            vector = ir.VectorType(ir.IntType(32), 4)
-            value = builder.load(builder.bitcast(array.data, vector.as_pointer()), align=16)
-            fields = [
-                builder.extract_element(value, ir.Constant(ir.IntType(32), i)) for i in range(4)
-            ]
-            return context.make_tuple(builder, sig.return_type, fields)
-
-        return signature, codegen
+    load_four = _vector_load(32, 4)
 
     @cuda.jit(device=True)
     def four_loaded(row):
-        return load_four(row)
+        return load_four(row, 0)
 
     return four_loaded
 
