@@ -643,6 +643,7 @@ def _expand_launch(
             -(-rank // 16),
             rank % 16 == 0,
             wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
+            all(width % (8 * n_tiles) == 0 for width in widths),  # whole column groups
         )
     else:
         wide = packed and all(_rows_start_at(w.view, 16) for w in weights)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -157,7 +159,7 @@ def test_tensor_core_expand_writes_16_or_8_byte_words(config, monkeypatch):
 
     built = []
     build = ops.build_mma_expand_kernel
-    monkeypatch.setattr(ops, "build_mma_expand_kernel", lambda *a: built.append(a[-1]) or build(*a))
+    monkeypatch.setattr(ops, "build_mma_expand_kernel", lambda *a: built.append(a[6]) or build(*a))
     gen = torch.Generator().manual_seed(5)
     slots = torch.tensor([0, 2, -1, 1, 2, 2, 0, 1, 1, 0, 2, 2, 1, 0, 0, 2, 1, 2] * 2)
     T, L, r, widths = len(slots), 3, 24, [72, 16, 8]
@@ -180,6 +182,51 @@ def test_tensor_core_expand_writes_16_or_8_byte_words(config, monkeypatch):
     n_tiles = config.tile_n // (config.threads // 4)
     assert built == [n_tiles % 4 == 0, False], built
     assert torch.equal(outputs[0][0], outputs[1][0])
+
+
+@pytest.mark.parametrize(
+    "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
+)
+def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypatch):
+    """Where every slice's width is a multiple of a warp's columns, the tensor-core expand
+    is built without clamping B's rows and the output words to the slice's end, or checking
+    its stores against it (``whole_groups``). Right, and the same bits as the build that
+    clamps and checks (forced here): a group inside its slice never needed either."""
+    from punica_numba import reference
+    from punica_numba.meta import LoRAKernelMeta
+
+    from .strategies import DEVICE
+
+    built = []
+    build = ops.build_mma_expand_kernel
+
+    def build_recorded(*a, clamps=False):
+        a = a[:7] + (False,) if clamps else a
+        built.append(a[7])
+        return build(*a)
+
+    gen = torch.Generator().manual_seed(9)
+    slots = torch.tensor([1, 0, 2, 2, -1, 0, 1, 1, 2, 0, 0, 2, 1, 2, 0, 1, 2, 1])
+    T, L, r, widths = len(slots), 3, 16, [128, 64]
+    meta = LoRAKernelMeta.make(L, T, DEVICE)
+    meta.prepare_tensors(slots.to(DEVICE))
+    x = torch.randn(len(widths), T, r, generator=gen).to(DEVICE)
+    weights = [torch.randn(L, n, r, generator=gen).to(DEVICE, torch.bfloat16) for n in widths]
+    old = torch.randn(T, sum(widths) + 8, generator=gen).to(DEVICE, torch.bfloat16)
+    want = reference.lora_expand(x, weights, old, slots.to(DEVICE), 8, True)
+    outputs = []
+    for clamps in (False, True):
+        monkeypatch.setattr(
+            ops, "build_mma_expand_kernel", functools.partial(build_recorded, clamps=clamps)
+        )
+        out = old.clone()
+        with force_launch_config("expand", config):
+            lora_expand(x, weights, out, *meta.meta_args(T), offset_start=8, add_inputs=True)
+        error = ((out.double() - want).abs().max() / want.abs().max()).item()
+        assert error < 1e-2, (clamps, error)
+        outputs.append(out)
+    assert built == [True, False], built
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["rows-at-16-bytes", "rows-at-8-bytes"])
