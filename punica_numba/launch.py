@@ -111,7 +111,8 @@ class LaunchConfig:
 _SIMULATOR_CONFIGS = {
     "shrink": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=4, spread=False),
-        LaunchConfig("rows", threads=16, tile_m=4, tile_n=4, spread=False, from_tokens_per_slot=2),
+        # A block per group of 4 ranks, as on the GPU (the other keeps the loop over groups).
+        LaunchConfig("rows", threads=16, tile_m=4, tile_n=4, from_tokens_per_slot=2),
         # Two warps, so that their partial tiles are added as on the GPU.
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=0, spread=False, from_tokens_per_slot=4),
         # ... and a block per 8 ranks.

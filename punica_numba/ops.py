@@ -452,6 +452,8 @@ def _shrink_launch(
             wide,
         )
     else:
+        # Rank groups over grid.z (the kernel strides by gridDim.z), or looped in a block.
+        rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
         # Packed 8-byte words when x and every A allow it; else one element at a time.
         x_words, w_words = _words(inputs), _weight_words(weights)
         packed = x_words is not None and w_words is not None
@@ -465,9 +467,10 @@ def _shrink_launch(
             config.tile_n,
             packed,
             accumulate,
+            # A block a group, without a run-time loop step (shrink's "One pass"), where
+            # the grid has a block for every group and a thread holds few words.
+            config.spread and rank_groups == -(-rank // config.tile_n) and config.tile_n <= 4,
         )
-        # Rank groups over grid.z (the kernel strides by gridDim.z), or looped in a block.
-        rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
     launcher = _launcher(kernel)

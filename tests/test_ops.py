@@ -115,6 +115,21 @@ def test_packed_and_element_paths(dtype, hidden, rank):
     )
 
 
+@pytest.mark.parametrize(
+    "config", [c for c in launch_configs("shrink") if c.kernel != "mma"], ids=config_name
+)
+def test_shrink_covers_every_rank_group(config):
+    """Every FFMA shrink configuration is right at r=9: two groups of 4 ranks and a short
+    third (or five of 2, two of 8), whether each block does one group (a block for every
+    group: the "One pass" build) or walks them all."""
+    from .op_cases import Problem, ShrinkCase
+
+    problem = Problem(slots=[1, 0, -1, 1, 1, 0, 1], prepared=7, num_loras=2, seed=13)
+    case = ShrinkCase(problem, 24, 9, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+    with force_launch_config("shrink", config):
+        check_shrink(lora_shrink, case)
+
+
 @pytest.mark.parametrize("aligned", [True, False], ids=["rows-at-16-bytes", "rows-at-8-bytes"])
 @pytest.mark.parametrize(
     "config", [c for c in launch_configs("shrink") if c.kernel == "mma"], ids=config_name
