@@ -23,9 +23,10 @@ nothing), only written.
 run time, and Numba's ``range`` works out its trip count with a 64-bit division routine
 (``CALL.REL.NOINC`` in the SASS) before a block's first load. Where the grid has a block
 for every group (``one_pass``), the step is a constant past any rank instead: one trip,
-its count a shift (ptxas 13.0, sm_90: the kernel of 2-rank tiles that serves T=1 is
-600 SASS instructions instead of 744). The launch asks for it only where a thread holds at most 4
-ranks' words: with 8 (36 loads a thread) ptxas then issues only 31 of them before the
+its count a shift (ptxas 13.0, sm_90: the kernel of 2-rank tiles that serves T=1 is 600
+SASS instructions instead of 744; on the H200 T=1 went from 2.80 to 2.62 µs,
+``h200_v15_candidates.json``). The launch asks for it only where a thread holds at most
+4 ranks' words: with 8 (36 loads a thread) ptxas then issues only 31 of them before the
 first FMA, and the rest wait a whole trip to memory; a ``while`` loop, which has the
 same effect on the code, took 256 tokens on 256 LoRAs from 13.0 to 15.2 µs on the H200
 (session 13).
@@ -93,7 +94,7 @@ def build_shrink_kernel(
     FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
 
-    ACCUMULATE = accumulate
+    ACCUMULATE, ONE_PASS = accumulate, one_pass
     # A step past any rank (one pass) is a constant: the loop's trip count is a shift.
     # A run-time step (gridDim.z * TILE_N) costs a 64-bit division routine before the
     # first load of every block.
@@ -126,7 +127,7 @@ def build_shrink_kernel(
         ww = cuda.local.array(W_WORDS, WORD)
         tree = cuda.shared.array((PARTIALS, TREE_WIDTH), float32)
 
-        step = ONE_PASS_STEP if one_pass else cuda.gridDim.z * TILE_N
+        step = ONE_PASS_STEP if ONE_PASS else cuda.gridDim.z * TILE_N
         for n0 in range(cuda.blockIdx.z * TILE_N, rank, step):
             # The thread that will store output (j, n) reads its old value now, so the
             # read is not one more trip to memory after the sum (rows and ranks past
