@@ -402,6 +402,33 @@ else:
     print("no benchmark results yet: nothing to plot")
 
 # %% [markdown]
+# ## Decode: a chain of trips to memory
+#
+# With one token the bytes take nanoseconds (the floor column), yet every kernel takes
+# 2.4 to 3.1 µs. On the H200 an empty kernel costs about 0.6 µs a launch in this timing,
+# and each load that waits for an earlier one adds a trip to memory. So the work at
+# decode is to make the chain short, and the SASS (the GPU's machine code, from
+# `cuobjdump` or `nvdisasm`) shows where it is long:
+#
+# - **one trip for the tile**: a block reads its tile's slot, position, rows and first
+#   token as one 16-byte load (`kernels.segments.read_tile`); read as four loads,
+#   the block waited for the slot, then issued the other three;
+# - **loads in the order of what they wait for**: B needs only the slot, the old
+#   outputs only the tokens; written after the buffer, ptxas issued them only after
+#   the buffer had arrived (`kernels.expand_mma`, "Order of the loads");
+# - **no division before the first load**: `range(start, stop, step)` with a step known
+#   only at run time makes Numba compute the trip count with a 64-bit division routine;
+#   a kernel whose grid has a block for every rank group steps by a constant instead
+#   (`kernels.shrink`, "One pass": T=1 2.80 -> 2.62 µs);
+# - **no checks the shapes make needless**: where every slice's width is a multiple of a
+#   warp's 64 columns, the tensor-core expand is built without clamping to the slice's
+#   end (`kernels.expand_mma`, "Whole column groups": 808 -> 576 instructions).
+#
+# Each was measured against the version before it on the same machine
+# (`docs/benchmarks/h200_v14_candidates.json`, `h200_v15_candidates.json`); none changes
+# a sum, so the results are the same bits.
+
+# %% [markdown]
 # ## Reading it
 #
 # - At **decode sizes** (T ≤ 64) the floor is well under a microsecond for a few
