@@ -147,10 +147,10 @@ def _f16_lane_on_gpu():
 
 #: ``_f16_lane(word, lane) -> float32``: the fp16 in bits ``16 * lane ..`` of an int64
 #: word, widened exactly. One ``cvt.f32.f16`` on the GPU; on the simulator (which cannot
-#: run PTX) the integer arithmetic of :func:`f16_bits_to_f32`, which on the GPU made the
-#: T=1 shrink kernel 2,032 SASS instructions instead of 776 (ptxas 13.0), and took it
-#: from 2.66 to 5.44 µs on the H200 (``h200_v15_candidates.json``). A NaN stays a NaN
-#: (the GPU may not keep its payload bits).
+#: run PTX) the integer arithmetic of :func:`f16_bits_to_f32`. On the GPU that arithmetic
+#: made the T=1 shrink kernel 2,032 SASS instructions instead of 776 (ptxas 13.0), and
+#: 5.44 µs instead of 2.66 on the H200 (``h200_v15_candidates.json``). A NaN stays a NaN
+#: (the GPU may not keep its payload bits); ``tests/test_dtypes.py`` checks every pattern.
 _f16_lane = _f16_lane_in_software if SIMULATOR else _f16_lane_on_gpu()
 
 
