@@ -453,7 +453,8 @@ def _shrink_launch(
         )
     else:
         # Rank groups over grid.z (the kernel strides by gridDim.z), or looped in a block.
-        rank_groups = min(-(-rank // config.tile_n), MAX_GRID_YZ) if config.spread else 1
+        groups = -(-rank // config.tile_n)
+        rank_groups = min(groups, MAX_GRID_YZ) if config.spread else 1
         # Packed 8-byte words when x and every A allow it; else one element at a time.
         x_words, w_words = _words(inputs), _weight_words(weights)
         packed = x_words is not None and w_words is not None
@@ -469,7 +470,7 @@ def _shrink_launch(
             accumulate,
             # A block a group, without a run-time loop step (shrink's "One pass"), where
             # the grid has a block for every group and a thread holds few words.
-            config.spread and rank_groups == -(-rank // config.tile_n) and config.tile_n <= 4,
+            config.spread and rank_groups == groups and config.tile_n <= 4,
         )
     table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
     meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
