@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import check_device, check_int
-from .kernels.segments import TABLE_FIELDS, clear_tile_table, tile_grid_bound, tile_table
+from .kernels.segments import (
+    TABLE_FIELDS,
+    clear_tile_table,
+    tile_grid_bound,
+    tile_table,
+    tile_tokens,
+)
 from .launch import tile_sizes
 
 __all__ = ["HostFacts", "LoRAKernelMeta", "Segment", "host_facts_of"]
@@ -48,6 +54,7 @@ class HostFacts:
     max_slot_in_use: int = -1  # the largest slot in it, -1 if none
     active_slots: int = 0  # distinct slots other than -1 in it
     tile_tables: dict = field(default_factory=dict)  # tile_m -> [bound, 4] int32 (device)
+    tile_tokens: dict = field(default_factory=dict)  # tile_m > 1 -> [bound, tile_m] int32
     # tile_m -> the kernels' metadata arguments, described once (see ops._kernel_metadata)
     kernel_metadata: dict = field(default_factory=dict)
 
@@ -115,6 +122,8 @@ class LoRAKernelMeta:
             bound = tile_grid_bound(max_num_tokens, max_loras + 1, tile_m)
             table = torch.empty((bound, len(TABLE_FIELDS)), **i32)
             meta.host.tile_tables[tile_m] = clear_tile_table(table)
+            if tile_m > 1:  # each tile's tokens in a row of their own (a tile of one: the table's)
+                meta.host.tile_tokens[tile_m] = torch.zeros((bound, tile_m), **i32)
         # Let the ops find the host-side facts from the tensors they are handed.
         meta.active_lora_ids._punica_host_facts = meta.host
         return meta
@@ -141,6 +150,8 @@ class LoRAKernelMeta:
         self.host.active_slots = 0
         for table in self.host.tile_tables.values():
             clear_tile_table(table)
+        for tokens in self.host.tile_tokens.values():
+            tokens.zero_()
 
     def prepare_tensors(self, token_lora_mapping: torch.Tensor) -> None:
         """Sort and segment the tokens of one step.
@@ -223,6 +234,9 @@ class LoRAKernelMeta:
                 table.shape[0],
                 out=table,
             )
+            tokens = self.host.tile_tokens.get(tile_m)
+            if tokens is not None:
+                tile_tokens(table, self.token_indices_sorted_by_lora_ids, tile_m, out=tokens)
 
     def meta_args(self, token_nums: int):
         """The six metadata arguments of ``lora_shrink`` / ``lora_expand``, for ``token_nums`` rows.

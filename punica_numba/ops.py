@@ -43,7 +43,7 @@ from .kernels import (
 )
 from .kernels.dtypes import packing
 from .kernels.mma import MMA_DTYPES
-from .kernels.segments import tile_grid_bound, tile_table
+from .kernels.segments import tile_grid_bound, tile_table, tile_tokens
 from .launch import LaunchConfig, choose_launch_config
 from .meta import host_facts_of
 
@@ -216,8 +216,10 @@ def _check_devices_and_metadata(
     return _check_metadata(num_rows, num_loras, weights_name, inputs.device, *metadata)
 
 
-def _tiles(num_tokens: int, metadata: tuple, tile_m: int, facts) -> tuple[torch.Tensor, int]:
-    """The tile table for ``tile_m`` and the number of blocks along the tile axis.
+def _tiles(num_tokens: int, metadata: tuple, tile_m: int, facts) -> tuple:
+    """The tile table for ``tile_m``, each tile's tokens (``[B, tile_m]``, :func:`.kernels.
+    segments.tile_tokens`; None for a tile of one token, whose token is in the table)
+    and the number of blocks along the tile axis.
 
     The table is the metadata's own when it is a ``LoRAKernelMeta`` (refreshed when it
     prepared the mapping); otherwise it is made now, on the device, without a sync.
@@ -229,27 +231,29 @@ def _tiles(num_tokens: int, metadata: tuple, tile_m: int, facts) -> tuple[torch.
     _, sorted_tokens, counts, starts, lora_ids, _ = metadata
     blocks = tile_grid_bound(num_tokens, lora_ids.shape[0], tile_m)
     table = facts.tile_tables.get(tile_m) if facts is not None else None
+    tokens = facts.tile_tokens.get(tile_m) if facts is not None else None
     if table is None or table.shape[0] < blocks:
         table = tile_table(lora_ids, counts, starts, sorted_tokens, tile_m, blocks)
+        tokens = tile_tokens(table, sorted_tokens, tile_m) if tile_m > 1 else None
     if SIMULATOR:
         blocks = int((table[:blocks, 0] >= 0).sum())
-    return table, blocks
+    return table, tokens, blocks
 
 
-def _kernel_metadata(table: torch.Tensor, metadata: tuple, facts, tile_m: int) -> tuple:
-    """What the kernels read of the metadata: the tile table and the sorted tokens.
+def _kernel_metadata(tensors: tuple, facts, key) -> tuple:
+    """What the kernels read of the metadata: the tile table, and the sorted tokens or
+    each tile's tokens (:func:`_tiles`); ``key`` names the pair.
 
     A ``LoRAKernelMeta``'s tensors are fixed buffers (a step refills them in place), and
     the wrapper hands the same tensor objects to every call of a step; then they are
     described for the launcher once (:func:`~punica_numba._cuda.pack_tensors`) and
     reused while the same objects come back.
     """
-    tensors = (table, metadata[1])
     if SIMULATOR or facts is None:
         return tensors
-    known = facts.kernel_metadata.get(tile_m)
-    if known is None or known.tensors[0] is not table or known.tensors[1] is not metadata[1]:
-        known = facts.kernel_metadata[tile_m] = pack_tensors(tensors)
+    known = facts.kernel_metadata.get(key)
+    if known is None or any(a is not b for a, b in zip(known.tensors, tensors)):
+        known = facts.kernel_metadata[key] = pack_tensors(tensors)
     return (known,)
 
 
@@ -472,8 +476,8 @@ def _shrink_launch(
             # the grid has a block for every group and a thread holds few words.
             config.spread and rank_groups == groups and config.tile_n <= 4,
         )
-    table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
-    meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
+    table, _, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
+    meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)
     launcher = _launcher(kernel)
     scaling32 = np.float32(scaling)
 
@@ -656,8 +660,11 @@ def _expand_launch(
             config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide
         )
     per_block = config.columns_per_block("expand", words)
-    table, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
-    meta = _kernel_metadata(table, metadata, meta_facts, config.tile_m)
+    table, tokens, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
+    if operands is not None:  # the tensor-core expand reads each tile's tokens from its row
+        meta = _kernel_metadata((table, tokens), meta_facts, (config.tile_m, "rows"))
+    else:
+        meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)
     launcher = _launcher(kernel)
 
     def launch() -> None:

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from punica_numba.kernels.segments import tile_table
+from punica_numba.kernels.segments import tile_table, tile_tokens
 from punica_numba.meta import LoRAKernelMeta, Segment, host_facts_of
 
 from .strategies import DEVICE, META_LIMITS, MODES, assign_slots, slot_lists
@@ -363,23 +363,41 @@ def plain_tile_table(slots: list[int], tile_m: int, num_blocks: int) -> list[lis
     return table + [[-1, 0, 0, 0]] * (num_blocks - len(table))
 
 
+def plain_tile_tokens(slots: list[int], table: list[list[int]], tile_m: int) -> list[list[int]]:
+    """Each tile's tokens, row by row: its ``rows`` sorted tokens, then the last of them
+    again up to ``tile_m``; zeros for a block with no tile."""
+    order = plain_segments(slots)[0] if any(s != -1 for s in slots) else []
+    rows = []
+    for _, position, count, _ in table:
+        tokens = order[position : position + count]
+        rows.append(tokens + tokens[-1:] * (tile_m - count) if count else [0] * tile_m)
+    return rows
+
+
 @given(case=batch_sequences())
 def test_tile_tables_match_a_walk_over_the_segments(case):
     """After every prepare, each table the meta keeps (one per tile size) holds, for
-    block b, tile b's slot, sorted position, row count and first token; and a table
-    made from vLLM's six tensors alone (the ops' path for other metadata) agrees."""
+    block b, tile b's slot, sorted position, row count and first token, and (tiles of
+    more than one token) row b of its tile tokens the tile's tokens; and tables made
+    from vLLM's six tensors alone (the ops' path for other metadata) agree."""
     batches, L, M_max = case
     meta = LoRAKernelMeta.make(L, M_max, DEVICE)
     for step, slots in enumerate(batches):
         meta.prepare_tensors(mapping_tensor(slots))
         _, order, counts, starts, ids, _ = meta.meta_args(len(slots))
-        for tile_m, table in host_facts_of(meta.active_lora_ids).tile_tables.items():
+        facts = host_facts_of(meta.active_lora_ids)
+        assert set(facts.tile_tokens) == {m for m in facts.tile_tables if m > 1}
+        for tile_m, table in facts.tile_tables.items():
             want = plain_tile_table(slots, tile_m, table.shape[0])
             context = f"step {step}, tile_m={tile_m}, slots={slots}"
             assert table.tolist() == want, context
+            want_tokens = plain_tile_tokens(slots, want, tile_m)
+            if tile_m > 1:
+                assert facts.tile_tokens[tile_m].tolist() == want_tokens, context
             if any(s != -1 for s in slots):
                 made = tile_table(ids, counts, starts, order, tile_m, table.shape[0])
                 assert made.tolist() == want, context
+                assert tile_tokens(made, order, tile_m).tolist() == want_tokens, context
 
 
 BAD_CALLS = ("too many tokens", "slot below -1", "slot >= L", "2-D", "float", "list")

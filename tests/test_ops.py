@@ -244,6 +244,39 @@ def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypat
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize(
+    "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
+)
+def test_tensor_core_expand_on_metadata_made_elsewhere(config):
+    """vLLM's six metadata tensors made without ``LoRAKernelMeta`` (copies: no host-side
+    facts) have no tile table or tile tokens kept for them; the launch makes both on the
+    device. Right, and the same bits as with the meta's own."""
+    from punica_numba import reference
+    from punica_numba.meta import LoRAKernelMeta
+
+    from .strategies import DEVICE
+
+    gen = torch.Generator().manual_seed(13)
+    slots = torch.tensor([2, 2, -1, 0, 2, 1, 2, 2, 0, 2, 2, 1, 2, 0, 2, 2, 2, -1, 2, 2])
+    T, L, r, widths = len(slots), 3, 16, [64, 32]
+    meta = LoRAKernelMeta.make(L, T + 5, DEVICE)
+    meta.prepare_tensors(slots.to(DEVICE))
+    x = torch.randn(len(widths), T, r, generator=gen).to(DEVICE)
+    weights = [torch.randn(L, n, r, generator=gen).to(DEVICE, torch.bfloat16) for n in widths]
+    old = torch.randn(T, sum(widths), generator=gen).to(DEVICE, torch.bfloat16)
+    want = reference.lora_expand(x, weights, old, slots.to(DEVICE), 0, True)
+    outputs = []
+    for args in (meta.meta_args(T), [t.clone() for t in meta.meta_args(T)]):
+        assert (ops.host_facts_of(args[4]) is None) == (len(outputs) == 1)
+        out = old.clone()
+        with force_launch_config("expand", config):
+            lora_expand(x, weights, out, *args, offset_start=0, add_inputs=True)
+        error = ((out.double() - want).abs().max() / want.abs().max()).item()
+        assert error < 1e-2, (len(outputs), error)
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[1])
+
+
 @pytest.mark.parametrize("aligned", [True, False], ids=["rows-at-16-bytes", "rows-at-8-bytes"])
 @pytest.mark.parametrize("rank", [3, 8, 16, 20, 64, 256])
 def test_lane_split_expand_at_every_lane_count(rank, aligned, monkeypatch):

@@ -88,6 +88,18 @@ registers run out: loading half of them early, ptxas spilled 120 bytes a thread 
 the 128-register ceiling and r=64 256/16 went from 8.3 to 8.9 µs (run B), so those
 builds keep the first order. Either order does the same arithmetic: the same bits.
 
+The tokens themselves were a trip of their own: a block read its tile's ``position``
+from the table, then ``sorted_tokens[position + j]``. Since v16 each tile's tokens sit in
+a row of their own (:func:`.segments.tile_tokens`, made with the table), which a block
+finds from its own index: its table row and its tokens leave together, and the chain is
+two trips (the table and tokens, then B, the old outputs and the buffer), not three.
+One thing more was needed. A block with no tile leaves as soon as it has read its slot,
+so its tokens are used only on the other path, and the compilers moved their loads
+below that exit (LLVM sank them; ptxas too, when they were pinned in ``asm volatile``):
+the trip was back. So the exit also asks for the sum of ``rows`` and the tokens, which is
+never negative but which no compiler can know before it has loaded them
+(``known >= 0``).
+
 **Whole column groups** (``whole_groups``). A warp's columns may run past its slice's
 end (a slice of 72 columns and 64 a warp), so every row of B it reads is clamped to the
 slice's last, every old output word too, and every store is checked against the end.
@@ -127,7 +139,7 @@ from .dtypes import (
     words_storer,
 )
 from .mma import FRAGMENT_WORDS, mma_into, pair_of, split_pair
-from .segments import read_tile, slice_of, tile_token
+from .segments import read_tile, slice_of
 
 __all__ = ["build_mma_expand_kernel", "output_column"]
 
@@ -275,19 +287,28 @@ def build_mma_expand_kernel(
                     old[i * WORDS + v] = row[word]
 
     @jit_kernel(threads, MAX_REGISTERS)
-    def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
+    def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows, add_inputs):
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
-        # out: [M, W/4] int64 words; col*: the word of a slice's first column
-        slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
-        if slot == -1:
+        # out: [M, W/4] int64 words; col*: the word of a slice's first column;
+        # tile_rows: [B, TILE_M] each tile's tokens (segments.tile_tokens)
+        tid = cuda.threadIdx.x
+        warp, lane = tid >> 5, tid & 31  # shifts and masks: no signed-division fix-ups
+        g, t = lane >> 2, lane & 3
+        slot, _, rows, _ = read_tile(tiles, cuda.blockIdx.x)
+        # The old outputs and the buffer rows need the tokens, which need only the block's
+        # own index: their loads go out with the table's ("Order of the loads").
+        token = cuda.local.array(ROWS, int64)  # row g + 8 * (i % 2) of m-tile i // 2
+        my_rows = tile_rows[cuda.blockIdx.x]
+        known = rows
+        for i in range(ROWS):
+            token[i] = int64(my_rows[g + 8 * i])
+            known += token[i]
+        if slot == -1 and known >= 0:  # (known >= 0 always: see "Order of the loads")
             return
         s_local = cuda.blockIdx.y
         w, word0 = slice_of(s_local, w0, w1, w2, col0, col1, col2)
         s = slice_base + s_local
         width = w.shape[1]  # a multiple of 4
-        tid = cuda.threadIdx.x
-        warp, lane = tid >> 5, tid & 31  # shifts and masks: no signed-division fix-ups
-        g, t = lane >> 2, lane & 3
         scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
         my_scratch = scratch[warp if SIMULATOR else 0]
 
@@ -311,9 +332,6 @@ def build_mma_expand_kernel(
             load_early_b(early_b, b_rows, n0, lane_n, last_n, t)
 
         # ... the old outputs and the buffer rows need the tokens.
-        token = cuda.local.array(ROWS, int64)  # row g + 8 * (i % 2) of m-tile i // 2
-        for i in range(ROWS):
-            token[i] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * i)
         old = cuda.local.array(OLD_WORDS, int64)  # old[i * WORDS + v]: row i, word v
         if EARLY and n0 < uint64(width):
             load_old(old, out, token, n0, lane_word, last_start, add_inputs)
