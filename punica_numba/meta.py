@@ -44,8 +44,8 @@ class HostFacts:
     """What a ``LoRAKernelMeta`` knows beyond vLLM's six tensors.
 
     Host-side numbers about the last prepared mapping, so checks and the choice of a
-    launch configuration need no device sync; and the device tile tables the kernels
-    read (:mod:`punica_numba.kernels.segments`). It is shared by the meta and its
+    launch configuration need no device sync; and the device tile tables and tile tokens
+    the kernels read (:mod:`punica_numba.kernels.segments`). It is shared by the meta and its
     ``active_lora_ids`` tensor, so the ops find it from the tensors ``meta_args``
     hands them (see :func:`host_facts_of`).
     """
@@ -55,7 +55,8 @@ class HostFacts:
     active_slots: int = 0  # distinct slots other than -1 in it
     tile_tables: dict = field(default_factory=dict)  # tile_m -> [bound, 4] int32 (device)
     tile_tokens: dict = field(default_factory=dict)  # tile_m > 1 -> [bound, tile_m] int32
-    # tile_m -> the kernels' metadata arguments, described once (see ops._kernel_metadata)
+    # the kernels' metadata arguments (the table and the sorted or tile tokens), described
+    # once, by tile_m or (tile_m, "rows") (see ops._kernel_metadata)
     kernel_metadata: dict = field(default_factory=dict)
 
 
