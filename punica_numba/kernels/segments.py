@@ -34,8 +34,8 @@ A block of several tokens still had a second trip: its tokens, at ``position`` i
 sorted order. So ``LoRAKernelMeta`` also keeps, per tile size above one, each tile's
 tokens in a row of their own (:func:`tile_tokens`), and the tensor-core expand loads
 row ``b`` of the table and row ``b`` of the tile tokens at once (v16; the other kernels
-read ``sorted_tokens``: in the tensor-core shrink the same change measured 1-2 % slower
-at 256 tokens and 1-2 % faster at 4096).
+read ``sorted_tokens``: in the tensor-core shrink the same change measured 1-3 % slower
+at 256 tokens and 1-3 % faster at 4096).
 """
 
 from __future__ import annotations
