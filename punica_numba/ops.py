@@ -216,10 +216,13 @@ def _check_devices_and_metadata(
     return _check_metadata(num_rows, num_loras, weights_name, inputs.device, *metadata)
 
 
-def _tiles(num_tokens: int, metadata: tuple, tile_m: int, facts) -> tuple:
+def _tiles(
+    num_tokens: int, metadata: tuple, tile_m: int, facts, with_tokens: bool = False
+) -> tuple:
     """The tile table for ``tile_m``, each tile's tokens (``[B, tile_m]``, :func:`.kernels.
-    segments.tile_tokens`; None for a tile of one token, whose token is in the table)
-    and the number of blocks along the tile axis.
+    segments.tile_tokens`; None for a tile of one token, whose token is in the table,
+    and None unless ``with_tokens``: only the tensor-core expand reads them) and the
+    number of blocks along the tile axis.
 
     The table is the metadata's own when it is a ``LoRAKernelMeta`` (refreshed when it
     prepared the mapping); otherwise it is made now, on the device, without a sync.
@@ -231,10 +234,11 @@ def _tiles(num_tokens: int, metadata: tuple, tile_m: int, facts) -> tuple:
     _, sorted_tokens, counts, starts, lora_ids, _ = metadata
     blocks = tile_grid_bound(num_tokens, lora_ids.shape[0], tile_m)
     table = facts.tile_tables.get(tile_m) if facts is not None else None
-    tokens = facts.tile_tokens.get(tile_m) if facts is not None else None
+    tokens = facts.tile_tokens.get(tile_m) if facts is not None and with_tokens else None
     if table is None or table.shape[0] < blocks:
         table = tile_table(lora_ids, counts, starts, sorted_tokens, tile_m, blocks)
-        tokens = tile_tokens(table, sorted_tokens, tile_m) if tile_m > 1 else None
+        made = with_tokens and tile_m > 1
+        tokens = tile_tokens(table, sorted_tokens, tile_m) if made else None
     if SIMULATOR:
         blocks = int((table[:blocks, 0] >= 0).sum())
     return table, tokens, blocks
@@ -660,7 +664,9 @@ def _expand_launch(
             config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide
         )
     per_block = config.columns_per_block("expand", words)
-    table, tokens, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
+    table, tokens, blocks = _tiles(
+        num_tokens, metadata, config.tile_m, meta_facts, with_tokens=operands is not None
+    )
     if operands is not None:  # the tensor-core expand reads each tile's tokens from its row
         meta = _kernel_metadata((table, tokens), meta_facts, (config.tile_m, "rows"))
     else:

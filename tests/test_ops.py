@@ -130,6 +130,48 @@ def test_shrink_covers_every_rank_group(config):
         check_shrink(lora_shrink, case)
 
 
+@pytest.mark.parametrize("op", ["shrink", "expand"])
+def test_tile_tokens_are_made_only_for_the_tensor_core_expand(op, monkeypatch):
+    """On metadata made elsewhere a launch makes what its kernel reads: each tile's
+    tokens (``segments.tile_tokens``) only for the tensor-core expand; every other
+    configuration of more than one token a tile reads the sorted tokens instead."""
+    from punica_numba.meta import LoRAKernelMeta
+
+    from .strategies import DEVICE
+
+    made = []
+    make = ops.tile_tokens
+    monkeypatch.setattr(ops, "tile_tokens", lambda *a, **k: made.append(a[2]) or make(*a, **k))
+    gen = torch.Generator().manual_seed(5)
+    slots = torch.tensor([1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1])
+    T, L, r, widths = len(slots), 2, 16, [32, 32]
+    meta = LoRAKernelMeta.make(L, T, DEVICE)
+    meta.prepare_tensors(slots.to(DEVICE))
+    args = [t.clone() for t in meta.meta_args(T)]  # no host facts: tables made at launch
+    assert ops.host_facts_of(args[4]) is None
+    if op == "shrink":
+        x = torch.randn(T, 64, generator=gen).to(DEVICE, torch.bfloat16)
+        weights = [torch.randn(L, r, 64, generator=gen).to(DEVICE, torch.bfloat16)] * 2
+        out = torch.zeros(2, T, r, device=DEVICE)
+        prepare = functools.partial(ops.prepare_shrink, x, weights, out, *args, 1.0)
+    else:
+        x = torch.randn(2, T, r, generator=gen).to(DEVICE)
+        weights = [torch.randn(L, n, r, generator=gen).to(DEVICE, torch.bfloat16) for n in widths]
+        out = torch.zeros(T, sum(widths), device=DEVICE, dtype=torch.bfloat16)
+        prepare = functools.partial(ops.prepare_expand, x, weights, out, *args, add_inputs=True)
+    tried = set()
+    for config in launch_configs(op):
+        made.clear()
+        with force_launch_config(op, config):
+            launch = prepare()
+            launch()
+        chosen = launch.config
+        tried.add(chosen.kernel)
+        tensor_core_expand = op == "expand" and chosen.kernel == "mma"
+        assert made == ([chosen.tile_m] if tensor_core_expand else []), (chosen, made)
+    assert "mma" in tried and len(tried) > 1, tried
+
+
 @pytest.mark.parametrize("aligned", [True, False], ids=["rows-at-16-bytes", "rows-at-8-bytes"])
 @pytest.mark.parametrize(
     "config", [c for c in launch_configs("shrink") if c.kernel == "mma"], ids=config_name
