@@ -134,7 +134,9 @@ def test_shrink_covers_every_rank_group(config):
 def test_tile_tokens_are_made_only_for_the_tensor_core_expand(op, monkeypatch):
     """On metadata made elsewhere a launch makes what its kernel reads: each tile's
     tokens (``segments.tile_tokens``) only for the tensor-core expand; every other
-    configuration of more than one token a tile reads the sorted tokens instead."""
+    configuration of more than one token a tile reads the sorted tokens instead. The
+    tables are made as a launch is prepared, so nothing is launched here (the results on
+    such metadata: ``test_tensor_core_expand_on_metadata_made_elsewhere``)."""
     from punica_numba.meta import LoRAKernelMeta
 
     from .strategies import DEVICE
@@ -163,9 +165,7 @@ def test_tile_tokens_are_made_only_for_the_tensor_core_expand(op, monkeypatch):
     for config in launch_configs(op):
         made.clear()
         with force_launch_config(op, config):
-            launch = prepare()
-            launch()
-        chosen = launch.config
+            chosen = prepare().config  # (the tables are made as the launch is prepared)
         tried.add(chosen.kernel)
         tensor_core_expand = op == "expand" and chosen.kernel == "mma"
         assert made == ([chosen.tile_m] if tensor_core_expand else []), (chosen, made)
