@@ -430,6 +430,12 @@ else:
 # Each was measured against the version before it on the same machine
 # (`docs/benchmarks/h200_v14_candidates.json` to `h200_v16_candidates.json`); none
 # changes a sum, so the results are the same bits.
+#
+# How short can the chain get? Probe kernels of 256 threads timed the same way
+# (`h200_v17_candidates.json`, "replay_floor"): an empty kernel takes 0.5-0.7 µs, one
+# entry of a table and then one word a thread 1.6-1.7 µs, 8 words a thread (8 KB a block)
+# 2.1-2.2 µs, and summing them over the block 2.2-2.3 µs. A one-token shrink follows
+# that chain with three times those bytes and takes 2.7-3.2 µs.
 
 # %% [markdown]
 # ## Reading it
