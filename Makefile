@@ -2,6 +2,9 @@
 # Everything runs inside .venv, created from pyproject.toml on first use.
 
 PYTHON ?= python3
+# Worker processes for the test suite (pytest-xdist). On the simulator every CUDA thread
+# is a Python thread, so each worker keeps one CPU busy; 2 fits CI's machine.
+WORKERS ?= 2
 VENV   := .venv
 STAMP  := $(VENV)/.stamp
 BIN    := $(VENV)/bin
@@ -21,7 +24,8 @@ help:
 	@echo "  make lint       ruff check only"
 	@echo "  make clean      remove caches and build output (keeps .venv)"
 	@echo "  make distclean  clean, and remove .venv too"
-	@echo "Variables: PYTHON=$(PYTHON) (interpreter that creates .venv, Python >= 3.10)"
+	@echo "Variables: PYTHON=$(PYTHON) (interpreter that creates .venv, Python >= 3.10),"
+	@echo "           WORKERS=$(WORKERS) (processes the test suite is spread over; 0: none)"
 
 venv: $(STAMP)
 
@@ -39,7 +43,7 @@ $(STAMP): pyproject.toml
 
 test: venv
 	$(BIN)/ruff check .
-	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest -n $(WORKERS)
 	$(BIN)/python -m pytest --nbmake notebooks/
 
 # The notebooks are jupytext py:percent files (what you edit) paired with .ipynb copies

@@ -58,6 +58,25 @@ def pytest_report_header(config):
     return f"punica_numba: kernels on the {machine}; hypothesis profile {PROFILE!r}"
 
 
+def pytest_sessionfinish(session):
+    """On a pytest-xdist worker, hand this process's largest errors to the controller,
+    which prints the report (:func:`pytest_testnodedown`)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        from .tolerance import LARGEST_ERRORS
+
+        workeroutput["largest_errors"] = dict(LARGEST_ERRORS)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown to pytest without it
+def pytest_testnodedown(node, error):
+    """On the pytest-xdist controller, take in a finished worker's largest errors."""
+    from .tolerance import LARGEST_ERRORS
+
+    for what, err in getattr(node, "workeroutput", {}).get("largest_errors", {}).items():
+        LARGEST_ERRORS[what] = max(LARGEST_ERRORS.get(what, 0.0), err)
+
+
 def pytest_terminal_summary(terminalreporter):
     from .tolerance import LARGEST_ERRORS
 
