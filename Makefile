@@ -2,8 +2,9 @@
 # Everything runs inside .venv, created from pyproject.toml on first use.
 
 PYTHON ?= python3
-# Worker processes for the test suite (pytest-xdist). On the simulator every CUDA thread
-# is a Python thread, so each worker keeps one CPU busy; 2 fits CI's machine.
+# Worker processes for the test suite and the notebooks (pytest-xdist). On the simulator
+# every CUDA thread is a Python thread, so each worker keeps one CPU busy; 2 fits CI's
+# machine.
 WORKERS ?= 2
 VENV   := .venv
 STAMP  := $(VENV)/.stamp
@@ -44,7 +45,7 @@ $(STAMP): pyproject.toml
 test: venv
 	$(BIN)/ruff check .
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest -n $(WORKERS)
-	$(BIN)/python -m pytest --nbmake notebooks/
+	$(BIN)/python -m pytest --nbmake -n $(WORKERS) notebooks/
 
 # The notebooks are jupytext py:percent files (what you edit) paired with .ipynb copies
 # (what readers and the docs see, with stored outputs); notebooks/jupytext.toml pairs them.
