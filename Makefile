@@ -26,7 +26,7 @@ help:
 	@echo "  make clean      remove caches and build output (keeps .venv)"
 	@echo "  make distclean  clean, and remove .venv too"
 	@echo "Variables: PYTHON=$(PYTHON) (interpreter that creates .venv, Python >= 3.10),"
-	@echo "           WORKERS=$(WORKERS) (processes the test suite is spread over; 0: none)"
+	@echo "           WORKERS=$(WORKERS) (processes the tests and notebooks are spread over; 0: none)"
 
 venv: $(STAMP)
 
