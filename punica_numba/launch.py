@@ -28,6 +28,7 @@ __all__ = [
     "forced_launch_configs",
     "launch_configs",
     "tile_sizes",
+    "tile_token_sizes",
 ]
 
 OPS = ("shrink", "expand")
@@ -104,6 +105,12 @@ class LaunchConfig:
         if op == "expand":
             return ("lanes",) if self.kernel == "lanes" else ("sequential",)
         return ("tree", self.threads)
+
+    def reads_tile_tokens(self, op: str) -> bool:
+        """Whether the kernel reads each tile's tokens from a row of their own
+        (:func:`.kernels.segments.tile_tokens`): only the tensor-core expand does; the
+        others read the sorted tokens, or (a tile of one token) the table's."""
+        return op == "expand" and self.kernel == "mma"
 
 
 #: The simulator runs every thread as a Python thread: small blocks, and loops inside
@@ -344,6 +351,15 @@ def tile_sizes() -> tuple[int, ...]:
     """The token tiles of every configuration on this machine (``LoRAKernelMeta`` keeps
     a tile table for each)."""
     return tuple(sorted({c.tile_m for op in OPS for c in launch_configs(op)}))
+
+
+def tile_token_sizes() -> tuple[int, ...]:
+    """The token tiles whose tokens some configuration on this machine reads from a row
+    of their own (:meth:`LaunchConfig.reads_tile_tokens`; ``LoRAKernelMeta`` keeps those
+    rows for these sizes only)."""
+    return tuple(
+        sorted({c.tile_m for op in OPS for c in launch_configs(op) if c.reads_tile_tokens(op)})
+    )
 
 
 def choose_launch_config(

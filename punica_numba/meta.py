@@ -34,7 +34,7 @@ from .kernels.segments import (
     tile_table,
     tile_tokens,
 )
-from .launch import tile_sizes
+from .launch import tile_sizes, tile_token_sizes
 
 __all__ = ["HostFacts", "LoRAKernelMeta", "Segment", "host_facts_of"]
 
@@ -54,7 +54,7 @@ class HostFacts:
     max_slot_in_use: int = -1  # the largest slot in it, -1 if none
     active_slots: int = 0  # distinct slots other than -1 in it
     tile_tables: dict = field(default_factory=dict)  # tile_m -> [bound, 4] int32 (device)
-    tile_tokens: dict = field(default_factory=dict)  # tile_m > 1 -> [bound, tile_m] int32
+    tile_tokens: dict = field(default_factory=dict)  # launch.tile_token_sizes() -> [bound, tile_m]
     # the kernels' metadata arguments (the table and the sorted or tile tokens), described
     # once, by tile_m or (tile_m, "rows") (see ops._kernel_metadata)
     kernel_metadata: dict = field(default_factory=dict)
@@ -123,8 +123,9 @@ class LoRAKernelMeta:
             bound = tile_grid_bound(max_num_tokens, max_loras + 1, tile_m)
             table = torch.empty((bound, len(TABLE_FIELDS)), **i32)
             meta.host.tile_tables[tile_m] = clear_tile_table(table)
-            if tile_m > 1:  # each tile's tokens in a row of their own (a tile of one: the table's)
-                meta.host.tile_tokens[tile_m] = torch.zeros((bound, tile_m), **i32)
+        for tile_m in tile_token_sizes():  # each tile's tokens, for the kernels that read them
+            bound = meta.host.tile_tables[tile_m].shape[0]
+            meta.host.tile_tokens[tile_m] = torch.zeros((bound, tile_m), **i32)
         # Let the ops find the host-side facts from the tensors they are handed.
         meta.active_lora_ids._punica_host_facts = meta.host
         return meta

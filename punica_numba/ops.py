@@ -216,13 +216,11 @@ def _check_devices_and_metadata(
     return _check_metadata(num_rows, num_loras, weights_name, inputs.device, *metadata)
 
 
-def _tiles(
-    num_tokens: int, metadata: tuple, tile_m: int, facts, with_tokens: bool = False
-) -> tuple:
-    """The tile table for ``tile_m``, each tile's tokens (``[B, tile_m]``, :func:`.kernels.
-    segments.tile_tokens`; None for a tile of one token, whose token is in the table,
-    and None unless ``with_tokens``: only the tensor-core expand reads them) and the
-    number of blocks along the tile axis.
+def _tiles(num_tokens: int, metadata: tuple, op: str, config: LaunchConfig, facts) -> tuple:
+    """The tile table for ``config.tile_m``, each tile's tokens (``[B, tile_m]``,
+    :func:`.kernels.segments.tile_tokens`; None unless the kernel reads them,
+    :meth:`~punica_numba.launch.LaunchConfig.reads_tile_tokens`) and the number of blocks
+    along the tile axis.
 
     The table is the metadata's own when it is a ``LoRAKernelMeta`` (refreshed when it
     prepared the mapping); otherwise it is made now, on the device, without a sync.
@@ -232,13 +230,13 @@ def _tiles(
     still cost a Python thread per CUDA thread, so the grid is exact.
     """
     _, sorted_tokens, counts, starts, lora_ids, _ = metadata
+    tile_m, with_tokens = config.tile_m, config.reads_tile_tokens(op)
     blocks = tile_grid_bound(num_tokens, lora_ids.shape[0], tile_m)
     table = facts.tile_tables.get(tile_m) if facts is not None else None
     tokens = facts.tile_tokens.get(tile_m) if facts is not None and with_tokens else None
     if table is None or table.shape[0] < blocks:
         table = tile_table(lora_ids, counts, starts, sorted_tokens, tile_m, blocks)
-        made = with_tokens and tile_m > 1
-        tokens = tile_tokens(table, sorted_tokens, tile_m) if made else None
+        tokens = tile_tokens(table, sorted_tokens, tile_m) if with_tokens else None
     if SIMULATOR:
         blocks = int((table[:blocks, 0] >= 0).sum())
     return table, tokens, blocks
@@ -480,7 +478,7 @@ def _shrink_launch(
             # the grid has a block for every group and a thread holds few words.
             config.spread and rank_groups == groups and config.tile_n <= 4,
         )
-    table, _, blocks = _tiles(num_tokens, metadata, config.tile_m, meta_facts)
+    table, _, blocks = _tiles(num_tokens, metadata, "shrink", config, meta_facts)
     meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)
     launcher = _launcher(kernel)
     scaling32 = np.float32(scaling)
@@ -664,10 +662,8 @@ def _expand_launch(
             config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide
         )
     per_block = config.columns_per_block("expand", words)
-    table, tokens, blocks = _tiles(
-        num_tokens, metadata, config.tile_m, meta_facts, with_tokens=operands is not None
-    )
-    if operands is not None:  # the tensor-core expand reads each tile's tokens from its row
+    table, tokens, blocks = _tiles(num_tokens, metadata, "expand", config, meta_facts)
+    if config.reads_tile_tokens("expand"):  # each tile's tokens, from a row of their own
         meta = _kernel_metadata((table, tokens), meta_facts, (config.tile_m, "rows"))
     else:
         meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)

@@ -31,11 +31,12 @@ issued the other three, two trips in every kernel. So a tile is a row of the
 ``[B, 4]`` table, 16 bytes at a multiple of 16, read in one load.
 
 A block of several tokens still had a second trip: its tokens, at ``position`` in the
-sorted order. So ``LoRAKernelMeta`` also keeps, per tile size above one, each tile's
-tokens in a row of their own (:func:`tile_tokens`), and the tensor-core expand loads
-row ``b`` of the table and row ``b`` of the tile tokens at once (v16; the other kernels
-read ``sorted_tokens``: in the tensor-core shrink the same change measured 1-3 % slower
-at 256 tokens and 1-3 % faster at 4096).
+sorted order. So ``LoRAKernelMeta`` also keeps each tile's tokens in a row of their
+own (:func:`tile_tokens`) for the tile sizes of the tensor-core expand
+(``launch.tile_token_sizes()``), which loads row ``b`` of the table and row ``b`` of
+the tile tokens at once (v16; the other kernels read ``sorted_tokens``: in the
+tensor-core shrink the same change measured 1-3 % slower at 256 tokens and 1-3 %
+faster at 4096).
 """
 
 from __future__ import annotations
