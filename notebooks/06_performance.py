@@ -436,6 +436,16 @@ else:
 # entry of a table and then one word a thread 1.6-1.7 µs, 8 words a thread (8 KB a block)
 # 2.1-2.2 µs, and summing them over the block 2.2-2.3 µs. A one-token shrink follows
 # that chain with three times those bytes and takes 2.7-3.2 µs.
+#
+# A shorter chain is not always a faster kernel. At r=64 with 16 tokens per LoRA the
+# tensor-core expand loads B a trip late (its 32 words a lane do not fit beside the
+# rest), and two ways of moving B forward both lost on the H200
+# (`h200_v18_candidates.json`): two warps each taking half the rank, so that each could
+# load its half of B at once, ran 2.4 times the instructions (each warp still finds its
+# rows, forms its buffer fragments and rounds its outputs) and took 9.9 µs against 7.7;
+# asking L2 for B's rows right after the table took 8.7-8.9 µs. Nsight Compute says what
+# the chain hid: the 1,024 one-warp blocks are a single wave that fills 13 % of the SMs'
+# warp slots, and the time is latency on that few warps.
 
 # %% [markdown]
 # ## Reading it
