@@ -381,9 +381,10 @@ READ_TOKEN_TILES = {c.tile_m for c in launch_configs("expand") if c.kernel == "m
 @given(case=batch_sequences())
 def test_tile_tables_match_a_walk_over_the_segments(case):
     """After every prepare, each table the meta keeps (one per tile size) holds, for
-    block b, tile b's slot, sorted position, row count and first token, and (the tile
-    sizes whose tokens a kernel reads) row b of its tile tokens the tile's tokens; and tables made
-    from vLLM's six tensors alone (the ops' path for other metadata) agree."""
+    block b, tile b's slot, sorted position, row count and first token, and (for the
+    tile sizes whose tokens a kernel reads) row b of its tile tokens the tile's tokens;
+    and tables made from vLLM's six tensors alone (the ops' path for other metadata)
+    agree."""
     batches, L, M_max = case
     meta = LoRAKernelMeta.make(L, M_max, DEVICE)
     for step, slots in enumerate(batches):
