@@ -327,10 +327,13 @@ def _mma_expand_operands(
     output: torch.Tensor,
     columns: list[int],
 ) -> tuple | None:
-    """The tensor-core expand's operands ``(x, words, out, wide)``, or None when it cannot
-    take the call; ``wide``: the output can be read and written in 16-byte words (its
-    rows start at multiples of 16 bytes, every slice's first column and width are
-    multiples of 8). It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
+    """The tensor-core expand's operands ``(x, words, out, wide, wide_x, wide_b)``, or None
+    when it cannot take the call; ``wide``: the output can be read and written in 16-byte words
+    (its rows start at multiples of 16 bytes, every slice's first column and width are
+    multiples of 8); ``wide_x``: the buffer in 16-byte loads (fp32, a rank that is a
+    multiple of 16, contiguous rows that start at multiples of 16 bytes); ``wide_b``: B
+    in 16-byte loads (a rank that is a multiple of 32, rows at multiples of 16 bytes).
+    It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
     bf16 (as its int16 bits), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole int64 words
     (four elements: ``words``, from :func:`_weight_words`, None where there are none), and
     an output it can read and write in words of four columns: every slice's first column
@@ -350,7 +353,14 @@ def _mma_expand_operands(
     wide = _rows_start_at(output, 16) and all(
         c % 8 == 0 and w.rows % 8 == 0 for c, w in zip(columns, weights)
     )
-    return x, words, out, wide
+    wide_x = (
+        inputs.dtype == torch.float32
+        and weights[0].cols % 16 == 0
+        and inputs.stride(-1) == 1
+        and _rows_start_at(inputs, 16)
+    )
+    wide_b = weights[0].cols % 32 == 0 and all(_rows_start_at(w.view, 16) for w in weights)
+    return x, words, out, wide, wide_x, wide_b
 
 
 def _nothing() -> None:
@@ -642,7 +652,7 @@ def _expand_launch(
         if operands is None:  # the tensor cores cannot take this call
             config = choose()
     if operands is not None:
-        x, weights, out, wide = operands
+        x, weights, out, wide, wide_x, wide_b = operands
         columns = [c // 4 for c in columns]  # the kernel places slices by 4-column words
         n_tiles = config.tile_n // (8 * config.threads // 32)  # 8-column tiles per warp
         kernel = build_mma_expand_kernel(
@@ -654,6 +664,8 @@ def _expand_launch(
             rank % 16 == 0,
             wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
             all(width % (8 * n_tiles) == 0 for width in widths),  # whole column groups
+            wide_x,  # the buffer in 16-byte loads
+            wide_b,  # B in 16-byte loads
         )
     else:
         wide = packed and all(_rows_start_at(w.view, 16) for w in weights)

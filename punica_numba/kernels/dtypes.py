@@ -394,3 +394,33 @@ def four_int32_loader():
     one 16-byte load on the GPU (``ld.global.v4.u32``), so the four arrive together;
     four loads on the simulator (the same values)."""
     return _four_int32_on_gpu() if not SIMULATOR else _four_one_by_one
+
+
+@functools.cache
+def _four_float32_on_gpu():
+    load_four = _vector_load(32, 4)
+
+    @cuda.jit(device=True)
+    def four_loaded(row, q):
+        b0, b1, b2, b3 = load_four(row, q)
+        return (
+            np.int32(b0).view(np.float32),
+            np.int32(b1).view(np.float32),
+            np.int32(b2).view(np.float32),
+            np.int32(b3).view(np.float32),
+        )
+
+    return four_loaded
+
+
+@cuda.jit(device=True)
+def _four_float32_one_by_one(row, q):
+    return row[q], row[q + 1], row[q + 2], row[q + 3]
+
+
+def four_float32_loader(wide: bool):
+    """The device function ``(row, q) -> (row[q], ..., row[q + 3])`` for a 1-D
+    C-contiguous float32 array: with ``wide`` (the caller's promise that element ``q``
+    starts at a multiple of 16 bytes) one 16-byte load on the GPU (``ld.global.v4.u32``);
+    else, and on the simulator, four loads of the same elements (so the same values)."""
+    return _four_float32_on_gpu() if wide and not SIMULATOR else _four_float32_one_by_one

@@ -136,6 +136,7 @@ from .dtypes import (
     bf16_pair,
     bf16_pair_values,
     bf16_word,
+    four_float32_loader,
     loader,
     word_halves,
     words_loader,
@@ -172,6 +173,8 @@ def build_mma_expand_kernel(
     whole: bool,
     wide: bool = False,
     whole_groups: bool = False,
+    wide_x: bool = False,
+    wide_b: bool = False,
 ):
     """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
     warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
@@ -183,7 +186,14 @@ def build_mma_expand_kernel(
     ``whole_groups``: the caller's promise that every slice's width is a multiple of a
     warp's ``8 * n_tiles`` columns, so that a warp's column group lies wholly inside its
     slice or wholly past it, and no column or word is clamped or checked against the
-    slice's end ("Whole column groups" in the module notes). The rank
+    slice's end ("Whole column groups" in the module notes), and ``wide_x``: the caller's
+    promise that the fp32 buffer's rows are contiguous and start at multiples of 16
+    bytes, so that a lane's four elements of a row for a rank step come in one 16-byte
+    load ("The buffer in 16-byte loads"; ``whole`` too, so that none lies past the rank),
+    and ``wide_b``: the caller's promise that B's rows start at multiples of 16 bytes,
+    so that with an even number of whole rank steps a lane's words of B for two steps
+    come in one 16-byte load.
+    The rank
     itself is read at run time, so that a test drawing many ranks compiles a handful of
     kernels, not one per rank.
     B and the output are bf16.
@@ -204,6 +214,14 @@ def build_mma_expand_kernel(
     SPLIT = x_dtype == torch.float32
     if not SPLIT and x_dtype != torch.bfloat16:
         raise ValueError(f"the buffer must be fp32 or bf16, got {x_dtype}")
+    if wide_x and not (SPLIT and whole):
+        raise ValueError("16-byte loads of the buffer take an fp32 buffer and a whole rank")
+    WIDE_X = wide_x
+    if wide_b and not (whole and k_steps % 2 == 0):
+        raise ValueError("16-byte loads of B take an even number of whole rank steps")
+    B_STEP = 2 if wide_b else 1  # rank steps whose words of B a lane loads at once
+    KQ = 4 * k_steps  # elements of a row one lane multiplies, over every rank step
+    load_four = four_float32_loader(wide_x)
     add_product = mma_into(torch.bfloat16)
     load_x = loader(x_dtype)
     WARPS, M_TILES, N_TILES, K_STEPS = threads // 32, m_tiles, n_tiles, k_steps
@@ -213,6 +231,7 @@ def build_mma_expand_kernel(
     RUN = 4 if wide else 2  # tiles whose columns a lane holds side by side
     PAIR = RUN // 2  # words a lane reads or writes at once: 1 (8 bytes) or 2 (16 bytes)
     load_pair, store_pair = words_loader(wide), words_storer(wide)
+    load_b_pair = words_loader(wide_b)
     WARP_N = 8 * N_TILES
     BLOCK_N = WARPS * WARP_N
     TERMS = 2 if SPLIT else 1  # products per tile: lo and hi, or the buffer as it is
@@ -254,20 +273,38 @@ def build_mma_expand_kernel(
         )
 
     @cuda.jit(device=True, inline="always")
-    def b_word(b_rows, n0, lane_n, last_n, nj, kk, t):
-        """The lane's word of B for tile nj and rank step kk of the column group at n0:
-        B's column g of tile nj is row n of B (rows past the slice repeat its last)."""
+    def b_words(b_rows, n0, lane_n, last_n, nj, kk, t):
+        """The lane's words of B for tile nj and rank steps kk .. kk + B_STEP - 1 of the
+        column group at n0 (the second is the first again where B_STEP is 1): B's column
+        g of tile nj is row n of B (rows past the slice repeat its last), and the lane's
+        words of a row are K_STEPS side by side ("The rank in a lane's order")."""
         n = n0 + lane_n + uint64(output_column(nj, 0, RUN))
         if not WHOLE_GROUPS:
             n = min(n, last_n)
-        return word_of(b_rows, n, 4 * kk + t)
+        q = K_STEPS * t + kk
+        if B_STEP == 2:
+            return load_b_pair(b_rows[n], q)
+        word = word_of(b_rows, n, q)
+        return word, word
 
     @cuda.jit(device=True, inline="always")
     def load_early_b(early_b, b_rows, n0, lane_n, last_n, t):
         """The lane's words of B for every rank step of the column group at n0."""
-        for kk in range(K_STEPS):
+        for kk in range(0, K_STEPS, B_STEP):
             for nj in range(N_TILES):
-                early_b[kk * N_TILES + nj] = b_word(b_rows, n0, lane_n, last_n, nj, kk, t)
+                first, second = b_words(b_rows, n0, lane_n, last_n, nj, kk, t)
+                early_b[kk * N_TILES + nj] = first
+                early_b[(kk + B_STEP - 1) * N_TILES + nj] = second
+
+    @cuda.jit(device=True, inline="always")
+    def add_step(acc, a, kk, nj, word, my_scratch):
+        """Add rank step kk of tile nj's products, from the lane's word of B, into acc."""
+        b0, b1 = word_halves(word)  # k = KQ t + 4 kk ..
+        for mi in range(M_TILES):
+            p = (mi * N_TILES + nj) * 4
+            for term in range(TERMS):  # lo first, then hi
+                q = ((kk * M_TILES + mi) * TERMS + term) * 4
+                add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, my_scratch)
 
     @cuda.jit(device=True, inline="always")
     def load_old(old, out, token, n0, lane_word, last_start, add_inputs):
@@ -345,8 +382,14 @@ def build_mma_expand_kernel(
         for kk in range(K_STEPS):
             for mi in range(M_TILES):
                 base = (kk * M_TILES + mi) * TERMS * 4
+                if WIDE_X:  # a lane's k = 4t .. 4t + 3 of a row: one 16-byte load each
+                    for half in range(2):
+                        v0, v1, v2, v3 = load_four(x[s, token[2 * mi + half]], KQ * t + 4 * kk)
+                        a[base + 4 + half], a[base + half] = split_pair(v0, v1)
+                        a[base + 6 + half], a[base + 2 + half] = split_pair(v2, v3)
+                    continue
                 for q in range(4):  # a0, a1: rows g, g + 8, k = 4t, 4t+1; a2, a3: 4t+2, 4t+3
-                    k = 16 * kk + 4 * t + 2 * (q // 2)
+                    k = KQ * t + 4 * kk + 2 * (q // 2)
                     row = x[s, token[2 * mi + q % 2]]
                     v0 = element(row, k)
                     v1 = element(row, k + 1)
@@ -362,19 +405,16 @@ def build_mma_expand_kernel(
                 load_old(old, out, token, n0, lane_word, last_start, add_inputs)
             for p in range(OUTPUTS):
                 acc[p] = float32(0.0)
-            for kk in range(K_STEPS):
+            for kk in range(0, K_STEPS, B_STEP):  # each tile's steps in order
                 for nj in range(N_TILES):
                     if EARLY:
-                        word = early_b[kk * N_TILES + nj]
+                        first = early_b[kk * N_TILES + nj]
+                        second = early_b[(kk + B_STEP - 1) * N_TILES + nj]
                     else:
-                        word = b_word(b_rows, n0, lane_n, last_n, nj, kk, t)
-                    b0, b1 = word_halves(word)  # k = 16 kk + 4t ..
-                    for mi in range(M_TILES):
-                        p = (mi * N_TILES + nj) * 4
-                        for term in range(TERMS):  # lo first, then hi
-                            q = ((kk * M_TILES + mi) * TERMS + term) * 4
-                            a0, a1, a2, a3 = a[q], a[q + 1], a[q + 2], a[q + 3]
-                            add_product(acc, p, a0, a1, a2, a3, b0, b1, my_scratch)
+                        first, second = b_words(b_rows, n0, lane_n, last_n, nj, kk, t)
+                    add_step(acc, a, kk, nj, first, my_scratch)
+                    if B_STEP == 2:
+                        add_step(acc, a, kk + 1, nj, second, my_scratch)
             # Word v of row i holds tiles 2v (its columns 0, 1) and 2v + 1 (columns 2,
             # 3): lane t's columns 2t, 2t + 1 of each, in the row's half of the tile.
             for i in range(ROWS):
