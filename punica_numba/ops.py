@@ -666,6 +666,7 @@ def _expand_launch(
             all(width % (8 * n_tiles) == 0 for width in widths),  # whole column groups
             wide_x,  # the buffer in 16-byte loads
             wide_b,  # B in 16-byte loads
+            _one_pass(config, max(widths), config.columns_per_block("expand")),
         )
     else:
         wide = packed and all(_rows_start_at(w.view, 16) for w in weights)
@@ -688,8 +689,7 @@ def _expand_launch(
             chunk = list(weights[base : base + MAX_SLICES])
             starts = columns[base : base + MAX_SLICES]
             widest = max(widths[base : base + MAX_SLICES])
-            groups = -(-widest // (per_block * config.passes))  # each block walks `passes`
-            groups = min(groups, MAX_GRID_YZ) if config.spread else 1
+            groups = _column_blocks(config, widest, per_block)
             grid = (blocks, len(chunk), groups)
             chunk += [chunk[0]] * (MAX_SLICES - len(chunk))
             starts += [0] * (MAX_SLICES - len(starts))
@@ -698,6 +698,19 @@ def _expand_launch(
 
     launch.config = config  # what was chosen (the benchmark reports it)
     return launch
+
+
+def _column_blocks(config: LaunchConfig, width: int, per_block: int) -> int:
+    """Blocks along a slice of ``width`` columns (the grid's z): each walks ``passes``
+    groups of ``per_block`` columns, and as many more as the grid is short of."""
+    groups = -(-width // (per_block * config.passes))
+    return min(groups, MAX_GRID_YZ) if config.spread else 1
+
+
+def _one_pass(config: LaunchConfig, width: int, per_block: int) -> bool:
+    """Whether no block walks a second column group of a slice of ``width`` columns: the
+    grid has a block for every group."""
+    return _column_blocks(config, width, per_block) * per_block >= width
 
 
 @torch.no_grad()

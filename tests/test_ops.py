@@ -289,6 +289,56 @@ def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypat
 @pytest.mark.parametrize(
     "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
 )
+def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypatch):
+    """At r=32 the tensor-core expand reads the buffer and B 16 bytes at a time where their
+    rows start at multiples of 16 bytes (``wide_x``, ``wide_b``), and where the grid has a
+    block for every column group (a slice no wider than a block's columns here) it is built
+    for one pass (``one_pass``: B loaded ahead, no second group). Right, and the same bits
+    as the build with all three off (forced), and as the call whose buffer and B start 8
+    bytes past (where the ops must turn the loads off)."""
+    from punica_numba import reference
+    from punica_numba.meta import LoRAKernelMeta
+
+    from .strategies import DEVICE
+
+    built, forced_off = [], []
+    build = ops.build_mma_expand_kernel
+
+    def build_recorded(*a):
+        a = a[:8] + (False, False, False) if forced_off else a
+        built.append(a[8:])
+        return build(*a)
+
+    monkeypatch.setattr(ops, "build_mma_expand_kernel", build_recorded)
+    gen = torch.Generator().manual_seed(13)
+    slots = torch.tensor([2, 0, 1, -1, 1, 0, 2, 2, 0, 1, 1, 2, 0, 0, 1, 2, 2, 1])
+    T, L, r = len(slots), 3, 32
+    widths = [config.columns_per_block("expand")]
+    meta = LoRAKernelMeta.make(L, T, DEVICE)
+    meta.prepare_tensors(slots.to(DEVICE))
+    x = torch.randn(len(widths), T, r, generator=gen).to(DEVICE)
+    weights = [torch.randn(L, n, r, generator=gen).to(DEVICE, torch.bfloat16) for n in widths]
+    old = torch.randn(T, sum(widths), generator=gen).to(DEVICE, torch.bfloat16)
+    want = reference.lora_expand(x, weights, old, slots.to(DEVICE), 0, True)
+    outputs = []
+    for run in ("aligned", "forced off", "8 bytes past"):
+        forced_off[:] = [True] if run == "forced off" else []
+        x_run, w_run = x, weights
+        if run == "8 bytes past":
+            x_run, w_run = rows_at_8_bytes(x), [rows_at_8_bytes(w) for w in weights]
+        out = old.clone()
+        with force_launch_config("expand", config):
+            lora_expand(x_run, w_run, out, *meta.meta_args(T), add_inputs=True)
+        error = ((out.double() - want).abs().max() / want.abs().max()).item()
+        assert error < 1e-2, (run, error)
+        outputs.append(out)
+    assert built == [(True, True, True), (False, False, False), (False, False, True)], built
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+@pytest.mark.parametrize(
+    "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
+)
 def test_tensor_core_expand_on_metadata_made_elsewhere(config):
     """vLLM's six metadata tensors made without ``LoRAKernelMeta`` (copies: no host-side
     facts) have no tile table or tile tokens kept for them; the launch makes both on the

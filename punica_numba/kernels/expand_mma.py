@@ -13,8 +13,8 @@ at once:
   N_TILES`` products of 16 tokens x 8 columns, each over the rank in steps of 16;
 * the A operand is the buffer row ``x[s, token, :]``, the B operand row n of
   ``B_s[slot]``, both read straight into fragment registers (no shared memory), lane
-  ``t`` taking the elements ``4t .. 4t + 3`` of each step of 16 (for B one 8-byte word),
-  in the order of :mod:`.shrink_mma`'s "Whole words".
+  ``t`` taking four neighbouring elements of each rank step (for B one 8-byte word), in
+  the order of "The rank in a lane's order" below.
 
 **Whole words of output.** A product tile leaves each lane two neighbouring columns of
 a row (``2t, 2t + 1``, ``t = lane % 4``). Read and written that way, a warp's access
@@ -53,6 +53,24 @@ The sum is a tensor-core sum, not the FFMA kernels' sequential one, so this kern
 an arithmetic key of its own (:meth:`..launch.LaunchConfig.arithmetic`); it does not
 depend on the tile shapes.
 
+**The rank in a lane's order.** The fragment layout (:mod:`.mma`) gives lane ``t``
+elements ``2t, 2t + 1`` and ``2t + 8, 2t + 9`` of each step of 16, but a dot product
+does not care in which order its k come, only that the buffer and B agree (as in
+:mod:`.shrink_mma`'s "Whole words"). So lane ``t`` takes, in rank step ``kk`` of
+``K_STEPS``, the four elements ``4 K_STEPS t + 4 kk .. + 3``: over all the steps its
+elements of a row are ``4 K_STEPS`` neighbours. Of B that is ``K_STEPS`` neighbouring
+8-byte words, so where the rank is a multiple of 32 and B's rows start at multiples of
+16 bytes (``wide_b``) a lane reads two steps' words in one 16-byte load; of an fp32
+buffer row, each step's four elements are 16 neighbouring bytes, one 16-byte load where
+the rank is a multiple of 16 and the rows start at multiples of 16 bytes (``wide_x``).
+Before v19 lane ``t`` took ``16 kk + 4t ..`` and read the buffer one element at a time:
+at r=64 a lane's 32 four-byte loads of the buffer and 32 eight-byte loads of B became 8
+and 16 sixteen-byte ones. On the H200 (``h200_v19_candidates.json``; two or three runs
+each, one process per package) the buffer's loads alone took r=64 256/16 from 7.7-8.1 µs
+to 7.2-7.5, 256 tokens on one LoRA from 4.1-4.2 to 4.0; B's too took r=64 4096/64 from
+40.3 to 32.9-34.0. The sums are the same products in another grouping: bits differ from
+v18's, but every configuration at a rank still gives the same ones.
+
 **Instructions.** With the products on the tensor cores, what is left is bookkeeping,
 and on the H200 that bookkeeping set the pace (Nsight Compute, T=4096 on one LoRA: 77 %
 of the SMs' issue rate, 12 % of the DRAM bandwidth). Three things cut it by 40 % (1,416
@@ -78,7 +96,9 @@ and the old outputs only for the tokens, but written in the order "buffer, then 
 rest", ptxas issued B's loads only after the buffer's values had arrived and been
 split (it does not move loads across the work that waits on them): one more trip in
 the chain. So where a lane's words of B for every rank step fit in
-:data:`EARLY_B_WORDS` (r <= 32 with 64 columns a warp, r <= 64 with 32), the kernel
+:data:`EARLY_B_WORDS` (r <= 32 with 64 columns a warp, r <= 64 with 32; or
+:data:`ONE_PASS_B_WORDS`, r <= 64 with 64 columns, where no block walks a second
+column group: ``one_pass``), the kernel
 loads B right after the table and the old outputs right after the tokens, before the
 buffer, and a block that walks several column groups loads the next group's B and
 old outputs right after its stores. On the H200 (``h200_v14_candidates.json``, run
@@ -87,6 +107,13 @@ D) that took 64 tokens over 8 LoRAs from 4.08 to 3.91 µs, 256 over 16 from 5.23
 registers run out: loading half of them early, ptxas spilled 120 bytes a thread at
 the 128-register ceiling and r=64 256/16 went from 8.3 to 8.9 µs (run B), so those
 builds keep the first order. Either order does the same arithmetic: the same bits.
+Since v19 a build whose blocks each take one column group (``one_pass``: the grid has a
+block for every group) loads the 32 words early all the same, without the ceiling:
+nothing of a second pass is kept live, and ptxas gives it 134 registers and no spills.
+Without it, ptxas had issued the old outputs only once B's products were under way, a
+third trip. On the H200 (v19, three runs each, with the 16-byte loads below) r=64 64/8
+went from 5.39-5.51 µs to 5.15-5.39 and 256/16 from 7.25-7.44 to 7.12-7.29; the same
+early loads with the buffer read element by element had lost (256/16 7.7 -> 8.2).
 
 The tokens themselves were a trip of their own: a block read its tile's ``position``
 from the table, then ``sorted_tokens[position + j]``. Since v16 each tile's tokens sit in
@@ -113,11 +140,11 @@ columns a warp 576 SASS instructions instead of 808 (r=64: 792 instead of 952; p
 13.0 for sm_90, at the 128-register ceiling).
 
 **Registers.** At most 128 a thread (:data:`MAX_REGISTERS`), so that an SM holds 16
-warps of it. ptxas gave the 16-byte-word kernel 132 at r=64 on the H200, and 12 warps
-fitted: 4096 tokens on 64 LoRAs took 60.5 µs, against 44.7 µs with the ceiling (124
-registers, no spills). The ceiling binds only where ptxas goes over it
-(:func:`.._cuda.jit_kernel`): imposed on every build it made ptxas spend more, 78
-registers at r=16 became 102, and slower.
+warps of it (except the one-pass builds that hold every word of B early: above). ptxas
+gave the 16-byte-word kernel 132 at r=64 on the H200, and 12 warps fitted: 4096 tokens
+on 64 LoRAs took 60.5 µs, against 44.7 µs with the ceiling (124 registers, no spills).
+The ceiling binds only where ptxas goes over it (:func:`.._cuda.jit_kernel`): imposed on
+every build it made ptxas spend more, 78 registers at r=16 became 102, and slower.
 
 Memory traffic per block: ``TILE_M * r`` buffer elements, ``BLOCK_N * r`` of B (from L2
 after the first tile of a slot), and ``TILE_M * BLOCK_N`` outputs (read too when
@@ -151,6 +178,9 @@ __all__ = ["build_mma_expand_kernel", "output_column"]
 WORD_COLUMNS = 4
 #: Words of B (two registers each) a lane loads ahead, before the tokens are known.
 EARLY_B_WORDS = 16
+#: ... or, where no block walks a second column group, this many (r=64 with 64 columns a
+#: warp): the registers they need are then lifted above MAX_REGISTERS ("Registers").
+ONE_PASS_B_WORDS = 32
 #: The most registers a thread may have: 65536 / 128 = 16 warps an SM (module notes).
 MAX_REGISTERS = 128
 
@@ -175,6 +205,7 @@ def build_mma_expand_kernel(
     whole_groups: bool = False,
     wide_x: bool = False,
     wide_b: bool = False,
+    one_pass: bool = False,
 ):
     """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
     warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
@@ -241,7 +272,9 @@ def build_mma_expand_kernel(
     SCRATCH_WARPS = WARPS if SIMULATOR else 1  # the GPU never touches the scratch
     # Whether the lane's words of B for every rank step fit EARLY_B_WORDS: then they are
     # loaded first and the old outputs before the buffer ("Order of the loads").
-    EARLY = K_STEPS * N_TILES <= EARLY_B_WORDS
+    ONE_PASS = one_pass  # no block walks a second column group
+    EARLY = K_STEPS * N_TILES <= (ONE_PASS_B_WORDS if ONE_PASS else EARLY_B_WORDS)
+    CEILING = MAX_REGISTERS if K_STEPS * N_TILES <= EARLY_B_WORDS or not EARLY else None
     EARLY_WORDS = K_STEPS * N_TILES if EARLY else 1  # (a local array has at least one)
     WHOLE_GROUPS = whole_groups  # no column of a group that starts in the slice lies past it
 
@@ -326,7 +359,7 @@ def build_mma_expand_kernel(
                 else:
                     old[i * WORDS + v] = row[word]
 
-    @jit_kernel(threads, MAX_REGISTERS)
+    @jit_kernel(threads, CEILING)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows, add_inputs):
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
         # out: [M, W/4] int64 words; col*: the word of a slice's first column;
@@ -382,14 +415,14 @@ def build_mma_expand_kernel(
         for kk in range(K_STEPS):
             for mi in range(M_TILES):
                 base = (kk * M_TILES + mi) * TERMS * 4
-                if WIDE_X:  # a lane's k = 4t .. 4t + 3 of a row: one 16-byte load each
+                if WIDE_X:  # the lane's four k of the step, of each row: one 16-byte load
                     for half in range(2):
                         v0, v1, v2, v3 = load_four(x[s, token[2 * mi + half]], KQ * t + 4 * kk)
                         a[base + 4 + half], a[base + half] = split_pair(v0, v1)
                         a[base + 6 + half], a[base + 2 + half] = split_pair(v2, v3)
                     continue
-                for q in range(4):  # a0, a1: rows g, g + 8, k = 4t, 4t+1; a2, a3: 4t+2, 4t+3
-                    k = KQ * t + 4 * kk + 2 * (q // 2)
+                for q in range(4):  # a0, a1: rows g, g + 8, k = k0, k0 + 1; a2, a3: k0 + 2, k0 + 3
+                    k = KQ * t + 4 * kk + 2 * (q // 2)  # k0 = KQ t + 4 kk
                     row = x[s, token[2 * mi + q % 2]]
                     v0 = element(row, k)
                     v1 = element(row, k + 1)
@@ -429,6 +462,8 @@ def build_mma_expand_kernel(
                                 store_pair(row, word, first, new_word(acc, old, mi, half, i, v + 1))
                             else:
                                 row[word] = first
+            if ONE_PASS:  # (no second pass to prepare: fewer registers live in the loop)
+                break
             n0 += step_n
             if EARLY and n0 < uint64(width):  # the next pass's loads, as before the first
                 load_early_b(early_b, b_rows, n0, lane_n, last_n, t)
