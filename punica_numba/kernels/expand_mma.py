@@ -111,7 +111,7 @@ Since v19 a build whose blocks each take one column group (``one_pass``: the gri
 block for every group) loads the 32 words early all the same, without the ceiling:
 nothing of a second pass is kept live, and ptxas gives it 134 registers and no spills.
 Without it, ptxas had issued the old outputs only once B's products were under way, a
-third trip. On the H200 (v19, three runs each, with the 16-byte loads below) r=64 64/8
+third trip. On the H200 (v19, three runs each, with the 16-byte loads above) r=64 64/8
 went from 5.39-5.51 µs to 5.15-5.39 and 256/16 from 7.25-7.44 to 7.12-7.29; the same
 early loads with the buffer read element by element had lost (256/16 7.7 -> 8.2).
 
@@ -210,23 +210,28 @@ def build_mma_expand_kernel(
     """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
     warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
     (``n_tiles`` even: two tiles make a lane's word), the rank in steps of 16 (``k_steps
-    = ceil(r / 16)``), ``whole``: whether r is a multiple of 16, so that no step
-    reaches past it and no bound is checked, and ``wide``: 16-byte words of output
-    (``n_tiles`` a multiple of 4; the caller's promise that output rows start at
-    multiples of 16 bytes and slices start and end at multiples of 8 columns) and
-    ``whole_groups``: the caller's promise that every slice's width is a multiple of a
-    warp's ``8 * n_tiles`` columns, so that a warp's column group lies wholly inside its
-    slice or wholly past it, and no column or word is clamped or checked against the
-    slice's end ("Whole column groups" in the module notes), and ``wide_x``: the caller's
-    promise that the fp32 buffer's rows are contiguous and start at multiples of 16
-    bytes, so that a lane's four elements of a row for a rank step come in one 16-byte
-    load ("The buffer in 16-byte loads"; ``whole`` too, so that none lies past the rank),
-    and ``wide_b``: the caller's promise that B's rows start at multiples of 16 bytes,
-    so that with an even number of whole rank steps a lane's words of B for two steps
-    come in one 16-byte load.
-    The rank
-    itself is read at run time, so that a test drawing many ranks compiles a handful of
-    kernels, not one per rank.
+    = ceil(r / 16)``), and:
+
+    * ``whole``: whether r is a multiple of 16, so that no step reaches past it and no
+      bound is checked;
+    * ``wide``: 16-byte words of output (``n_tiles`` a multiple of 4; the caller's
+      promise that output rows start at multiples of 16 bytes and slices start and end
+      at multiples of 8 columns);
+    * ``whole_groups``: the caller's promise that every slice's width is a multiple of a
+      warp's ``8 * n_tiles`` columns, so that a warp's column group lies wholly inside
+      its slice or wholly past it, and no column or word is clamped or checked against
+      the slice's end ("Whole column groups" in the module notes);
+    * ``wide_x``: the caller's promise that the fp32 buffer's rows are contiguous and
+      start at multiples of 16 bytes, so that a lane's four elements of a row for a rank
+      step come in one 16-byte load (``whole`` too, so that none lies past the rank);
+    * ``wide_b``: the caller's promise that B's rows start at multiples of 16 bytes, so
+      that with an even number of whole rank steps a lane's words of B for two steps
+      come in one 16-byte load (both: "The rank in a lane's order");
+    * ``one_pass``: the caller's promise that the grid has a block for every column
+      group, so that no block walks a second one ("Order of the loads").
+
+    The rank itself is read at run time, so that a test drawing many ranks compiles a
+    handful of kernels, not one per rank.
     B and the output are bf16.
 
     The kernel takes the buffer as fp32, or as the int16 bits of its bf16 elements; B
