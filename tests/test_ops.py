@@ -286,6 +286,27 @@ def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypat
     assert torch.equal(outputs[0], outputs[1])
 
 
+def _expand_problem(slots, num_loras, rank, widths, seed, meta_tokens=None):
+    """``(meta, x, weights, old, want)`` on the test device: metadata for ``slots`` (made
+    for ``meta_tokens`` tokens, all of them by default), an fp32 buffer, bf16 B for each
+    width, old bf16 outputs, and the reference's result of adding into them."""
+    from punica_numba import reference
+    from punica_numba.meta import LoRAKernelMeta
+
+    from .strategies import DEVICE
+
+    gen = torch.Generator().manual_seed(seed)
+    meta = LoRAKernelMeta.make(num_loras, meta_tokens or len(slots), DEVICE)
+    meta.prepare_tensors(slots.to(DEVICE))
+    x = torch.randn(len(widths), len(slots), rank, generator=gen).to(DEVICE)
+    weights = [
+        torch.randn(num_loras, n, rank, generator=gen).to(DEVICE, torch.bfloat16) for n in widths
+    ]
+    old = torch.randn(len(slots), sum(widths), generator=gen).to(DEVICE, torch.bfloat16)
+    want = reference.lora_expand(x, weights, old, slots.to(DEVICE), 0, True)
+    return meta, x, weights, old, want
+
+
 @pytest.mark.parametrize(
     "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
 )
@@ -296,11 +317,6 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
     for one pass (``one_pass``: B loaded ahead, no second group). Right, and the same bits
     as the build with all three off (forced), and as the call whose buffer and B start 8
     bytes past (where the ops must turn the loads off)."""
-    from punica_numba import reference
-    from punica_numba.meta import LoRAKernelMeta
-
-    from .strategies import DEVICE
-
     built, forced_off = [], []
     build = ops.build_mma_expand_kernel
 
@@ -310,16 +326,9 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
         return build(*a)
 
     monkeypatch.setattr(ops, "build_mma_expand_kernel", build_recorded)
-    gen = torch.Generator().manual_seed(13)
     slots = torch.tensor([2, 0, 1, -1, 1, 0, 2, 2, 0, 1, 1, 2, 0, 0, 1, 2, 2, 1])
-    T, L, r = len(slots), 3, 32
-    widths = [config.columns_per_block("expand")]
-    meta = LoRAKernelMeta.make(L, T, DEVICE)
-    meta.prepare_tensors(slots.to(DEVICE))
-    x = torch.randn(len(widths), T, r, generator=gen).to(DEVICE)
-    weights = [torch.randn(L, n, r, generator=gen).to(DEVICE, torch.bfloat16) for n in widths]
-    old = torch.randn(T, sum(widths), generator=gen).to(DEVICE, torch.bfloat16)
-    want = reference.lora_expand(x, weights, old, slots.to(DEVICE), 0, True)
+    width = config.columns_per_block("expand")
+    meta, x, weights, old, want = _expand_problem(slots, 3, 32, [width], seed=13)
     outputs = []
     for run in ("aligned", "forced off", "8 bytes past"):
         forced_off[:] = [True] if run == "forced off" else []
@@ -328,7 +337,7 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
             x_run, w_run = rows_at_8_bytes(x), [rows_at_8_bytes(w) for w in weights]
         out = old.clone()
         with force_launch_config("expand", config):
-            lora_expand(x_run, w_run, out, *meta.meta_args(T), add_inputs=True)
+            lora_expand(x_run, w_run, out, *meta.meta_args(len(slots)), add_inputs=True)
         error = ((out.double() - want).abs().max() / want.abs().max()).item()
         assert error < 1e-2, (run, error)
         outputs.append(out)
@@ -343,20 +352,9 @@ def test_tensor_core_expand_on_metadata_made_elsewhere(config):
     """vLLM's six metadata tensors made without ``LoRAKernelMeta`` (copies: no host-side
     facts) have no tile table or tile tokens kept for them; the launch makes both on the
     device. Right, and the same bits as with the meta's own."""
-    from punica_numba import reference
-    from punica_numba.meta import LoRAKernelMeta
-
-    from .strategies import DEVICE
-
-    gen = torch.Generator().manual_seed(13)
     slots = torch.tensor([2, 2, -1, 0, 2, 1, 2, 2, 0, 2, 2, 1, 2, 0, 2, 2, 2, -1, 2, 2])
-    T, L, r, widths = len(slots), 3, 16, [64, 32]
-    meta = LoRAKernelMeta.make(L, T + 5, DEVICE)
-    meta.prepare_tensors(slots.to(DEVICE))
-    x = torch.randn(len(widths), T, r, generator=gen).to(DEVICE)
-    weights = [torch.randn(L, n, r, generator=gen).to(DEVICE, torch.bfloat16) for n in widths]
-    old = torch.randn(T, sum(widths), generator=gen).to(DEVICE, torch.bfloat16)
-    want = reference.lora_expand(x, weights, old, slots.to(DEVICE), 0, True)
+    T = len(slots)
+    meta, x, weights, old, want = _expand_problem(slots, 3, 16, [64, 32], 13, meta_tokens=T + 5)
     outputs = []
     for args in (meta.meta_args(T), [t.clone() for t in meta.meta_args(T)]):
         assert (ops.host_facts_of(args[4]) is None) == (len(outputs) == 1)
