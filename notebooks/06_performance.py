@@ -446,6 +446,21 @@ else:
 # asking L2 for B's rows right after the table took 8.7-8.9 µs. Nsight Compute says what
 # the chain hid: the 1,024 one-warp blocks are a single wave that fills 13 % of the SMs'
 # warp slots, and the time is latency on that few warps.
+#
+# What did move it was fewer, wider loads. A dot product does not care in which order
+# its k come, only that both operands agree, so each lane takes four neighbouring rank
+# elements per step, and the buffer and B come 16 bytes at a time: at r=64 a lane's 64
+# loads become 24. At r=64 that took 256 tokens over 16 LoRAs from 7.7 to 7.3 µs and
+# 4096 over 64 from 40.5 to 33.0 (`h200_v19_candidates.json`; `kernels.expand_mma`, "The
+# rank in a lane's order"); copying B to shared memory with `cp.async`, which holds no
+# register, had lost (8.1 µs).
+#
+# One more thing to know when timing small kernels: in a process, the first three CUDA
+# graphs ran them about 0.35 µs per call faster than every graph from the fourth capture
+# on, the first graph included (`h200_v19_candidates.json`, "graph_state_note"; the cause
+# is not known). The benchmark's first two cases, the one-token shrink and expand at r=16,
+# fall in that window: after a few captures they take 3.0 and 2.8 µs, not 2.7 and 2.4.
+# A/B comparisons stay fair when every process runs the same cases in the same order.
 
 # %% [markdown]
 # ## Reading it
