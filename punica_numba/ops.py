@@ -651,6 +651,7 @@ def _expand_launch(
         operands = _mma_expand_operands(inputs, weights, w_words, output_tensor, columns)
         if operands is None:  # the tensor cores cannot take this call
             config = choose()
+    per_block = config.columns_per_block("expand", words)
     if operands is not None:
         x, weights, out, wide, wide_x, wide_b = operands
         columns = [c // 4 for c in columns]  # the kernel places slices by 4-column words
@@ -666,7 +667,7 @@ def _expand_launch(
             all(width % (8 * n_tiles) == 0 for width in widths),  # whole column groups
             wide_x,  # the buffer in 16-byte loads
             wide_b,  # B in 16-byte loads
-            _one_pass(config, max(widths), config.columns_per_block("expand")),
+            _one_pass(config, max(widths), per_block),
         )
     else:
         wide = packed and all(_rows_start_at(w.view, 16) for w in weights)
@@ -674,7 +675,6 @@ def _expand_launch(
         kernel = _expand_kernel(
             config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide
         )
-    per_block = config.columns_per_block("expand", words)
     table, tokens, blocks = _tiles(num_tokens, metadata, "expand", config, meta_facts)
     if config.reads_tile_tokens("expand"):  # each tile's tokens, from a row of their own
         meta = _kernel_metadata((table, tokens), meta_facts, (config.tile_m, "rows"))
