@@ -50,3 +50,27 @@ def test_floor_bytes_match_the_issue_table():
 def test_uniform_mode_uses_ceil_sqrt_loras():
     assert bench.Case("shrink", 1024, "uniform", 8, 4, "bf16", [8]).num_loras == 32
     assert bench.Case("shrink", 5, "uniform", 8, 4, "bf16", [8]).num_loras == 3
+
+
+@pytest.mark.gpu
+def test_timing_settles_the_process_graphs_once(monkeypatch):
+    """Before the first graph it times, a process makes ``SETTLING_CAPTURES`` captures of
+    its own (a process's first three graphs run small kernels faster than the later ones
+    on the H200: every case is timed in the later state), and only once."""
+    import torch
+
+    made, real = [], torch.cuda.CUDAGraph
+
+    def counted(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", counted)
+    monkeypatch.setattr(bench, "_settled", False)
+    x = torch.zeros(8, device="cuda")
+    counts = []
+    for _ in range(2):
+        before = len(made)
+        bench.time_calls([lambda: x.add_(1.0)], repeats=2)
+        counts.append(len(made) - before)
+    assert counts == [bench.SETTLING_CAPTURES + 1, 1], counts
