@@ -165,12 +165,20 @@ MMA_MAX_RANK = 64
 
 
 def _expand_kernel(
-    config: LaunchConfig, x_dtype, w_dtype, out_dtype, packed: bool, words: int, wide: bool
+    config: LaunchConfig,
+    x_dtype,
+    w_dtype,
+    out_dtype,
+    packed: bool,
+    words: int,
+    wide: bool,
+    one_slot: bool = False,
 ):
     """The FFMA expand kernel ``config`` names, compiled (once) for these dtypes, B packed
-    or not, ``words`` per row of B, and (packed) whether B's rows start at multiples of 16
-    bytes. The row kernel compiles a row's length in only up to
-    :data:`~.kernels.COMPILED_WORDS` words (past it, reads it at run time)."""
+    or not, ``words`` per row of B, (packed) whether B's rows start at multiples of 16
+    bytes, and (lane-split) whether it loads B before the slot (:func:`_one_slot`). The row
+    kernel compiles a row's length in only up to :data:`~.kernels.COMPILED_WORDS` words
+    (past it, reads it at run time)."""
     if config.kernel == "lanes":
         return build_lanes_expand_kernel(
             x_dtype,
@@ -182,6 +190,7 @@ def _expand_kernel(
             packed,
             words,
             wide,
+            one_slot,
         )
     if config.kernel == "tiled":
         return build_tiled_expand_kernel(
@@ -199,6 +208,17 @@ def _expand_kernel(
     return build_expand_kernel(
         x_dtype, w_dtype, out_dtype, config.threads, config.tile_m, packed, config.vec, words
     )
+
+
+def _one_slot(op: str, config: LaunchConfig, num_loras: int, facts) -> bool:
+    """Whether blocks of ``config`` take one token each and load the weights before they
+    know the token's slot: where the weight stacks hold one slot (``kernels.shrink``,
+    "One slot"), for the row shrink and the lane-split expand, and only on
+    ``LoRAKernelMeta``'s metadata (``facts``), whose ``token_lora_mapping`` the kernel
+    then reads: it agrees with the segments by construction, and holds -1 past the
+    prepared tokens."""
+    kernel = {"shrink": "rows", "expand": "lanes"}[op]
+    return facts is not None and num_loras == 1 and config.kernel == kernel and config.tile_m == 1
 
 
 def _check_devices_and_metadata(
@@ -449,7 +469,7 @@ def _shrink_launch(
     active = meta_facts and meta_facts.active_slots
     slices = len(weights)
     config = choose_launch_config("shrink", num_tokens, active, rank, True, slices)
-    operands = None
+    operands, one_slot, weights_in = None, False, weights
     if config.kernel == "mma":
         operands = _mma_shrink_operands(inputs, weights)
         if operands is None:  # the tensor cores cannot take this call
@@ -476,6 +496,7 @@ def _shrink_launch(
         packed = x_words is not None and w_words is not None
         x = x_words if packed else inputs
         weights = w_words if packed else [elements for _, elements in _weight_forms(weights)]
+        one_slot = _one_slot("shrink", config, weights_in[0].num_loras, meta_facts)
         kernel = build_shrink_kernel(
             inputs.dtype,
             output_tensor.dtype,
@@ -487,9 +508,14 @@ def _shrink_launch(
             # A block a group, without a run-time loop step (shrink's "One pass"), where
             # the grid has a block for every group and a thread holds few words.
             config.spread and rank_groups == groups and config.tile_n <= 4,
+            one_slot,
         )
-    table, _, blocks = _tiles(num_tokens, metadata, "shrink", config, meta_facts)
-    meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)
+    if one_slot:  # a block a token, which reads its slot from the mapping
+        blocks = num_tokens
+        meta = _kernel_metadata((metadata[0], metadata[1]), meta_facts, "mapping")
+    else:
+        table, _, blocks = _tiles(num_tokens, metadata, "shrink", config, meta_facts)
+        meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)
     launcher = _launcher(kernel)
     scaling32 = np.float32(scaling)
 
@@ -646,7 +672,7 @@ def _expand_launch(
     )
     config = choose(tensor_cores=True)
     x, out = inputs, output_tensor
-    operands = None
+    operands, one_slot = None, False
     if config.kernel == "mma":
         operands = _mma_expand_operands(inputs, weights, w_words, output_tensor, columns)
         if operands is None:  # the tensor cores cannot take this call
@@ -671,15 +697,20 @@ def _expand_launch(
         )
     else:
         wide = packed and all(_rows_start_at(w.view, 16) for w in weights)
+        one_slot = _one_slot("expand", config, weights[0].num_loras, meta_facts)
         weights = w_words if packed else [elements for _, elements in _weight_forms(weights)]
         kernel = _expand_kernel(
-            config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide
+            config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide, one_slot
         )
-    table, tokens, blocks = _tiles(num_tokens, metadata, "expand", config, meta_facts)
-    if config.reads_tile_tokens("expand"):  # each tile's tokens, from a row of their own
-        meta = _kernel_metadata((table, tokens), meta_facts, (config.tile_m, "rows"))
+    if one_slot:  # a block a token, which reads its slot from the mapping
+        blocks = num_tokens
+        meta = _kernel_metadata((metadata[0], metadata[1]), meta_facts, "mapping")
     else:
-        meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)
+        table, tokens, blocks = _tiles(num_tokens, metadata, "expand", config, meta_facts)
+        if config.reads_tile_tokens("expand"):  # each tile's tokens, from a row of their own
+            meta = _kernel_metadata((table, tokens), meta_facts, (config.tile_m, "rows"))
+        else:
+            meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)
     launcher = _launcher(kernel)
 
     def launch() -> None:

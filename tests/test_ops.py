@@ -397,3 +397,45 @@ def test_lane_split_expand_at_every_lane_count(rank, aligned, monkeypatch):
     words = rank // 4 if packed else rank
     wide = aligned and rank % 8 == 0  # every row at a multiple of 16 bytes (not r=20's)
     assert built and set(built) == {(packed, words, wide)}, built
+
+
+@pytest.mark.parametrize("num_loras", [1, 2])
+@pytest.mark.parametrize("op", ["shrink", "expand"])
+def test_one_slot_gives_the_tables_bits(op, num_loras, monkeypatch):
+    """On weight stacks of one slot, blocks of one token take their token by their own
+    index and load the weights before they know its slot (``kernels.shrink``, "One
+    slot"): right, with tokens of no LoRA and padded rows past the prepared tokens, over
+    two slices, and the same bits as the table's blocks (``ops._one_slot`` turned off).
+    Stacks of two slots keep the table."""
+    from .op_cases import Problem, ShrinkCase, serving_expand_case
+
+    name = {"shrink": "build_shrink_kernel", "expand": "build_lanes_expand_kernel"}[op]
+    built, build = [], getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *a: built.append(a[-1]) or build(*a))
+    slots = [min(s, num_loras - 1) for s in (1, -1, 0, 1, 0)] + [-1]  # the last: padding
+    problem = Problem(slots=slots, prepared=5, num_loras=num_loras, seed=29)
+    config = next(
+        c
+        for c in launch_configs(op)
+        if c.tile_m == 1 and c.kernel == ("rows" if op == "shrink" else "lanes")
+    )
+    outputs, one_slot = [], ops._one_slot
+
+    def recorded(impl):
+        def run(*args, **kwargs):
+            impl(*args, **kwargs)
+            outputs.append(args[2].clone())
+
+        return run
+
+    for allowed in (True, False):
+        monkeypatch.setattr(ops, "_one_slot", one_slot if allowed else lambda *a: False)
+        with force_launch_config(op, config):
+            if op == "shrink":
+                case = ShrinkCase(problem, 64, 8, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+                check_shrink(recorded(lora_shrink), case)
+            else:
+                case = serving_expand_case(problem, 16, [40, 24], offset_start=3)
+                check_expand(recorded(lora_expand), case)
+    assert built == [num_loras == 1, False], built
+    assert torch.equal(outputs[0], outputs[1])

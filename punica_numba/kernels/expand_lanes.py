@@ -35,6 +35,12 @@ not on the block's shape: every lane-split configuration gives the same bits
 no shuffles; there the parts go through shared memory and the group's first lane adds
 them in the butterfly's order.
 
+Where the weight stacks hold one slot, blocks of one token load B before they know the
+token's slot, as the row shrink's do (:mod:`.shrink`, "One slot"): block b takes token
+b, and loads its buffer row, old outputs and slot 0's rows of B together with the
+token's slot, so that a one-token expand waits for one trip to memory instead of two.
+The same products in the same order: the same bits.
+
 Memory traffic per block: ``COLUMNS * r`` elements of B, ``TILE_M * r`` of x, and
 ``TILE_M * COLUMNS`` outputs (read too when ``add_inputs``).
 """
@@ -94,14 +100,20 @@ def build_lanes_expand_kernel(
     packed: bool,
     words: int,
     wide: bool = False,
+    one_slot: bool = False,
 ):
     """Compile-time specialisation on dtypes, threads per block (whole warps), the token
     tile, the passes per lane group (``vec`` columns a group), whether B arrives as
     packed int64 words, the words in one row of B (the rank, or rank / PACK when
-    packed) and, packed, whether every row of B starts at a multiple of 16 bytes
-    (``wide``: 16-byte loads)."""
+    packed), packed, whether every row of B starts at a multiple of 16 bytes
+    (``wide``: 16-byte loads), and ``one_slot``: the weight stacks hold one slot, and a
+    block of one token loads its rows of B before it knows its token's slot (module
+    notes; ``tile_m`` must be 1). The kernel's ``tiles`` argument is then
+    ``token_lora_mapping``, and the grid has a block per token."""
     if threads % WARP:
         raise ValueError(f"threads must be whole warps, got {threads}")
+    if one_slot and tile_m != 1:
+        raise ValueError(f"one_slot needs tiles of one token, got tile_m={tile_m}")
     if words < 1:
         raise ValueError(f"words must be at least 1, got {words}")
     load_x, load_out, store_out = loader(x_dtype), loader(out_dtype), storer(out_dtype)
@@ -117,6 +129,7 @@ def build_lanes_expand_kernel(
     STEPS = LANES.bit_length() - 1  # of the butterfly: offsets LANES / 2, ..., 1
     COLUMNS = GROUPS * VEC
     OUTPUTS = TILE_M * VEC
+    ONE_SLOT = one_slot
     X_ELEMENTS, PART_WORDS = TILE_M * XPART, VEC * LW  # (local arrays need constant sizes)
     SHUFFLE = not SIMULATOR
     FULL_MASK = 0xFFFFFFFF
@@ -124,9 +137,14 @@ def build_lanes_expand_kernel(
     @jit_kernel(THREADS)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
         # x: [S, M, r]; w*: [L, N_s, W] words; out: [M, width]; col*: first column of a slice
-        slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
-        if slot == -1:
-            return
+        # (one slot: tiles is token_lora_mapping, [M], and block b takes token b)
+        if ONE_SLOT:
+            slot = int64(tiles[cuda.blockIdx.x])  # tested only where the block stores
+            position, rows, first_token = 0, 1, cuda.blockIdx.x
+        else:
+            slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
+            if slot == -1:
+                return
         s_local = cuda.blockIdx.y
         w, column0 = slice_of(s_local, w0, w1, w2, col0, col1, col2)
         s = slice_base + s_local
@@ -160,7 +178,7 @@ def build_lanes_expand_kernel(
                     for v in range(VEC):
                         old[j * VEC + v] = load_out(out[token[j], column0 + row[v]])
             for v in range(VEC):  # words first_word .. first_word + LW - 1 of row v
-                b_row = w[slot, row[v]]
+                b_row = w[0 if ONE_SLOT else slot, row[v]]
                 if PAIRS:
                     for i in range(0, LW, 2):
                         part[v * LW + i], part[v * LW + i + 1] = two_words(b_row, first_word + i)
@@ -198,7 +216,7 @@ def build_lanes_expand_kernel(
 
             if lane == 0:
                 for j in range(TILE_M):
-                    if j < rows:
+                    if j < rows and (not ONE_SLOT or slot != -1):  # (one slot: of a LoRA)
                         for v in range(VEC):
                             n = n0 + group + GROUPS * v
                             if n < width:

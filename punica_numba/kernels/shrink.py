@@ -31,6 +31,20 @@ first FMA, and the rest wait a whole trip to memory; a ``while`` loop, which has
 same effect on the code, took 256 tokens on 256 LoRAs from 13.0 to 15.2 µs on the H200
 (session 13).
 
+**One slot.** A block of one token waits for two trips to memory: the tile table's
+row, which names the token and its slot, then x and the slot's rows of A. At one token
+that chain is the kernel's time (on the H200 a probe of the same two trips takes 2.9 µs,
+the shrink 3.0). Where the weight stacks hold a single slot (vLLM's default
+``max_loras`` is 1), the rows of A are known before the slot is: a block built with
+``one_slot`` takes the token of its own index (no table; the tokens in their own order),
+loads its x and slot 0's rows of A together with the token's slot from
+``token_lora_mapping``, and tests the slot only where it stores (a token of no LoRA,
+slot -1, stores nothing). One trip. Tested there, the slot holds back no load; an early
+exit on it had LLVM or ptxas issue every load after it (the SASS, ptxas 13.0). With two
+slots, loading both and keeping one by value, ptxas moved the slot into a uniform
+register before the loads, which waits for it just the same: so one slot only. The
+products and their order are the table's: the same bits.
+
 Memory traffic per block: ``TILE_M`` rows of x and ``TILE_N`` rows of A, each read
 once; ``TILE_M * TILE_N`` outputs read and written.
 """
@@ -64,12 +78,17 @@ def build_shrink_kernel(
     packed: bool,
     accumulate: bool = True,
     one_pass: bool = False,
+    one_slot: bool = False,
 ):
     """Compile-time specialisation: the dtypes of x and A and of the output, threads per
     block, tile sizes, whether x and A arrive as packed int64 words, whether the
-    products are added to the output (``accumulate``) or stored, and ``one_pass``: the
+    products are added to the output (``accumulate``) or stored, ``one_pass``: the
     caller's promise that the grid has a block for every group of ``tile_n`` ranks, so
-    that a block does one group and no loop step is worked out at run time.
+    that a block does one group and no loop step is worked out at run time, and
+    ``one_slot``: the weight stacks hold one slot, and a block of one token loads its
+    rows before it knows its token's slot (module notes, "One slot"; ``tile_m`` must be
+    1). The kernel's ``tiles`` argument is then ``token_lora_mapping``, and the grid has
+    a block per token.
 
     They must be constants because they size local (register) and shared arrays and
     the loops over them, which Numba unrolls only when the trip count is known.
@@ -78,6 +97,8 @@ def build_shrink_kernel(
     """
     if threads & (threads - 1):
         raise ValueError(f"threads must be a power of two for the tree reduction, got {threads}")
+    if one_slot and tile_m != 1:
+        raise ValueError(f"one_slot needs tiles of one token, got tile_m={tile_m}")
     load = word_loader(dtype, packed)
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, TILE_M, TILE_N, PACK = threads, tile_m, tile_n, packing(dtype, packed)
@@ -86,6 +107,7 @@ def build_shrink_kernel(
     # thread. Only for single-token tiles: with more (TILE_M = 4) the words held spill
     # out of registers, and the H200 measured 13 -> 21 µs at T=64 over 8 LoRAs.
     UNROLL = 4 if TILE_M == 1 else 1
+    ONE_SLOT = one_slot
     X_WORDS, W_WORDS = UNROLL * TILE_M, UNROLL * TILE_N  # words held per thread
     # On the GPU the partial sums are added with warp shuffles, which the simulator does
     # not have; there it is a shared-memory tree. Either order is fixed for THREADS.
@@ -103,9 +125,14 @@ def build_shrink_kernel(
     @jit_kernel(THREADS)
     def shrink(x, w0, w1, w2, out, slice_base, tiles, sorted_tokens, scaling):
         # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [B, 4] int32
-        slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
-        if slot == -1:
-            return  # the whole block leaves together, before any barrier
+        # (one slot: tiles is token_lora_mapping, [M], and block b takes token b)
+        if ONE_SLOT:
+            slot = int64(tiles[cuda.blockIdx.x])  # tested only where the block stores
+            position, rows, first_token = 0, 1, cuda.blockIdx.x
+        else:
+            slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
+            if slot == -1:
+                return  # the whole block leaves together, before any barrier
         s_local = cuda.blockIdx.y
         if s_local == 0:
             w = w0
@@ -146,7 +173,7 @@ def build_shrink_kernel(
                     for j in range(TILE_M):
                         xw[u * TILE_M + j] = x[token[j], k]
                     for q in range(TILE_N):  # rank n0 + q; past the rank: a harmless repeat
-                        ww[u * TILE_N + q] = w[slot, min(n0 + q, rank - 1), k]
+                        ww[u * TILE_N + q] = w[0 if ONE_SLOT else slot, min(n0 + q, rank - 1), k]
                 for u in range(UNROLL):
                     if k0 + u * THREADS < words:
                         for q in range(TILE_N):
@@ -187,7 +214,9 @@ def build_shrink_kernel(
             if tid < PARTIALS:
                 j = tid // TILE_N
                 n = n0 + tid % TILE_N
-                if j < rows and n < rank:
+                # (one slot: a token of no LoRA stores nothing; tested here, the slot
+                # holds back no load: module notes)
+                if j < rows and n < rank and (not ONE_SLOT or slot != -1):
                     out[out_slice, token[j], n] = store_out(old + scaling * tree[tid, 0])
             cuda.syncthreads()  # the tree is reused by the next rank group
 
