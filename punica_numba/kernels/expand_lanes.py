@@ -54,7 +54,7 @@ from numba import float32, int64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dtypes import loader, memory_type, packing, storer, word_loader, words_loader
-from .segments import read_tile, slice_of, tile_token
+from .segments import read_tile, slice_of, tile_token, token_of_block
 
 __all__ = ["build_lanes_expand_kernel", "lanes_columns", "lanes_per_row", "splits"]
 
@@ -130,6 +130,7 @@ def build_lanes_expand_kernel(
     COLUMNS = GROUPS * VEC
     OUTPUTS = TILE_M * VEC
     ONE_SLOT = one_slot
+    read_work = token_of_block if one_slot else read_tile  # a block's token(s) and slot
     X_ELEMENTS, PART_WORDS = TILE_M * XPART, VEC * LW  # (local arrays need constant sizes)
     SHUFFLE = not SIMULATOR
     FULL_MASK = 0xFFFFFFFF
@@ -137,14 +138,11 @@ def build_lanes_expand_kernel(
     @jit_kernel(THREADS)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
         # x: [S, M, r]; w*: [L, N_s, W] words; out: [M, width]; col*: first column of a slice
-        # (one slot: tiles is token_lora_mapping, [M], and block b takes token b)
-        if ONE_SLOT:
-            slot = int64(tiles[cuda.blockIdx.x])  # tested only where the block stores
-            position, rows, first_token = 0, 1, cuda.blockIdx.x
-        else:
-            slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
-            if slot == -1:
-                return
+        # (one slot: tiles is token_lora_mapping, [M], and block b takes token b, whose
+        # slot is tested only where the block stores)
+        slot, position, rows, first_token = read_work(tiles, cuda.blockIdx.x)
+        if not ONE_SLOT and slot == -1:
+            return
         s_local = cuda.blockIdx.y
         w, column0 = slice_of(s_local, w0, w1, w2, col0, col1, col2)
         s = slice_base + s_local

@@ -57,6 +57,7 @@ __all__ = [
     "tile_table",
     "tile_tokens",
     "tile_token",
+    "token_of_block",
 ]
 
 #: The table's columns: slot (-1: no tile), position of the tile's first token in the
@@ -165,6 +166,14 @@ def read_tile(tiles, block):
     table, in one 16-byte load on the GPU (module notes). ``slot`` is -1 when there is
     no tile."""
     return _load_four(tiles[block])
+
+
+@cuda.jit(device=True, inline="always")
+def token_of_block(token_lora_mapping, block):
+    """What :func:`read_tile` gives, for blocks of one token on weight stacks of one slot
+    (``kernels.shrink``, "One slot"): block ``block`` takes that token, whose slot (-1:
+    no LoRA) comes from the mapping; position 0 (unused), one row. No table."""
+    return int64(token_lora_mapping[block]), int64(0), int64(1), int64(block)
 
 
 @cuda.jit(device=True)

@@ -58,7 +58,7 @@ from numba import float32, int64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dtypes import loader, memory_type, packing, storer, word_loader
-from .segments import read_tile, tile_token
+from .segments import read_tile, tile_token, token_of_block
 
 __all__ = ["MAX_SLICES", "build_shrink_kernel"]
 
@@ -108,6 +108,7 @@ def build_shrink_kernel(
     # out of registers, and the H200 measured 13 -> 21 µs at T=64 over 8 LoRAs.
     UNROLL = 4 if TILE_M == 1 else 1
     ONE_SLOT = one_slot
+    read_work = token_of_block if one_slot else read_tile  # a block's token(s) and slot
     X_WORDS, W_WORDS = UNROLL * TILE_M, UNROLL * TILE_N  # words held per thread
     # On the GPU the partial sums are added with warp shuffles, which the simulator does
     # not have; there it is a shared-memory tree. Either order is fixed for THREADS.
@@ -125,14 +126,11 @@ def build_shrink_kernel(
     @jit_kernel(THREADS)
     def shrink(x, w0, w1, w2, out, slice_base, tiles, sorted_tokens, scaling):
         # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [B, 4] int32
-        # (one slot: tiles is token_lora_mapping, [M], and block b takes token b)
-        if ONE_SLOT:
-            slot = int64(tiles[cuda.blockIdx.x])  # tested only where the block stores
-            position, rows, first_token = 0, 1, cuda.blockIdx.x
-        else:
-            slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
-            if slot == -1:
-                return  # the whole block leaves together, before any barrier
+        # (one slot: tiles is token_lora_mapping, [M], and block b takes token b, whose
+        # slot is tested only where the block stores)
+        slot, position, rows, first_token = read_work(tiles, cuda.blockIdx.x)
+        if not ONE_SLOT and slot == -1:
+            return  # the whole block leaves together, before any barrier
         s_local = cuda.blockIdx.y
         if s_local == 0:
             w = w0
