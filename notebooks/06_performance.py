@@ -466,6 +466,15 @@ else:
 # trips to memory takes 2.9 µs timed the same way, the floor of any kernel that reads a
 # table entry before its weights. A/B comparisons stay fair when every process runs the
 # same cases in the same order.
+#
+# So the one-token kernels had to lose a trip, and with one LoRA in the weight stacks
+# (vLLM's default `max_loras` is 1) they can: the weights are known before the slot. A
+# block built for one slot takes the token of its own index, loads its activations and
+# slot 0's weights together with the token's slot, and tests the slot only where it
+# stores (`kernels.shrink`, "One slot"). Where the test sits matters as much as the
+# idea: as an early exit, the compilers made every load wait for it (the SASS says so
+# before any GPU time is spent). In v21's run the one-token shrink took 2.80 µs and the
+# expand 2.20 (`h200_v21_candidates.json`; the tables above are v20's run).
 
 # %% [markdown]
 # ## Reading it
