@@ -279,6 +279,22 @@ def _kernel_metadata(tensors: tuple, facts, key) -> tuple:
     return (known,)
 
 
+def _block_work(
+    op: str, config: LaunchConfig, num_tokens: int, metadata: tuple, facts, one_slot: bool
+) -> tuple:
+    """``(blocks, meta)``: the blocks along the grid's x and the metadata arguments a
+    kernel of ``config`` reads to find its work. Under one slot (:func:`_one_slot`) a
+    block a token, which reads its slot from ``token_lora_mapping``; else the tile table
+    (:func:`_tiles`) with the sorted tokens, or with each tile's tokens for the kernels
+    that read those."""
+    if one_slot:
+        return num_tokens, _kernel_metadata((metadata[0], metadata[1]), facts, "mapping")
+    table, tokens, blocks = _tiles(num_tokens, metadata, op, config, facts)
+    if config.reads_tile_tokens(op):  # each tile's tokens, from a row of their own
+        return blocks, _kernel_metadata((table, tokens), facts, (config.tile_m, "rows"))
+    return blocks, _kernel_metadata((table, metadata[1]), facts, config.tile_m)
+
+
 def _weight_forms(weights: Sequence[Stack]) -> list[tuple]:
     """Each weight as a kernel can take it: ``(words, elements)``, its packed int64 words
     (None when its rows do not allow them) and its view, each a kernel argument.
@@ -469,7 +485,7 @@ def _shrink_launch(
     active = meta_facts and meta_facts.active_slots
     slices = len(weights)
     config = choose_launch_config("shrink", num_tokens, active, rank, True, slices)
-    operands, one_slot, weights_in = None, False, weights
+    operands, one_slot = None, False
     if config.kernel == "mma":
         operands = _mma_shrink_operands(inputs, weights)
         if operands is None:  # the tensor cores cannot take this call
@@ -495,8 +511,8 @@ def _shrink_launch(
         x_words, w_words = _words(inputs), _weight_words(weights)
         packed = x_words is not None and w_words is not None
         x = x_words if packed else inputs
+        one_slot = _one_slot("shrink", config, weights[0].num_loras, meta_facts)
         weights = w_words if packed else [elements for _, elements in _weight_forms(weights)]
-        one_slot = _one_slot("shrink", config, weights_in[0].num_loras, meta_facts)
         kernel = build_shrink_kernel(
             inputs.dtype,
             output_tensor.dtype,
@@ -510,12 +526,7 @@ def _shrink_launch(
             config.spread and rank_groups == groups and config.tile_n <= 4,
             one_slot,
         )
-    if one_slot:  # a block a token, which reads its slot from the mapping
-        blocks = num_tokens
-        meta = _kernel_metadata((metadata[0], metadata[1]), meta_facts, "mapping")
-    else:
-        table, _, blocks = _tiles(num_tokens, metadata, "shrink", config, meta_facts)
-        meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)
+    blocks, meta = _block_work("shrink", config, num_tokens, metadata, meta_facts, one_slot)
     launcher = _launcher(kernel)
     scaling32 = np.float32(scaling)
 
@@ -702,15 +713,7 @@ def _expand_launch(
         kernel = _expand_kernel(
             config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide, one_slot
         )
-    if one_slot:  # a block a token, which reads its slot from the mapping
-        blocks = num_tokens
-        meta = _kernel_metadata((metadata[0], metadata[1]), meta_facts, "mapping")
-    else:
-        table, tokens, blocks = _tiles(num_tokens, metadata, "expand", config, meta_facts)
-        if config.reads_tile_tokens("expand"):  # each tile's tokens, from a row of their own
-            meta = _kernel_metadata((table, tokens), meta_facts, (config.tile_m, "rows"))
-        else:
-            meta = _kernel_metadata((table, metadata[1]), meta_facts, config.tile_m)
+    blocks, meta = _block_work("expand", config, num_tokens, metadata, meta_facts, one_slot)
     launcher = _launcher(kernel)
 
     def launch() -> None:
