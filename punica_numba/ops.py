@@ -211,14 +211,19 @@ def _expand_kernel(
 
 
 def _one_slot(op: str, config: LaunchConfig, num_loras: int, facts) -> bool:
-    """Whether blocks of ``config`` take one token each and load the weights before they
-    know the token's slot: where the weight stacks hold one slot (``kernels.shrink``,
-    "One slot"), for the row shrink and the lane-split expand, and only on
-    ``LoRAKernelMeta``'s metadata (``facts``), whose ``token_lora_mapping`` the kernel
-    then reads: it agrees with the segments by construction, and holds -1 past the
-    prepared tokens."""
+    """Whether blocks of ``config`` take their tokens in their own order and load the
+    weights before they know the tokens' slots: where the weight stacks hold one slot
+    (``kernels.shrink``, "One slot"), for the row shrink and the lane-split expand with
+    a token a block and for the tensor-core expand (``kernels.expand_mma``, "One slot"),
+    and only on ``LoRAKernelMeta``'s metadata (``facts``), whose ``token_lora_mapping``
+    the kernel then reads: it agrees with the segments by construction, and holds -1
+    past the prepared tokens."""
+    if facts is None or num_loras != 1:
+        return False
+    if op == "expand" and config.kernel == "mma":
+        return True
     kernel = {"shrink": "rows", "expand": "lanes"}[op]
-    return facts is not None and num_loras == 1 and config.kernel == kernel and config.tile_m == 1
+    return config.kernel == kernel and config.tile_m == 1
 
 
 def _check_devices_and_metadata(
@@ -284,11 +289,12 @@ def _block_work(
 ) -> tuple:
     """``(blocks, meta)``: the blocks along the grid's x and the metadata arguments a
     kernel of ``config`` reads to find its work. Under one slot (:func:`_one_slot`) a
-    block a token, which reads its slot from ``token_lora_mapping``; else the tile table
-    (:func:`_tiles`) with the sorted tokens, or with each tile's tokens for the kernels
-    that read those."""
+    block per ``config.tile_m`` tokens in their own order, which reads their slots from
+    ``token_lora_mapping``; else the tile table (:func:`_tiles`) with the sorted tokens,
+    or with each tile's tokens for the kernels that read those."""
     if one_slot:
-        return num_tokens, _kernel_metadata((metadata[0], metadata[1]), facts, "mapping")
+        blocks = -(-num_tokens // config.tile_m)
+        return blocks, _kernel_metadata((metadata[0], metadata[1]), facts, "mapping")
     table, tokens, blocks = _tiles(num_tokens, metadata, op, config, facts)
     if config.reads_tile_tokens(op):  # each tile's tokens, from a row of their own
         return blocks, _kernel_metadata((table, tokens), facts, (config.tile_m, "rows"))
@@ -683,11 +689,12 @@ def _expand_launch(
     )
     config = choose(tensor_cores=True)
     x, out = inputs, output_tensor
-    operands, one_slot = None, False
+    operands = None
     if config.kernel == "mma":
         operands = _mma_expand_operands(inputs, weights, w_words, output_tensor, columns)
         if operands is None:  # the tensor cores cannot take this call
             config = choose()
+    one_slot = _one_slot("expand", config, weights[0].num_loras, meta_facts)
     per_block = config.columns_per_block("expand", words)
     if operands is not None:
         x, weights, out, wide, wide_x, wide_b = operands
@@ -705,10 +712,10 @@ def _expand_launch(
             wide_x,  # the buffer in 16-byte loads
             wide_b,  # B in 16-byte loads
             _one_pass(config, max(widths), per_block),
+            one_slot,
         )
     else:
         wide = packed and all(_rows_start_at(w.view, 16) for w in weights)
-        one_slot = _one_slot("expand", config, weights[0].num_loras, meta_facts)
         weights = w_words if packed else [elements for _, elements in _weight_forms(weights)]
         kernel = _expand_kernel(
             config, inputs.dtype, dtype, output_tensor.dtype, packed, words, wide, one_slot

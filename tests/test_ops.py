@@ -321,8 +321,8 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
     build = ops.build_mma_expand_kernel
 
     def build_recorded(*a):
-        a = a[:8] + (False, False, False) if forced_off else a
-        built.append(a[8:])
+        a = a[:8] + (False, False, False) + a[11:] if forced_off else a
+        built.append(a[8:11])  # wide_x, wide_b, one_pass
         return build(*a)
 
     monkeypatch.setattr(ops, "build_mma_expand_kernel", build_recorded)
@@ -400,24 +400,29 @@ def test_lane_split_expand_at_every_lane_count(rank, aligned, monkeypatch):
 
 
 @pytest.mark.parametrize("num_loras", [1, 2])
-@pytest.mark.parametrize("op", ["shrink", "expand"])
-def test_one_slot_gives_the_tables_bits(op, num_loras, monkeypatch):
-    """On weight stacks of one slot, blocks of one token take their token by their own
-    index and load the weights before they know its slot (``kernels.shrink``, "One
-    slot"): right, with tokens of no LoRA and padded rows past the prepared tokens, over
-    two slices, and the same bits as the table's blocks (``ops._one_slot`` turned off).
-    Stacks of two slots keep the table."""
+@pytest.mark.parametrize("kernel", ["shrink rows", "expand lanes", "expand mma"])
+def test_one_slot_gives_the_tables_bits(kernel, num_loras, monkeypatch):
+    """On weight stacks of one slot, blocks take their tokens by their own index and load
+    the weights before they know the tokens' slots (``kernels.shrink`` and
+    ``kernels.expand_mma``, "One slot"): right, with tokens of no LoRA and padded rows
+    past the prepared tokens, over two slices, and the same bits as the table's blocks
+    (``ops._one_slot`` turned off). Stacks of two slots keep the table. The tensor-core
+    expand's tiles of 16 tokens are two here, the second partly past the last token."""
     from .op_cases import Problem, ShrinkCase, serving_expand_case
 
-    name = {"shrink": "build_shrink_kernel", "expand": "build_lanes_expand_kernel"}[op]
+    op, kind = kernel.split()
+    name = {
+        "rows": "build_shrink_kernel",
+        "lanes": "build_lanes_expand_kernel",
+        "mma": "build_mma_expand_kernel",
+    }[kind]
     built, build = [], getattr(ops, name)
     monkeypatch.setattr(ops, name, lambda *a: built.append(a[-1]) or build(*a))
-    slots = [min(s, num_loras - 1) for s in (1, -1, 0, 1, 0)] + [-1]  # the last: padding
-    problem = Problem(slots=slots, prepared=5, num_loras=num_loras, seed=29)
+    pattern = (1, -1, 0, 1, 0) * (4 if kind == "mma" else 1)
+    slots = [min(s, num_loras - 1) for s in pattern] + [-1]  # the last: padding
+    problem = Problem(slots=slots, prepared=len(pattern), num_loras=num_loras, seed=29)
     config = next(
-        c
-        for c in launch_configs(op)
-        if c.tile_m == 1 and c.kernel == ("rows" if op == "shrink" else "lanes")
+        c for c in launch_configs(op) if c.kernel == kind and (kind == "mma" or c.tile_m == 1)
     )
     outputs, one_slot = [], ops._one_slot
 
@@ -435,7 +440,8 @@ def test_one_slot_gives_the_tables_bits(op, num_loras, monkeypatch):
                 case = ShrinkCase(problem, 64, 8, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
                 check_shrink(recorded(lora_shrink), case)
             else:
-                case = serving_expand_case(problem, 16, [40, 24], offset_start=3)
+                # (the tensor cores take slices of whole 4-column words)
+                case = serving_expand_case(problem, 16, [40, 24], 4 if kind == "mma" else 3)
                 check_expand(recorded(lora_expand), case)
     assert built == [num_loras == 1, False], built
     assert torch.equal(outputs[0], outputs[1])

@@ -206,6 +206,7 @@ def build_mma_expand_kernel(
     wide_x: bool = False,
     wide_b: bool = False,
     one_pass: bool = False,
+    one_slot: bool = False,
 ):
     """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
     warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
@@ -228,7 +229,12 @@ def build_mma_expand_kernel(
       that with an even number of whole rank steps a lane's words of B for two steps
       come in one 16-byte load (both: "The rank in a lane's order");
     * ``one_pass``: the caller's promise that the grid has a block for every column
-      group, so that no block walks a second one ("Order of the loads").
+      group, so that no block walks a second one ("Order of the loads");
+    * ``one_slot``: the weight stacks hold one slot; block b takes the tokens
+      ``16 * m_tiles * b ..`` in their own order and loads B, their buffer rows and old
+      outputs before it knows their slots ("One slot"). The kernel's ``tiles`` argument
+      is then ``token_lora_mapping`` (``tile_rows`` is not read), and the grid has a
+      block per ``16 * m_tiles`` tokens.
 
     The rank itself is read at run time, so that a test drawing many ranks compiles a
     handful of kernels, not one per rank.
@@ -282,6 +288,8 @@ def build_mma_expand_kernel(
     CEILING = MAX_REGISTERS if K_STEPS * N_TILES <= EARLY_B_WORDS or not EARLY else None
     EARLY_WORDS = K_STEPS * N_TILES if EARLY else 1  # (a local array has at least one)
     WHOLE_GROUPS = whole_groups  # no column of a group that starts in the slice lies past it
+    ONE_SLOT = one_slot
+    TILE_M = 16 * M_TILES
 
     @cuda.jit(device=True)
     def element(row, k):
@@ -364,6 +372,39 @@ def build_mma_expand_kernel(
                 else:
                     old[i * WORDS + v] = row[word]
 
+    @cuda.jit(device=True, inline="always")
+    def tile_of_table(token, tiles, tile_rows, out, g):
+        """The block's tile from the table: its slot and a mask of the lane's token rows
+        it stores (bit i: row ``g + 8 * i``), its tokens into ``token``. Also ``known``,
+        the rows plus the tokens: never negative ("Order of the loads")."""
+        slot, _, rows, _ = read_tile(tiles, cuda.blockIdx.x)
+        my_rows = tile_rows[cuda.blockIdx.x]
+        known = rows
+        stored = 0
+        for i in range(ROWS):
+            token[i] = int64(my_rows[g + 8 * i])
+            known += token[i]
+            if g + 8 * i < rows:
+                stored |= 1 << i
+        return slot, stored, known
+
+    @cuda.jit(device=True, inline="always")
+    def tile_of_tokens(token, token_lora_mapping, tile_rows, out, g):
+        """One slot: the block's ``TILE_M`` tokens in their own order (past the last token,
+        the last again: in bounds, never stored), slot 0, and the mask of the rows of a
+        LoRA (``token_lora_mapping`` not -1), whose loads leave with the rest."""
+        first = cuda.blockIdx.x * TILE_M
+        last = out.shape[0] - 1
+        stored = 0
+        for i in range(ROWS):
+            row = first + g + 8 * i
+            token[i] = min(row, last)
+            if row <= last and token_lora_mapping[token[i]] != -1:
+                stored |= 1 << i
+        return 0, stored, 0
+
+    read_block = tile_of_tokens if ONE_SLOT else tile_of_table
+
     @jit_kernel(threads, CEILING)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows, add_inputs):
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
@@ -372,16 +413,11 @@ def build_mma_expand_kernel(
         tid = cuda.threadIdx.x
         warp, lane = tid >> 5, tid & 31  # shifts and masks: no signed-division fix-ups
         g, t = lane >> 2, lane & 3
-        slot, _, rows, _ = read_tile(tiles, cuda.blockIdx.x)
         # The old outputs and the buffer rows need the tokens, which need only the block's
         # own index: their loads go out with the table's ("Order of the loads").
         token = cuda.local.array(ROWS, int64)  # row g + 8 * (i % 2) of m-tile i // 2
-        my_rows = tile_rows[cuda.blockIdx.x]
-        known = rows
-        for i in range(ROWS):
-            token[i] = int64(my_rows[g + 8 * i])
-            known += token[i]
-        if slot == -1 and known >= 0:  # (known >= 0 always: see "Order of the loads")
+        slot, stored, known = read_block(token, tiles, tile_rows, out, g)
+        if not ONE_SLOT and slot == -1 and known >= 0:  # (known >= 0: "Order of the loads")
             return
         s_local = cuda.blockIdx.y
         w, word0 = slice_of(s_local, w0, w1, w2, col0, col1, col2)
@@ -457,7 +493,7 @@ def build_mma_expand_kernel(
             # 3): lane t's columns 2t, 2t + 1 of each, in the row's half of the tile.
             for i in range(ROWS):
                 mi, half = i // 2, i % 2
-                if 16 * mi + g + 8 * half < rows:
+                if (stored >> i) & 1:  # row g + 8 * i of the tile: 16 * mi + g + 8 * half
                     row = out[token[i]]
                     for v in range(0, WORDS, PAIR):
                         word = first_word + uint64(4 * v)
