@@ -13,6 +13,7 @@ Numba's CUDA simulator (the same kernels).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -33,12 +34,14 @@ from ._cuda import KERNEL_DTYPES, SIMULATOR, KernelLauncher, pack_tensors
 from .kernels import (
     COMPILED_WORDS,
     MAX_SLICES,
+    MAX_WORDS_PER_THREAD,
     build_expand_kernel,
     build_lanes_expand_kernel,
     build_mma_expand_kernel,
     build_mma_shrink_kernel,
     build_shrink_kernel,
     build_tiled_expand_kernel,
+    build_token_shrink_kernel,
     splits,
 )
 from .kernels.dtypes import packing
@@ -224,6 +227,14 @@ def _one_slot(op: str, config: LaunchConfig, num_loras: int, facts) -> bool:
         return True
     kernel = {"shrink": "rows", "expand": "lanes"}[op]
     return config.kernel == kernel and config.tile_m == 1
+
+
+def _token_rows(packed: bool, words: int, threads: int, rank: int) -> bool:
+    """Whether a one-slot row shrink can take the one-token kernel
+    (:mod:`.kernels.shrink_token`): rows of packed words, at most
+    :data:`~.kernels.shrink_token.MAX_WORDS_PER_THREAD` of them a thread, and a block
+    for every rank."""
+    return packed and -(-words // threads) <= MAX_WORDS_PER_THREAD and rank <= MAX_GRID_YZ
 
 
 def _check_devices_and_metadata(
@@ -519,19 +530,27 @@ def _shrink_launch(
         x = x_words if packed else inputs
         one_slot = _one_slot("shrink", config, weights[0].num_loras, meta_facts)
         weights = w_words if packed else [elements for _, elements in _weight_forms(weights)]
-        kernel = build_shrink_kernel(
-            inputs.dtype,
-            output_tensor.dtype,
-            config.threads,
-            config.tile_m,
-            config.tile_n,
-            packed,
-            accumulate,
-            # A block a group, without a run-time loop step (shrink's "One pass"), where
-            # the grid has a block for every group and a thread holds few words.
-            config.spread and rank_groups == groups and config.tile_n <= 4,
-            one_slot,
-        )
+        if one_slot and _token_rows(packed, x.shape[1], config.threads, rank):
+            # A token and a rank a block, the row's words compiled in (kernels.shrink_token).
+            config = dataclasses.replace(config, tile_n=1, spread=True)
+            rank_groups = rank
+            kernel = build_token_shrink_kernel(
+                inputs.dtype, output_tensor.dtype, config.threads, x.shape[1], accumulate
+            )
+        else:
+            kernel = build_shrink_kernel(
+                inputs.dtype,
+                output_tensor.dtype,
+                config.threads,
+                config.tile_m,
+                config.tile_n,
+                packed,
+                accumulate,
+                # A block a group, without a run-time loop step (shrink's "One pass"),
+                # where the grid has a block for every group and a thread holds few words.
+                config.spread and rank_groups == groups and config.tile_n <= 4,
+                one_slot,
+            )
     blocks, meta = _block_work("shrink", config, num_tokens, metadata, meta_facts, one_slot)
     launcher = _launcher(kernel)
     scaling32 = np.float32(scaling)

@@ -400,29 +400,41 @@ def test_lane_split_expand_at_every_lane_count(rank, aligned, monkeypatch):
 
 
 @pytest.mark.parametrize("num_loras", [1, 2])
-@pytest.mark.parametrize("kernel", ["shrink rows", "expand lanes", "expand mma"])
+@pytest.mark.parametrize("kernel", ["shrink token", "shrink rows", "expand lanes", "expand mma"])
 def test_one_slot_gives_the_tables_bits(kernel, num_loras, monkeypatch):
     """On weight stacks of one slot, blocks take their tokens by their own index and load
-    the weights before they know the tokens' slots (``kernels.shrink`` and
-    ``kernels.expand_mma``, "One slot"): right, with tokens of no LoRA and padded rows
-    past the prepared tokens, over two slices, and the same bits as the table's blocks
-    (``ops._one_slot`` turned off). Stacks of two slots keep the table. The tensor-core
-    expand's tiles of 16 tokens are two here, the second partly past the last token."""
+    the weights before they know the tokens' slots (``kernels.shrink``,
+    ``kernels.shrink_token`` and ``kernels.expand_mma``, "One slot"): right, with tokens
+    of no LoRA and padded rows past the prepared tokens, over two slices, and the same
+    bits as the table's blocks (``ops._one_slot`` turned off). Stacks of two slots keep
+    the table. The shrink takes the one-token kernel where its rows are packed words (H
+    = 64 here) and the row kernel's one-slot blocks where they are not (H = 62). The
+    tensor-core expand's tiles of 16 tokens are two here, the second partly past the
+    last token."""
     from .op_cases import Problem, ShrinkCase, serving_expand_case
 
     op, kind = kernel.split()
-    name = {
-        "rows": "build_shrink_kernel",
-        "lanes": "build_lanes_expand_kernel",
-        "mma": "build_mma_expand_kernel",
+    builds = {
+        "token": ["build_shrink_kernel", "build_token_shrink_kernel"],
+        "rows": ["build_shrink_kernel"],
+        "lanes": ["build_lanes_expand_kernel"],
+        "mma": ["build_mma_expand_kernel"],
     }[kind]
-    built, build = [], getattr(ops, name)
-    monkeypatch.setattr(ops, name, lambda *a: built.append(a[-1]) or build(*a))
+    built = []  # one_slot of each build; "token" for the one-token shrink
+    for name in builds:
+        build = getattr(ops, name)
+        mark = (lambda a: "token") if name == "build_token_shrink_kernel" else (lambda a: a[-1])
+        monkeypatch.setattr(
+            ops, name, lambda *a, build=build, mark=mark: built.append(mark(a)) or build(*a)
+        )
     pattern = (1, -1, 0, 1, 0) * (4 if kind == "mma" else 1)
     slots = [min(s, num_loras - 1) for s in pattern] + [-1]  # the last: padding
     problem = Problem(slots=slots, prepared=len(pattern), num_loras=num_loras, seed=29)
+    kernel_kind = "rows" if kind == "token" else kind
     config = next(
-        c for c in launch_configs(op) if c.kernel == kind and (kind == "mma" or c.tile_m == 1)
+        c
+        for c in launch_configs(op)
+        if c.kernel == kernel_kind and (kind == "mma" or c.tile_m == 1)
     )
     outputs, one_slot = [], ops._one_slot
 
@@ -437,11 +449,15 @@ def test_one_slot_gives_the_tables_bits(kernel, num_loras, monkeypatch):
         monkeypatch.setattr(ops, "_one_slot", one_slot if allowed else lambda *a: False)
         with force_launch_config(op, config):
             if op == "shrink":
-                case = ShrinkCase(problem, 64, 8, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+                hidden = 64 if kind == "token" else 62  # rows of packed words, or not
+                case = ShrinkCase(
+                    problem, hidden, 8, 2, 0, torch.bfloat16, torch.float32, 0.5, False
+                )
                 check_shrink(recorded(lora_shrink), case)
             else:
                 # (the tensor cores take slices of whole 4-column words)
                 case = serving_expand_case(problem, 16, [40, 24], 4 if kind == "mma" else 3)
                 check_expand(recorded(lora_expand), case)
-    assert built == [num_loras == 1, False], built
+    first = ("token" if kind == "token" else True) if num_loras == 1 else False
+    assert built == [first, False], built
     assert torch.equal(outputs[0], outputs[1])

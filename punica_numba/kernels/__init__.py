@@ -3,6 +3,8 @@
 * :mod:`.dtypes`   fp16 / bf16 / fp32 loads and stores through fp32;
 * :mod:`.segments` from a block index to a tile of one slot's tokens;
 * :mod:`.shrink`   ``x @ A^T`` into the fp32 buffer;
+* :mod:`.shrink_token` the same shrink for a token and a rank a block, on stacks of one
+  slot (decode with vLLM's default ``max_loras``);
 * :mod:`.expand`   ``buffer @ B^T`` into the layer output;
 * :mod:`.expand_lanes` the same expand with each row of B split among lanes, for
   few tokens per slot at larger ranks;
@@ -19,15 +21,18 @@ from .expand_mma import build_mma_expand_kernel
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
 from .shrink_mma import build_mma_shrink_kernel
+from .shrink_token import MAX_WORDS_PER_THREAD, build_token_shrink_kernel
 
 __all__ = [
     "COMPILED_WORDS",
     "MAX_SLICES",
+    "MAX_WORDS_PER_THREAD",
     "build_expand_kernel",
     "build_lanes_expand_kernel",
     "build_mma_expand_kernel",
     "build_mma_shrink_kernel",
     "build_shrink_kernel",
     "build_tiled_expand_kernel",
+    "build_token_shrink_kernel",
     "splits",
 ]

@@ -43,7 +43,9 @@ slot -1, stores nothing). One trip. Tested there, the slot holds back no load; a
 exit on it had LLVM or ptxas issue every load after it (the SASS, ptxas 13.0). With two
 slots, loading both and keeping one by value, ptxas moved the slot into a uniform
 register before the loads, which waits for it just the same: so one slot only. The
-products and their order are the table's: the same bits.
+products and their order are the table's: the same bits. Where the rows are packed
+words, one slot takes :mod:`.shrink_token` instead, a lean kernel of a token and a rank
+a block with the same arithmetic.
 
 Memory traffic per block: ``TILE_M`` rows of x and ``TILE_N`` rows of A, each read
 once; ``TILE_M * TILE_N`` outputs read and written.
@@ -60,12 +62,59 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dtypes import loader, memory_type, packing, storer, word_loader
 from .segments import read_tile, tile_token, token_of_block
 
-__all__ = ["MAX_SLICES", "build_shrink_kernel"]
+__all__ = ["MAX_SLICES", "block_sum", "build_shrink_kernel"]
 
 #: Slices one launch covers. The weights of each slice arrive as separate arguments
 #: (Numba kernels take no arrays of arrays), so the number is fixed; vLLM's layers use
 #: at most 3 (q/k/v). More slices take more launches.
 MAX_SLICES = 3
+
+
+@functools.cache
+def block_sum(threads: int, partials: int):
+    """``(add_up, tree_width)``: the device function ``add_up(partial, tree, tid)`` that adds
+    the ``threads`` partial sums of each of ``partials`` dot products (``partial[p]``, one
+    per thread) in a fixed order, leaving dot product ``p`` in ``tree[p, 0]`` for thread
+    ``p < partials`` to read, and the width of the shared array ``tree``
+    (``[partials, tree_width]`` fp32, the kernel's own) that it needs.
+
+    On the GPU: a butterfly of warp shuffles inside each warp (no barrier), then the
+    warps' sums in shared memory, added in warp order. The simulator has no shuffles:
+    there it is a tree in shared memory. Either order depends only on ``threads``, so
+    kernels that use it with the same ``threads`` give the same bits."""
+    WARP_SUM = not SIMULATOR and threads % 32 == 0
+    TREE_WIDTH = threads // 32 if WARP_SUM else threads  # partials per dot product kept
+    FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part
+    THREADS, PARTIALS = threads, partials
+
+    @cuda.jit(device=True, inline="always")
+    def add_up(partial, tree, tid):
+        if WARP_SUM:
+            for p in range(PARTIALS):
+                value = partial[p]
+                for step in range(5):  # offsets 16, 8, 4, 2, 1; unrolled
+                    value += cuda.shfl_down_sync(FULL_MASK, value, 16 >> step)
+                if tid % 32 == 0:
+                    tree[p, tid // 32] = value
+            cuda.syncthreads()
+            if tid < PARTIALS:
+                total = tree[tid, 0]
+                for warp in range(1, TREE_WIDTH):
+                    total += tree[tid, warp]
+                tree[tid, 0] = total
+        else:
+            for p in range(PARTIALS):
+                tree[p, tid] = partial[p]
+            cuda.syncthreads()
+            stride = THREADS // 2
+            while stride > 0:
+                if tid < stride:
+                    for p in range(PARTIALS):
+                        tree[p, tid] += tree[p, tid + stride]
+                cuda.syncthreads()
+                stride //= 2
+
+    return add_up, TREE_WIDTH
 
 
 @functools.cache
@@ -110,11 +159,8 @@ def build_shrink_kernel(
     ONE_SLOT = one_slot
     read_work = token_of_block if one_slot else read_tile  # a block's token(s) and slot
     X_WORDS, W_WORDS = UNROLL * TILE_M, UNROLL * TILE_N  # words held per thread
-    # On the GPU the partial sums are added with warp shuffles, which the simulator does
-    # not have; there it is a shared-memory tree. Either order is fixed for THREADS.
-    WARP_SUM = not SIMULATOR and threads % 32 == 0
-    TREE_WIDTH = threads // 32 if WARP_SUM else threads  # partials per dot product kept
-    FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part
+    # The threads' partial sums, added in an order fixed for THREADS (block_sum).
+    add_up, TREE_WIDTH = block_sum(threads, PARTIALS)
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
 
     ACCUMULATE, ONE_PASS = accumulate, one_pass
@@ -180,34 +226,7 @@ def build_shrink_kernel(
                                 for j in range(TILE_M):
                                     partial[j * TILE_N + q] += load(xw[u * TILE_M + j], lane) * wk
 
-            # Sum the THREADS partials of each dot product, in a fixed order.
-            if WARP_SUM:
-                # GPU: a butterfly of shuffles inside each warp (no barrier), then the
-                # warps' sums in shared memory, added in warp order.
-                for p in range(PARTIALS):
-                    value = partial[p]
-                    for step in range(5):  # offsets 16, 8, 4, 2, 1; unrolled
-                        value += cuda.shfl_down_sync(FULL_MASK, value, 16 >> step)
-                    if tid % 32 == 0:
-                        tree[p, tid // 32] = value
-                cuda.syncthreads()
-                if tid < PARTIALS:
-                    total = tree[tid, 0]
-                    for warp in range(1, TREE_WIDTH):
-                        total += tree[tid, warp]
-                    tree[tid, 0] = total
-            else:
-                # Simulator (no warp shuffles there): a tree in shared memory.
-                for p in range(PARTIALS):
-                    tree[p, tid] = partial[p]
-                cuda.syncthreads()
-                stride = THREADS // 2
-                while stride > 0:
-                    if tid < stride:
-                        for p in range(PARTIALS):
-                            tree[p, tid] += tree[p, tid + stride]
-                    cuda.syncthreads()
-                    stride //= 2
+            add_up(partial, tree, tid)  # the THREADS partials of each dot product, in order
 
             if tid < PARTIALS:
                 j = tid // TILE_N
