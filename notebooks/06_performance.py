@@ -474,7 +474,17 @@ else:
 # stores (`kernels.shrink`, "One slot"). Where the test sits matters as much as the
 # idea: as an early exit, the compilers made every load wait for it (the SASS says so
 # before any GPU time is spent). In v21's run the one-token shrink took 2.80 µs and the
-# expand 2.20 (`h200_v21_candidates.json`; the tables above are v20's run).
+# expand 2.20 (`h200_v21_candidates.json`).
+#
+# One trip, and the shrink still took 0.6 µs more than the expand of the same bytes. A
+# probe that loaded the same rows with a handful of instructions took 2.08 µs
+# (`h200_v22_candidates.json`): the row kernel, built for tiles, rank groups and rows of
+# any length, ran about 200 instructions of index work before its first load, in each of
+# a block's 8 warps. The one-token shrink (`kernels.shrink_token`) does only what one
+# token of one slot needs, with the row's length compiled in: 48 instructions before its
+# first load, the same products in the same order, so the same bits. It takes 2.16 µs in
+# v22's run (the tables above), and the tensor-core expand, loading under one slot too,
+# takes 256 tokens on one LoRA in 3.83.
 
 # %% [markdown]
 # ## Reading it
