@@ -34,6 +34,7 @@ from numba import float32, int64, uint64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dtypes import loader, packing, storer, word_loader
+from .segments import slice_of
 from .shrink import block_sum
 
 __all__ = ["MAX_WORDS_PER_THREAD", "build_token_shrink_kernel"]
@@ -74,12 +75,7 @@ def build_token_shrink_kernel(
         token, s_local, n = uint64(cuda.blockIdx.x), cuda.blockIdx.y, uint64(cuda.blockIdx.z)
         tid = cuda.threadIdx.x
         slot = token_lora_mapping[token]  # (loaded with the rest; tested at the store)
-        if s_local == 0:
-            w = w0
-        elif s_local == 1:
-            w = w1
-        else:
-            w = w2
+        w, _ = slice_of(s_local, w0, w1, w2, 0, 0, 0)  # (the expands' first columns: unused)
         x_row, a_row = x[token], w[0, n]
         out_slice = slice_base + s_local
         old = float32(0.0)
