@@ -130,6 +130,18 @@ never negative but which no compiler can know before it has loaded them
 and the QKV layer's 256 on one LoRA from 5.78 to 5.21; 256 over 16 LoRAs lost 4 %
 (4.54 to 4.70), 1024 over 32 2 %.
 
+**One slot** (``one_slot``). Two trips were still a chain: the table row and tokens,
+then the rest. Where the weight stacks hold one slot (vLLM's default ``max_loras`` is 1),
+B is known before any slot is, and so are the tokens if a block takes 16 of them in their
+own order (tile b: tokens ``16 b ..``) rather than a segment's: the block loads B, the
+buffer rows and the old outputs at once, with the tokens' slots from
+``token_lora_mapping``, and stores only the rows whose slot is not -1 (and none past the
+last token): the one-slot blocks of the row shrink and the lane-split expand
+(:mod:`.shrink`, "One slot"), for tiles of 16 tokens. The same products, so the same bits
+(``test_one_slot_gives_the_tables_bits``). On the H200 (``h200_v22_candidates.json``, two
+rounds against a0f5b4d) 256 tokens on one LoRA went from 4.09/4.00 to 3.86/3.76 µs, the QKV
+layer's from 5.08/4.98 to 4.76/4.61.
+
 **Whole column groups** (``whole_groups``). A warp's columns may run past its slice's
 end (a slice of 72 columns and 64 a warp), so every row of B it reads is clamped to the
 slice's last, every old output word too, and every store is checked against the end.
