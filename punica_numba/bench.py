@@ -387,9 +387,10 @@ def host_overhead_us(dtype=torch.bfloat16, calls: int = 400) -> dict[str, float]
         if not SIMULATOR:
             torch.cuda.synchronize()
         # What ran before (the benchmark's argument pools) is collected first, so that a
-        # collection of its garbage is not charged to these calls. (Measured at the end
-        # of session 20's benchmark run, without it, one call took 42.6 µs, where three
-        # fresh processes on the same machine took 25.5-26.7.)
+        # collection of its garbage is not charged to these calls. (It is not what decides
+        # the figure: v18's runs with and without it, and with the collector off, gave the
+        # same range, and in session 20 one machine took 42.9 µs in the benchmark with it
+        # and 41.1-47.4 in fresh processes; the machine does.)
         gc.collect()
         start = time.perf_counter()
         for _ in range(n):
