@@ -45,7 +45,8 @@ class LaunchConfig:
     expand (:mod:`.kernels.expand_tiled`): ``tile_m`` tokens x ``tile_n`` columns per
     block, ``micro`` outputs per thread, ``chunk`` ranks staged at a time.
     The heuristic picks it from ``from_tokens_per_slot`` tokens per active slot,
-    ``from_tokens`` rows (a big tile needs enough tiles to fill the GPU) and
+    ``from_tokens`` rows (a big tile needs enough tiles to fill the GPU), up to
+    ``to_tokens`` rows (where a configuration for more rows takes over), and
     ``from_rank`` on, up to ``to_rank`` (past it the kernel needs more registers than
     a block of its size can have, and would not launch), and from ``from_slices`` slices
     (the tensor-core shrink's slices share x, so with more of them other tiles pay
@@ -75,6 +76,7 @@ class LaunchConfig:
     vec: int = 1  # row expand: output columns per thread
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
+    to_tokens: int | None = None  # and at most this many (None: any)
     from_rank: int = 0  # and where the LoRA rank is at least this
     to_rank: int | None = None  # and at most this (None: any): a bigger one does not fit
     from_slices: int = 1  # and where the call has at least this many slices
@@ -327,6 +329,20 @@ _GPU_CONFIGS = {
             from_tokens=4096,
             from_rank=33,
         ),
+        # Below T=1024, from 128 tokens per slot up to r=16, one warp of 128 columns: half
+        # the blocks, each with twice the columns (session 21, `h200_v23_candidates.json`,
+        # three rounds: 256 on one LoRA 3.85/3.84/3.76 -> 3.67/3.59/3.58 µs, the QKV
+        # layer's 4.62/4.73/4.72 -> 4.52/4.54/4.60; at 64/8 it would lose, 3.30/3.35/3.35
+        # -> 3.33/3.37/3.38; at r=64 a lane would hold 64 words of B).
+        LaunchConfig(
+            "mma",
+            threads=32,
+            tile_m=16,
+            tile_n=128,
+            from_tokens_per_slot=128,
+            to_tokens=1023,
+            to_rank=16,
+        ),
     ),
 }
 
@@ -373,8 +389,8 @@ def choose_launch_config(
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count, the rank and
     the number of slices (host-side facts only): the last tensor-core one whose
-    ``from_tokens_per_slot``, ``from_tokens``, ``from_rank``, ``to_rank`` and
-    ``from_slices`` the call all reaches, when ``tensor_cores`` (the call's dtypes and
+    ``from_tokens_per_slot``, ``from_tokens``, ``to_tokens``, ``from_rank``, ``to_rank``
+    and ``from_slices`` the call all reaches, when ``tensor_cores`` (the call's dtypes and
     layout allow them) and there is one; otherwise the last such FFMA one, lane-split
     expands included only when ``lane_split`` (the call's rows of B split into a few
     words a lane: :func:`.kernels.expand_lanes.splits`).
@@ -396,6 +412,7 @@ def choose_launch_config(
             usable.get(config.kernel, True)
             and per_slot >= config.from_tokens_per_slot
             and num_tokens >= config.from_tokens
+            and _fits(config.to_tokens, num_tokens)
             and rank >= config.from_rank
             and _fits(config.to_rank, rank)
             and slices >= config.from_slices
@@ -404,8 +421,10 @@ def choose_launch_config(
     return chosen[True] or chosen[False]
 
 
-def _fits(to_rank: int | None, rank: int) -> bool:
-    return to_rank is None or rank <= to_rank
+def _fits(limit: int | None, value: int) -> bool:
+    """Whether ``value`` is within an upper ``limit`` (``to_rank``, ``to_tokens``; None:
+    none)."""
+    return limit is None or value <= limit
 
 
 def config_name(config: LaunchConfig) -> str:

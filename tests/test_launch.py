@@ -27,6 +27,12 @@ def _choose(*args, **kwargs):
     return choose_launch_config(*args, lane_split=True, **kwargs)
 
 
+def _rows_for(config) -> int:
+    """A row count within ``config``'s range of rows, 4096 where that allows."""
+    rows = max(config.from_tokens, 1 << 12)
+    return rows if config.to_tokens is None else min(rows, config.to_tokens)
+
+
 @pytest.fixture(params=[True, False], ids=["simulator-table", "gpu-table"])
 def table(request, monkeypatch):
     """Run a test against the simulator's table, then the GPU's."""
@@ -64,12 +70,14 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
             fitting = [
                 c
                 for c in configs
-                if c.from_rank <= rank <= (c.to_rank or rank) and c.from_slices <= slices
+                if c.from_rank <= rank <= (c.to_rank or rank)
+                and c.from_slices <= slices
+                and c.to_tokens is None
             ]
             chosen = _choose(op, 1 << 20, 1, rank, True, slices)
             assert chosen == fitting[-1], (rank, slices)
     for config in configs:
-        tokens = max(config.from_tokens, 1 << 12)
+        tokens = _rows_for(config)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
         tensor_cores = config.kernel == "mma"
         chosen = _choose(op, tokens, slots, config.from_rank, tensor_cores, config.from_slices)
@@ -139,14 +147,32 @@ def test_to_rank_holds_back_a_config(monkeypatch):
     assert capped, "the GPU table caps a configuration's rank"
     for op, config in capped:
         tensor_cores = config.kernel == "mma"
-        tokens = max(config.from_tokens, 1 << 12)
+        tokens = _rows_for(config)
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank = config.to_rank
+        assert _choose(op, tokens, slots, rank, tensor_cores, config.from_slices) == config
         past = _choose(op, tokens, slots, rank + 1, tensor_cores)
         assert past != config and (past.to_rank is None or past.to_rank > rank), (config, past)
         with force_launch_config(op, config):
             assert _choose(op, tokens, slots, rank, tensor_cores) == config
             assert _choose(op, tokens, slots, rank + 1, tensor_cores) == past
+
+
+def test_to_tokens_holds_back_a_config(monkeypatch):
+    """A configuration for fewer rows than another takes (the tensor-core expand's one
+    warp of 128 columns below T=1024 on the H200) is not chosen past its ``to_tokens``,
+    however many tokens each slot has."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    capped = [(op, c) for op in OPS for c in launch_configs(op) if c.to_tokens is not None]
+    assert capped, "the GPU table caps a configuration's rows"
+    for op, config in capped:
+        tensor_cores = config.kernel == "mma"
+        rows, rank = config.to_tokens, config.from_rank or 16
+        per_slot = max(config.from_tokens_per_slot, 1)
+        assert _choose(op, rows, int(rows // per_slot), rank, tensor_cores) == config
+        past = _choose(op, rows + 1, int((rows + 1) // per_slot), rank, tensor_cores)
+        assert past != config, config
+        assert _choose(op, rows + 1, 1, rank, tensor_cores) != config
 
 
 def test_from_slices_holds_back_a_config(monkeypatch):
