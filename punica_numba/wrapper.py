@@ -36,7 +36,7 @@ from ._checks import (
     check_stack,
     memory_layout,
 )
-from ._cuda import LaunchRecord
+from ._cuda import LaunchRecord, eager_stream
 from .launch import forced_launch_configs
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta, host_facts_of
@@ -338,10 +338,7 @@ class PunicaWrapperNumba:
             self.token_mapping_meta, rows, "x", ("lora_a_stacked", a), ("lora_b_stacked", b)
         )
         if meta is not None:
-            given = buffer is not None
-            if not given:
-                buffer = _new_buffer(len(b), rows, rank, device=x2.device)
-            _shrink_then_expand(x2, a, buffer, b, y2, meta, scale, accumulate=given)
+            _shrink_then_expand(x2, a, buffer, b, y2, meta, scale)
         self._add_bias(y2, bias, widths, 0)
 
     def add_lora_logits(
@@ -381,9 +378,8 @@ class PunicaWrapperNumba:
             self.prompt_mapping_meta, rows, "x", ("lora_a_stacked", a), ("lora_b_stacked", b)
         )
         if meta is not None:
-            given = buffer is not None
-            buffer = buffer.unsqueeze(0) if given else _new_buffer(1, rows, rank, device=x2.device)
-            _shrink_then_expand(x2, a, buffer, b, y2, meta, scale, accumulate=given)
+            buffer = None if buffer is None else buffer.unsqueeze(0)
+            _shrink_then_expand(x2, a, buffer, b, y2, meta, scale)
 
     # -- checks: each argument once ----------------------------------------------------
 
@@ -617,15 +613,23 @@ class PunicaWrapperNumba:
 #: allocator hands out at one of two addresses, or two token counts that alternate.
 REPLAYS_PER_WEIGHT = 4
 
+#: The largest buffer of its own (bytes) a recorded call keeps for its replays, which
+#: then allocate nothing: 64 KiB holds 1024 tokens at rank 16 (one slice), decode's
+#: sizes, where the host time of a call is most of its time. Larger ones are allocated
+#: each call, as a capture's always are (they come from the caller's graph's memory).
+KEPT_BUFFER_BYTES = 64 << 10
+
 
 class _Replay(NamedTuple):
     """A call a LoRA-A weight led: the record of its launches and everything they depend
-    on (None both, when the call was seen once), and the objects whose ids are in the
-    key, so that no other object can take them."""
+    on (None both, when the call was seen once), the objects whose ids are in the key,
+    so that no other object can take them, and the buffer of its own that it keeps
+    (None when the call gives one or allocates each time)."""
 
     key: tuple | None
     keep: tuple
     record: LaunchRecord | None
+    buffer: torch.Tensor | None = None
 
 
 def _new_buffer(*shape: int, device) -> torch.Tensor:
@@ -636,28 +640,44 @@ def _new_buffer(*shape: int, device) -> torch.Tensor:
     return torch.empty(*shape, dtype=torch.float32, device=device)
 
 
-def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> None:
+def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     """``buffer (+)= scale * x2 @ A^T`` then ``y2 += buffer @ B^T``, slice by slice, on
-    checked arguments (the shrink adds to the buffer when ``accumulate``, else stores).
-    Both launches are made ready before either runs; a step with nothing to do (rank 0,
-    or no column) is skipped, as the ops skip it.
+    checked arguments: the shrink adds to a given buffer, and stores into one of the
+    wrapper's own when ``buffer`` is None. Both launches are made ready before either
+    runs; a step with nothing to do (rank 0, or no column) is skipped, as the ops skip
+    it.
 
     A serving engine makes the same calls step after step, so the launches of a call
     are recorded (:class:`~punica_numba._cuda.LaunchRecord`) the second time its
     tensors come at the same addresses, and replayed as long as everything they depend
     on is as it was (:func:`_replay_key`). That skips choosing configurations and
-    describing arguments: most of the host time of a call.
+    describing arguments: most of the host time of a call. A small buffer of its own
+    is kept with the record and used again, on the stream the call was recorded on (its
+    calls there run one after another, so no replay writes it while another reads it).
     """
+    accumulate = buffer is not None
+    own = None  # ("own", stream) when the call uses a buffer its record keeps
+    if buffer is None:
+        shape = (len(b), x2.shape[0], a[0].rows)
+        stream = eager_stream()
+        if stream is not None and 4 * shape[0] * shape[1] * shape[2] <= KEPT_BUFFER_BYTES:
+            own = ("own", stream)
+        else:
+            buffer = _new_buffer(*shape, device=x2.device)
     # Where the tensors sit tells most calls apart and is cheap to read, so a call whose
     # activations moved costs only this look-up more; recording, which adds about a
     # tenth to a call, waits until the call comes again.
-    where = (x2.data_ptr(), buffer.data_ptr(), y2.data_ptr())
+    where = (x2.data_ptr(), y2.data_ptr(), own or buffer.data_ptr())
     replays = a[0].launch.setdefault("shrink_then_expand", {})  # where -> _Replay
     known = replays.get(where)
-    key = None if known is None else _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate)
-    if known is not None and known.key == key:  # (a record is always kept with its key)
-        known.record.replay()
-        return
+    if known is not None and known.record is not None:
+        if own:
+            buffer = known.buffer
+        if known.key == _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate):
+            known.record.replay()
+            return
+    if own:
+        buffer = _new_buffer(*shape, device=x2.device)
     launches = []
     if a[0].rows:
         launches.append(_shrink_launch(x2, a, buffer, meta, scale, accumulate))
@@ -670,11 +690,12 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float, accumulate: bo
             del replays[next(iter(replays))]  # the oldest
         replays[where] = _Replay(None, (), None)
         return
+    key = _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate)
     with LaunchRecord((x2, buffer, y2)) as record:
         for launch in launches:
             launch()
     if record.replayable:  # (a[0] holds the entry, so it keeps a[1:] only)
-        replays[where] = _Replay(key, (a[1:], b, meta), record)
+        replays[where] = _Replay(key, (a[1:], b, meta), record, buffer if own else None)
 
 
 def _replay_key(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> tuple:

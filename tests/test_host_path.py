@@ -339,6 +339,16 @@ def _stub_driver(monkeypatch) -> list:
         sent.append(((ready.grid, ready.block), ready.function, raw))
 
     monkeypatch.setattr(_cuda, "_driver_launch", driver_launch, raising=False)
+    # A record replays as one CUDA graph outside a stream capture: here a graph is the
+    # launches it was made of, each sent as the driver would run it.
+    monkeypatch.setattr(_cuda, "_stream_capturing", lambda: False, raising=False)
+    monkeypatch.setattr(_cuda, "_graph_of", tuple, raising=False)
+
+    def graph_launch(graph):
+        for ready in graph:
+            driver_launch("stream", ready)
+
+    monkeypatch.setattr(_cuda, "_graph_launch", graph_launch, raising=False)
     return sent
 
 
@@ -517,6 +527,62 @@ def test_calls_that_come_back_in_turns_are_replayed(gpu_path, monkeypatch):
     assert prepared == []
 
 
+def _own_buffer_setup(rows: int = RT):
+    """A call that gives no buffer (the wrapper's own), and a list of the own buffers
+    it allocates."""
+    state = _replay_setup(1)
+    state["call"]["buffer"] = None
+    state["call"]["x"] = _weight(rows, RH)
+    state["call"]["y"] = _weight(rows, RN)
+    made = []
+    real = wrapper_module._new_buffer
+
+    def counted(*shape, device):
+        made.append(real(*shape, device=device))
+        return made[-1]
+
+    return state, made, mock.patch.object(wrapper_module, "_new_buffer", counted)
+
+
+def test_a_replayed_call_keeps_its_own_small_buffer(gpu_path):
+    """A recorded call that gives no buffer keeps the one it was recorded with, and its
+    replays allocate none: they send what a freshly prepared call with that buffer
+    sends."""
+    state, made, counting = _own_buffer_setup()
+    with counting:
+        for _ in range(3):  # compiles; seen; recorded
+            _run(state)
+        recorded = made[-1]
+        made.clear()
+        again = _sent_by(gpu_path, lambda: _run(state))
+        assert made == []
+        _forget_records(state["call"])
+        with mock.patch.object(wrapper_module, "_new_buffer", lambda *shape, device: recorded):
+            fresh = _sent_by(gpu_path, lambda: _run(state))
+    assert len(fresh) == 2 and again == fresh
+
+
+@pytest.mark.parametrize("where", ["in a capture", "on another stream", "too large to keep"])
+def test_an_own_buffer_is_kept_only_where_it_is_safe_and_small(gpu_path, monkeypatch, where):
+    """Inside someone's capture the buffer must come from the capture's memory, so each
+    call allocates one; a record's buffer is not used on another stream, whose calls
+    may run beside the recorded stream's; nor is one over ``KEPT_BUFFER_BYTES`` kept."""
+    rows = RT
+    if where == "too large to keep":
+        monkeypatch.setattr(wrapper_module, "KEPT_BUFFER_BYTES", 4 * RT * RR - 1)
+    state, made, counting = _own_buffer_setup(rows)
+    with counting:
+        for _ in range(3):  # compiles; seen; recorded
+            _run(state)
+        if where == "in a capture":
+            monkeypatch.setattr(_cuda, "_stream_capturing", lambda: True)
+        elif where == "on another stream":
+            monkeypatch.setattr(_cuda, "_current_stream_handle", lambda: "another stream")
+        made.clear()
+        _run(state)
+    assert len(made) == 1
+
+
 def test_a_weight_remembers_a_few_calls(gpu_path):
     state = _replay_setup(1)
     xs = [state["call"]["x"].clone() for _ in range(3 * wrapper_module.REPLAYS_PER_WEIGHT)]
@@ -565,6 +631,20 @@ def test_a_record_replays_its_launches(monkeypatch):
         fresh = _sent_by(sent, lambda: launcher((2, 1, 1), 32, (x, packed, 3)))
     assert record.replayable and record.described == [packed]
     assert _sent_by(sent, record.replay) == fresh
+    assert record.graph is not None  # made at the first replay, and kept
+    assert _sent_by(sent, record.replay) == fresh
+
+
+def test_a_record_replayed_under_a_capture_launches_one_by_one(monkeypatch):
+    """Inside someone's stream capture a record makes no graph of its own: its launches
+    go to the driver one by one, into the graph being captured."""
+    sent, launcher, x, w, packed = _record_setup(monkeypatch)
+    with LaunchRecord((x,)) as record:
+        fresh = _sent_by(sent, lambda: launcher((2, 1, 1), 32, (x, packed, 3)))
+    monkeypatch.setattr(_cuda, "_stream_capturing", lambda: True)
+    monkeypatch.setattr(_cuda, "_graph_of", lambda launches: pytest.fail("a graph was made"))
+    assert _sent_by(sent, record.replay) == fresh
+    assert record.graph is None
 
 
 @pytest.mark.parametrize(
@@ -584,30 +664,66 @@ def test_a_record_that_could_point_at_stale_memory_is_not_replayable(monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("slices", [1, 3])
-def test_a_replayed_call_adds_what_a_fresh_call_adds(monkeypatch, slices):
-    """On the GPU, for real: once a call is replayed (one driver call per launch, from
-    parameters laid out once), it adds the very bits a freshly prepared call adds, and
-    each laid-out value has the size the compiled kernel takes for its parameter."""
+def test_a_replay_with_its_own_buffer_adds_what_a_fresh_call_adds(slices):
+    """On the GPU: a call that gives no buffer, replayed as a graph with the buffer its
+    record keeps, adds the bits of a freshly prepared call, call after call."""
     wrapper = _wrapper()
     y = torch.zeros(T, N * slices, device=DEVICE, dtype=torch.bfloat16)
     x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
     a = tuple(torch.randn(L, 1, R, H, device=DEVICE).to(torch.bfloat16) for _ in range(slices))
     b = tuple(torch.randn(L, 1, N, R, device=DEVICE).to(torch.bfloat16) for _ in range(slices))
-
-    def added() -> torch.Tensor:
+    added = []
+    for _ in range(6):  # compiles, seen, recorded, replayed (the graph made), again, again
         y.zero_()
         wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,) * slices)
+        added.append(y.clone())
+    assert added[0].abs().sum() > 0
+    assert all(torch.equal(y, added[0]) for y in added)
+    replays = check_stack("w", a[0]).launch["shrink_then_expand"].values()
+    (replay,) = [r for r in replays if r.record is not None]
+    assert replay.buffer is not None and replay.record.graph is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slices", [1, 3])
+def test_a_replayed_call_adds_what_a_fresh_call_adds(monkeypatch, slices):
+    """On the GPU, for real: once a call is replayed (its launches, from parameters laid
+    out once, as one CUDA graph; inside a caller's capture one by one, into the caller's
+    graph), it adds the very bits a freshly prepared call adds, and each laid-out value
+    has the size the compiled kernel takes for its parameter."""
+    wrapper = _wrapper()
+    y = torch.zeros(T, N * slices, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    a = tuple(torch.randn(L, 1, R, H, device=DEVICE).to(torch.bfloat16) for _ in range(slices))
+    b = tuple(torch.randn(L, 1, N, R, device=DEVICE).to(torch.bfloat16) for _ in range(slices))
+    buffer = torch.zeros(slices, T, R, device=DEVICE)  # given: at one address, in a capture too
+
+    def add() -> None:
+        y.zero_(), buffer.zero_()
+        wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,) * slices, buffer=buffer)
+
+    def added() -> torch.Tensor:
+        add()
         return y.clone()
 
     fresh = added()  # compiles
     assert fresh.abs().sum() > 0
-    driven = []
-    real = _cuda._driver_launch
+    driven, graphs = [], []
+    real, real_graph = _cuda._driver_launch, _cuda._graph_launch
     monkeypatch.setattr(_cuda, "_driver_launch", lambda *args: driven.append(real(*args)))
-    for _ in range(3):  # seen (compiled by then), recorded, replayed
-        driven.clear()
+    monkeypatch.setattr(_cuda, "_graph_launch", lambda g: graphs.append(real_graph(g)))
+    for _ in range(4):  # seen (compiled by then), recorded, replayed (the graph made), again
+        driven.clear(), graphs.clear()
         assert torch.equal(added(), fresh)
-    assert len(driven) == 2  # the last call: shrink and expand, replayed
+    assert len(driven) == 0 and len(graphs) == 1  # the last call: one graph launch
+    # Replayed inside a capture of the caller's own, the launches go into that graph.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        add()
+    assert len(driven) == 2 and len(graphs) == 1  # shrink and expand, one by one
+    y.fill_(1.0)
+    graph.replay()
+    assert torch.equal(y, fresh)
     replays = check_stack("w", a[0]).launch["shrink_then_expand"].values()
     (replay,) = [r for r in replays if r.record is not None]
     for ready in replay.record.launches:
