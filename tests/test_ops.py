@@ -264,7 +264,8 @@ def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypat
 
     gen = torch.Generator().manual_seed(9)
     slots = torch.tensor([1, 0, 2, 2, -1, 0, 1, 1, 2, 0, 0, 2, 1, 2, 0, 1, 2, 1])
-    T, L, r, widths = len(slots), 3, 16, [128, 64]
+    per_warp = config.tile_n // (config.threads // 32)  # (128 columns for one warp of 128)
+    T, L, r, widths = len(slots), 3, 16, [max(128, 2 * per_warp), max(64, per_warp)]
     meta = LoRAKernelMeta.make(L, T, DEVICE)
     meta.prepare_tensors(slots.to(DEVICE))
     x = torch.randn(len(widths), T, r, generator=gen).to(DEVICE)
@@ -328,7 +329,8 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
     monkeypatch.setattr(ops, "build_mma_expand_kernel", build_recorded)
     slots = torch.tensor([2, 0, 1, -1, 1, 0, 2, 2, 0, 1, 1, 2, 0, 0, 1, 2, 2, 1])
     width = config.columns_per_block("expand")
-    meta, x, weights, old, want = _expand_problem(slots, 3, 32, [width], seed=13)
+    rank = min(32, config.to_rank or 32)  # (B's 16-byte words need a rank of 32)
+    meta, x, weights, old, want = _expand_problem(slots, 3, rank, [width], seed=13)
     outputs = []
     for run in ("aligned", "forced off", "8 bytes past"):
         forced_off[:] = [True] if run == "forced off" else []
@@ -341,7 +343,8 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
         error = ((out.double() - want).abs().max() / want.abs().max()).item()
         assert error < 1e-2, (run, error)
         outputs.append(out)
-    assert built == [(True, True, True), (False, False, False), (False, False, True)], built
+    aligned = (True, rank % 32 == 0, True)
+    assert built == [aligned, (False, False, False), (False, False, True)], built
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
