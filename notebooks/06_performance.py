@@ -483,8 +483,18 @@ else:
 # a block's 8 warps. The one-token shrink (`kernels.shrink_token`) does only what one
 # token of one slot needs, with the row's length compiled in: 48 instructions before its
 # first load, the same products in the same order, so the same bits. It takes 2.16 µs in
-# v22's run (the tables above), and the tensor-core expand, loading under one slot too,
-# takes 256 tokens on one LoRA in 3.83.
+# v22's run, and the tensor-core expand, loading under one slot too, takes 256 tokens on
+# one LoRA in 3.83; since v23 one warp covers 128 columns there (half the blocks), 3.70
+# in v23's run (the tables above).
+#
+# The host has its chain too. An eager call that repeats on the same tensors is replayed
+# from a record of its launches, laid out once; v23 captures those launches once as a
+# CUDA graph and runs it with one driver call (2.8-4.9 µs of host time on the H200's
+# host, where the two launches took 12-15), and keeps the small fp32 buffer of a call
+# that gives none instead of allocating it each time. Inside a caller's own capture the
+# launches still go one by one, so the caller's graph holds them
+# (`_cuda.LaunchRecord.replay`). What is left, 18-30 µs a call in v23's runs, is the
+# Python of the checks, which some of that host's processes run at half speed.
 
 # %% [markdown]
 # ## Reading it
