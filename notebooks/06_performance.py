@@ -270,7 +270,8 @@ print(f"after {launches} calls the buffer holds {launches}× the reference shrin
 # (an array of pointers), so a launch is one `cuLaunchKernel`. On the H200's host
 # (`docs/benchmarks/h200_v13_candidates.json`, run R1) replaying the shrink and the
 # expand took 10.2 µs that way against 58.1 µs through `cuda.core.launch`, and the whole
-# eager call 25 µs, of which 13 µs are the checks and the replay key.
+# eager call 25 µs, of which 13 µs are the checks and the replay key. Since v23 the
+# replay goes as one CUDA graph of those ready launches (below, after the benchmark).
 
 # %% [markdown]
 # ## The benchmark on an H200
