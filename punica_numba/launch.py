@@ -50,7 +50,8 @@ class LaunchConfig:
     ``from_rank`` on, up to ``to_rank`` (past it the kernel needs more registers than
     a block of its size can have, and would not launch), and from ``from_slices`` slices
     (the tensor-core shrink's slices share x, so with more of them other tiles pay
-    off). ``kernel="lanes"`` is the lane-split expand (:mod:`.kernels.expand_lanes`):
+    off) up to ``to_slices`` (a block of many columns leaves the narrow slices of a
+    QKV layer idle). ``kernel="lanes"`` is the lane-split expand (:mod:`.kernels.expand_lanes`):
     ``tile_m`` tokens per block, each row of B read by several lanes, ``vec`` rows per
     lane group (its block's columns follow from the rank); only calls whose rows of B
     split well can use it. ``kernel="mma"`` is a tensor-core kernel
@@ -80,6 +81,7 @@ class LaunchConfig:
     from_rank: int = 0  # and where the LoRA rank is at least this
     to_rank: int | None = None  # and at most this (None: any): a bigger one does not fit
     from_slices: int = 1  # and where the call has at least this many slices
+    to_slices: int | None = None  # and at most this many (None: any)
 
     def columns_per_block(self, op: str, words: int = 0) -> int:
         """Ranks (shrink) or output columns (expand) one block covers per group. A
@@ -260,11 +262,15 @@ _GPU_CONFIGS = {
         # ... not at r >= 33: four warps of lanes, 4 columns a group (r=64: T=16 distinct
         # 13.3 -> 6.67 µs, T=64 distinct 28.2 -> 16.8, T=256 distinct 82.9 -> 53.5) ...
         LaunchConfig("lanes", threads=128, tile_m=1, tile_n=0, vec=4, from_tokens=16, from_rank=33),
-        # ... 8 columns a group from T=64 (v13, h200_v13_candidates.json, two runs each:
-        # r=64 T=64 distinct 15.70/15.85 -> 15.28/15.22 µs, T=256 distinct 52.0/52.5 ->
-        # 47.1/47.4; at T=16 8 columns lost, 6.20 -> 7.40/7.53). The lanes' sums do not
-        # depend on the columns a group takes: the same bits.
-        LaunchConfig("lanes", threads=128, tile_m=1, tile_n=0, vec=8, from_tokens=64, from_rank=33),
+        # ... 16 columns a group from T=64. v13 took 8 (h200_v13_candidates.json, two runs
+        # each: r=64 T=64 distinct 15.70/15.85 -> 15.28/15.22 µs, T=256 distinct 52.0/52.5
+        # -> 47.1/47.4; at T=16 8 columns lost, 6.20 -> 7.40/7.53); session 22's three
+        # rounds (`h200_v24_candidates.json`) had 8 at 15.17/15.24/15.72 and 16 at
+        # 15.18/15.20/15.18 on 64 distinct, 47.66/46.62/47.62 and 47.46/47.33/47.18 on 256.
+        # The lanes' sums do not depend on the columns a group takes: the same bits.
+        LaunchConfig(
+            "lanes", threads=128, tile_m=1, tile_n=0, vec=16, from_tokens=64, from_rank=33
+        ),
         # Many tokens per slot at rank <= 32: 4 tokens x 4 columns per thread beat the
         # shared-memory tiles (T=4096 on one LoRA 102 -> 76 µs, 1024/32 29.8 -> 23.0) ...
         LaunchConfig("rows", threads=128, tile_m=4, tile_n=512, vec=4, from_tokens_per_slot=12),
@@ -343,6 +349,20 @@ _GPU_CONFIGS = {
             to_tokens=1023,
             to_rank=16,
         ),
+        # With one slice, four such warps a block (session 22, `h200_v24_candidates.json`,
+        # three rounds: 256 on one LoRA 3.71/3.64/3.62 -> 3.61/3.61/3.58 µs). Not with the
+        # QKV layer's slices, whose 1024 columns would leave most of its blocks idle
+        # (4.48/4.44/4.43 -> 4.92/4.82/4.79).
+        LaunchConfig(
+            "mma",
+            threads=128,
+            tile_m=16,
+            tile_n=512,
+            from_tokens_per_slot=128,
+            to_tokens=1023,
+            to_rank=16,
+            to_slices=1,
+        ),
     ),
 }
 
@@ -389,11 +409,11 @@ def choose_launch_config(
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count, the rank and
     the number of slices (host-side facts only): the last tensor-core one whose
-    ``from_tokens_per_slot``, ``from_tokens``, ``to_tokens``, ``from_rank``, ``to_rank``
-    and ``from_slices`` the call all reaches, when ``tensor_cores`` (the call's dtypes and
-    layout allow them) and there is one; otherwise the last such FFMA one, lane-split
-    expands included only when ``lane_split`` (the call's rows of B split into a few
-    words a lane: :func:`.kernels.expand_lanes.splits`).
+    ``from_tokens_per_slot``, ``from_tokens``, ``to_tokens``, ``from_rank``, ``to_rank``,
+    ``from_slices`` and ``to_slices`` the call all reaches, when ``tensor_cores`` (the
+    call's dtypes and layout allow them) and there is one; otherwise the last such FFMA
+    one, lane-split expands included only when ``lane_split`` (the call's rows of B split
+    into a few words a lane: :func:`.kernels.expand_lanes.splits`).
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
     every token is then taken to have its own slot. ``rank`` 0 (not given) reaches
@@ -416,14 +436,15 @@ def choose_launch_config(
             and rank >= config.from_rank
             and _fits(config.to_rank, rank)
             and slices >= config.from_slices
+            and _fits(config.to_slices, slices)
         ):
             chosen[config.kernel == "mma"] = config
     return chosen[True] or chosen[False]
 
 
 def _fits(limit: int | None, value: int) -> bool:
-    """Whether ``value`` is within an upper ``limit`` (``to_rank``, ``to_tokens``; None:
-    none)."""
+    """Whether ``value`` is within an upper ``limit`` (``to_rank``, ``to_tokens``,
+    ``to_slices``; None: none)."""
     return limit is None or value <= limit
 
 

@@ -33,6 +33,13 @@ def _rows_for(config) -> int:
     return rows if config.to_tokens is None else min(rows, config.to_tokens)
 
 
+def _slices_for(config) -> int:
+    """A slice count within ``config``'s range at which no later configuration for fewer
+    slices takes over (one capped at ``to_slices=1`` takes one slice from those before
+    it): its ``to_slices`` where it has one, else at least 2."""
+    return config.from_slices if config.to_slices is not None else max(config.from_slices, 2)
+
+
 @pytest.fixture(params=[True, False], ids=["simulator-table", "gpu-table"])
 def table(request, monkeypatch):
     """Run a test against the simulator's table, then the GPU's."""
@@ -149,13 +156,13 @@ def test_to_rank_holds_back_a_config(monkeypatch):
         tensor_cores = config.kernel == "mma"
         tokens = _rows_for(config)
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
-        rank = config.to_rank
-        assert _choose(op, tokens, slots, rank, tensor_cores, config.from_slices) == config
-        past = _choose(op, tokens, slots, rank + 1, tensor_cores)
+        rank, slices = config.to_rank, _slices_for(config)
+        assert _choose(op, tokens, slots, rank, tensor_cores, slices) == config
+        past = _choose(op, tokens, slots, rank + 1, tensor_cores, slices)
         assert past != config and (past.to_rank is None or past.to_rank > rank), (config, past)
         with force_launch_config(op, config):
-            assert _choose(op, tokens, slots, rank, tensor_cores) == config
-            assert _choose(op, tokens, slots, rank + 1, tensor_cores) == past
+            assert _choose(op, tokens, slots, rank, tensor_cores, slices) == config
+            assert _choose(op, tokens, slots, rank + 1, tensor_cores, slices) == past
 
 
 def test_to_tokens_holds_back_a_config(monkeypatch):
@@ -167,12 +174,12 @@ def test_to_tokens_holds_back_a_config(monkeypatch):
     assert capped, "the GPU table caps a configuration's rows"
     for op, config in capped:
         tensor_cores = config.kernel == "mma"
-        rows, rank = config.to_tokens, config.from_rank or 16
+        rows, rank, slices = config.to_tokens, config.from_rank or 16, _slices_for(config)
         per_slot = max(config.from_tokens_per_slot, 1)
-        assert _choose(op, rows, int(rows // per_slot), rank, tensor_cores) == config
-        past = _choose(op, rows + 1, int((rows + 1) // per_slot), rank, tensor_cores)
+        assert _choose(op, rows, int(rows // per_slot), rank, tensor_cores, slices) == config
+        past = _choose(op, rows + 1, int((rows + 1) // per_slot), rank, tensor_cores, slices)
         assert past != config, config
-        assert _choose(op, rows + 1, 1, rank, tensor_cores) != config
+        assert _choose(op, rows + 1, 1, rank, tensor_cores, slices) != config
 
 
 def test_from_slices_holds_back_a_config(monkeypatch):
@@ -188,6 +195,22 @@ def test_from_slices_holds_back_a_config(monkeypatch):
         args = (op, tokens, slots, rank, config.kernel == "mma")
         assert _choose(*args, config.from_slices) == config
         assert _choose(*args, config.from_slices - 1) != config
+
+
+def test_to_slices_holds_back_a_config(monkeypatch):
+    """A configuration for one slice (the tensor-core expand's four warps of 128 columns
+    on the H200, which would leave most blocks of a QKV layer's narrow slices idle) is
+    not chosen for more: the call gets what it got before that configuration."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    capped = [(op, c) for op in OPS for c in launch_configs(op) if c.to_slices is not None]
+    assert capped, "the GPU table caps a configuration's slices"
+    for op, config in capped:
+        tokens = _rows_for(config)
+        slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
+        args = (op, tokens, slots, config.from_rank or 16, config.kernel == "mma")
+        assert _choose(*args, config.to_slices) == config
+        past = _choose(*args, config.to_slices + 1)
+        assert past != config and (past.to_slices or 1 << 10) > config.to_slices, past
 
 
 def test_from_tokens_holds_back_a_config(monkeypatch):
