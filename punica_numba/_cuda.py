@@ -437,8 +437,10 @@ class LaunchRecord:
                 self.replayable = False  # e.g. a temporary made for this call only
         self.launches.append(ReadyLaunch(grid, block, kernel, raw))
 
-    def replay(self) -> None:
-        """Make the recorded launches again, on torch's current stream.
+    def replay(self, capturing: bool | None = None) -> None:
+        """Make the recorded launches again, on torch's current stream; ``capturing``
+        is whether that stream is being captured, where the caller has just read it
+        (None: read it here; a read is 0.3-0.7 µs on the H200's host).
 
         Outside a stream capture they go as one CUDA graph, made from them the first
         time: one driver call (``cuGraphLaunch``) for them all, where each launch is a
@@ -448,7 +450,9 @@ class LaunchRecord:
         Inside one (a caller capturing its own graph) they are launched one by one, so
         that the caller's graph holds them as kernels of its own.
         """
-        if not _stream_capturing():
+        if capturing is None:
+            capturing = _stream_capturing()
+        if not capturing:
             if self.graph is None:
                 self.graph = _graph_of(self.launches)
             _graph_launch(self.graph)

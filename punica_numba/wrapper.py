@@ -674,7 +674,7 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
         if own:
             buffer = known.buffer
         if known.key == _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate):
-            known.record.replay()
+            known.record.replay(capturing=False if own else None)  # (own: eager_stream read it)
             return
     if own:
         buffer = _new_buffer(*shape, device=x2.device)
