@@ -486,7 +486,14 @@ else:
 # first load, the same products in the same order, so the same bits. It takes 2.16 µs in
 # v22's run, and the tensor-core expand, loading under one slot too, takes 256 tokens on
 # one LoRA in 3.83; since v23 one warp covers 128 columns there (half the blocks), 3.70
-# in v23's run (the tables above).
+# in v23's run, and since v24 four such warps a block with one slice, 3.72 in v24's run on
+# a slower machine (the tables above).
+#
+# Not every miss is a chain of trips. The r=64 expand at 16 tokens per LoRA takes about
+# 7.2 µs against the 5.7 wanted, and a probe that makes its loads and stores without a
+# product or a dependent load takes 6.3-7.0 (`h200_v24_candidates.json`): B's 8.4 MB
+# alone take 2.9 µs, the outputs' 128-byte pieces alone 1.6, both together 6.5. The
+# roofline's floor counts bytes; how the bytes are cut up counts too.
 #
 # The host has its chain too. An eager call that repeats on the same tensors is replayed
 # from a record of its launches, laid out once; v23 captures those launches once as a
@@ -494,8 +501,8 @@ else:
 # host, where the two launches took 12-15), and keeps the small fp32 buffer of a call
 # that gives none instead of allocating it each time. Inside a caller's own capture the
 # launches still go one by one, so the caller's graph holds them
-# (`_cuda.LaunchRecord.replay`). What is left, 18-30 µs a call in v23's runs, is the
-# Python of the checks, which some of that host's processes run at half speed.
+# (`_cuda.LaunchRecord.replay`). What is left, 18-34 µs a call in v23's and v24's runs, is
+# the Python of the checks, which some of that host's processes run at half speed.
 
 # %% [markdown]
 # ## Reading it
