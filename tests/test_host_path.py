@@ -563,8 +563,8 @@ def test_a_replayed_call_keeps_its_own_small_buffer(gpu_path):
 
 
 def test_a_replay_with_its_own_buffer_reads_the_capture_state_once(gpu_path, monkeypatch):
-    """Whether the stream is being captured is read once a replayed call (0.3-0.7 µs a
-    read on the H200's host): where the call keeps its own buffer it was read to choose
+    """Whether the stream is being captured is read once per replayed call (0.3-0.7 µs
+    a read on the H200's host): where the call keeps its own buffer it was read to choose
     the buffer, and the replay is told, not made to read it again."""
     state, made, counting = _own_buffer_setup()
     with counting:

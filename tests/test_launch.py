@@ -36,7 +36,7 @@ def _rows_for(config) -> int:
 def _slices_for(config) -> int:
     """A slice count within ``config``'s range at which no later configuration for fewer
     slices takes over (one capped at ``to_slices=1`` takes one slice from those before
-    it): its ``to_slices`` where it has one, else at least 2."""
+    it): the low end of its range where it has a ``to_slices``, else at least 2."""
     return config.from_slices if config.to_slices is not None else max(config.from_slices, 2)
 
 
