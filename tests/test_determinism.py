@@ -29,7 +29,7 @@ import torch
 from hypothesis import given, settings
 
 from punica_numba import launch, ops
-from punica_numba.launch import force_launch_config, launch_configs
+from punica_numba.launch import LaunchConfig, force_launch_config, launch_configs
 from punica_numba.ops import prepare_expand, prepare_shrink
 
 from .op_cases import (
@@ -169,3 +169,34 @@ def test_tensor_core_expand_bits_do_not_depend_on_its_passes(monkeypatch):
     (_, want), *others = runs
     for config, got in others:
         assert torch.equal(got, want), f"{config} and {first} give different bits"
+
+
+def test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first(monkeypatch):
+    """At r=64 a warp of 64 columns holds 32 words of B a lane; built for one pass (a block
+    per column group) it reads the buffer's rows before B, and walking two groups after
+    it (``expand_mma``, "The buffer before B"). The two give the same bits on a slice of
+    128 columns, each is right, and the first was built to read the buffer first."""
+    from punica_numba.kernels.expand_mma import EARLY_B_WORDS
+
+    one_pass, two_passes = (
+        LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, passes=p, from_tokens_per_slot=1e9)
+        for p in (1, 2)
+    )
+    _add_configs(monkeypatch, "expand", one_pass, two_passes)
+    built = []
+    build = ops.build_mma_expand_kernel
+
+    def build_recorded(*a):
+        built.append(a)
+        return build(*a)
+
+    monkeypatch.setattr(ops, "build_mma_expand_kernel", build_recorded)
+    problem = Problem([0] * 12 + [1] * 8, 20, 2, seed=3)  # tiles of several tokens
+    case = serving_expand_case(problem, 64, [128])
+    runs = [_run_under("expand", config, case) for config in (one_pass, two_passes)]
+    assert [config for config, _ in runs] == [one_pass, two_passes]
+    assert torch.equal(runs[0][1], runs[1][1]), "reading the buffer first changed the bits"
+    # (n_tiles, k_steps, wide_x, one_pass) of each build: the first reads the buffer first
+    shapes = [(a[3], a[4], a[8], a[10]) for a in built]
+    assert shapes == [(8, 4, True, True), (8, 4, True, False)], shapes
+    assert 8 * 4 > EARLY_B_WORDS

@@ -115,6 +115,22 @@ third trip. On the H200 (v19, three runs each, with the 16-byte loads above) r=6
 went from 5.39-5.51 µs to 5.15-5.39 and 256/16 from 7.25-7.44 to 7.12-7.29; the same
 early loads with the buffer read element by element had lost (256/16 7.7 -> 8.2).
 
+**The buffer before B** (``BUFFER_FIRST``, v25). In those one-pass builds that hold more
+than :data:`EARLY_B_WORDS` words of B a lane (r=64 with 64 columns a warp), B's 16 loads
+went out first and the buffer's after them: rows that every column group of the tile
+reads, so mostly from L2, waiting behind 8 KB a warp from DRAM. These builds now read
+the buffer's rows first, keep the values as they came (``buffer_values``), then load B
+and the old outputs, and split the buffer after. ptxas still splits it as soon as it
+has arrived and issues B's loads only then, one more trip; even so, on the H200
+(``h200_v25_candidates.json``: two calls, three rounds each, one process per tree and
+round) r=64 256/16 went from 7.13-7.37 µs to 6.85-7.21, 64/8 from 5.05-5.21 to 4.70-4.90
+and 256 on one LoRA from 4.68-4.87 to 4.53-4.66. An order without that trip (the
+buffer, the old outputs, then B, which ptxas kept) was no better at 256/16 (6.86-6.90)
+and lost on one LoRA (5.12-5.14); the same builds with each ``mma`` replaced by four
+additions were not faster (256/16 7.26-7.60): memory, not the tensor cores, sets their
+pace. Every other build compiles to the same SASS as before. The same arithmetic, so
+the same bits (``test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first``).
+
 The tokens themselves were a trip of their own: a block read its tile's ``position``
 from the table, then ``sorted_tokens[position + j]``. Since v16 each tile's tokens sit in
 a row of their own (:func:`.segments.tile_tokens`, made with the table), which a block
@@ -299,6 +315,10 @@ def build_mma_expand_kernel(
     EARLY = K_STEPS * N_TILES <= (ONE_PASS_B_WORDS if ONE_PASS else EARLY_B_WORDS)
     CEILING = MAX_REGISTERS if K_STEPS * N_TILES <= EARLY_B_WORDS or not EARLY else None
     EARLY_WORDS = K_STEPS * N_TILES if EARLY else 1  # (a local array has at least one)
+    # Whether the buffer's rows are read before B ("The buffer before B"): the one-pass
+    # builds holding more words of B early than EARLY_B_WORDS (r=64 with 64 columns).
+    BUFFER_FIRST = EARLY and ONE_PASS and WIDE_X and K_STEPS * N_TILES > EARLY_B_WORDS
+    BUFFER_WORDS = K_STEPS * M_TILES * 8 if BUFFER_FIRST else 1  # 2 rows x 4 a step and m-tile
     WHOLE_GROUPS = whole_groups  # no column of a group that starts in the slice lies past it
     ONE_SLOT = one_slot
     TILE_M = 16 * M_TILES
@@ -353,6 +373,12 @@ def build_mma_expand_kernel(
                 first, second = b_words(b_rows, n0, lane_n, last_n, nj, kk, t)
                 early_b[kk * N_TILES + nj] = first
                 early_b[(kk + B_STEP - 1) * N_TILES + nj] = second
+
+    @cuda.jit(device=True, inline="always")
+    def buffer_at(kk, mi, half):
+        """Where the lane's four elements of rank step kk of row ``half`` of m-tile mi sit
+        in the buffer values read first (BUFFER_FIRST)."""
+        return ((kk * M_TILES + mi) * 2 + half) * 4
 
     @cuda.jit(device=True, inline="always")
     def add_step(acc, a, kk, nj, word, my_scratch):
@@ -451,6 +477,18 @@ def build_mma_expand_kernel(
         n0 = uint64(cuda.blockIdx.z * BLOCK_N + warp * WARP_N)  # a multiple of 16
         step_n = uint64(cuda.gridDim.z * BLOCK_N)
 
+        # BUFFER_FIRST: the buffer's rows before B, kept as they came ("The buffer before
+        # B") ...
+        buffer_values = cuda.local.array(BUFFER_WORDS, float32)
+        if BUFFER_FIRST:
+            for kk in range(K_STEPS):
+                for mi in range(M_TILES):
+                    for half in range(2):
+                        p = buffer_at(kk, mi, half)
+                        v0, v1, v2, v3 = load_four(x[s, token[2 * mi + half]], KQ * t + 4 * kk)
+                        buffer_values[p], buffer_values[p + 1] = v0, v1
+                        buffer_values[p + 2], buffer_values[p + 3] = v2, v3
+
         # EARLY: loads in the order of what they wait for ("Order of the loads"). B needs
         # only the slot ... (A warp past the slice's columns loads nothing.)
         early_b = cuda.local.array(EARLY_WORDS, int64)
@@ -470,7 +508,12 @@ def build_mma_expand_kernel(
                 base = (kk * M_TILES + mi) * TERMS * 4
                 if WIDE_X:  # the lane's four k of the step, of each row: one 16-byte load
                     for half in range(2):
-                        v0, v1, v2, v3 = load_four(x[s, token[2 * mi + half]], KQ * t + 4 * kk)
+                        if BUFFER_FIRST:
+                            p = buffer_at(kk, mi, half)
+                            v0, v1 = buffer_values[p], buffer_values[p + 1]
+                            v2, v3 = buffer_values[p + 2], buffer_values[p + 3]
+                        else:
+                            v0, v1, v2, v3 = load_four(x[s, token[2 * mi + half]], KQ * t + 4 * kk)
                         a[base + 4 + half], a[base + half] = split_pair(v0, v1)
                         a[base + 6 + half], a[base + 2 + half] = split_pair(v2, v3)
                     continue
