@@ -61,7 +61,7 @@ from numba import float32, int64, uint32
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dtypes import loader, storer, word_halves, words_loader
 from .mma import FRAGMENT_WORDS, mma_into
-from .segments import read_tile, slice_of, tile_and_slice, tile_token
+from .segments import read_tile, tile_and_slice, tile_token
 
 __all__ = ["build_mma_shrink_kernel"]
 
@@ -142,7 +142,15 @@ def build_mma_shrink_kernel(
         slot, position, rows, first_token = read_tile(tiles, tile)
         if slot == -1:
             return
-        w, _ = slice_of(s_local, w0, w1, w2, 0, 0, 0)  # (the expands' first columns: unused)
+        # By hand, not segments.slice_of: with it the H200's large shrinks took 13-32 %
+        # longer (revert of b4147e5, h200_v25_candidates.json) though this machine's
+        # compilers gave the same PTX and SASS.
+        if s_local == 0:
+            w = w0
+        elif s_local == 1:
+            w = w1
+        else:
+            w = w2
         out_slice = slice_base + s_local
         rank = w.shape[1]
         n0 = cuda.blockIdx.y * TILE_N  # the block's first rank
