@@ -487,13 +487,17 @@ else:
 # v22's run, and the tensor-core expand, loading under one slot too, takes 256 tokens on
 # one LoRA in 3.83; since v23 one warp covers 128 columns there (half the blocks), 3.70
 # in v23's run, and since v24 four such warps a block with one slice, 3.72 in v24's run on
-# a slower machine (the tables above).
+# a slower machine, 3.55 in v25's (the tables above).
 #
-# Not every miss is a chain of trips. The r=64 expand at 16 tokens per LoRA takes about
-# 7.2 µs against the 5.7 wanted, and a probe that makes its loads and stores without a
-# product or a dependent load takes 6.3-7.0 (`h200_v24_candidates.json`): B's 8.4 MB
-# alone take 2.9 µs, the outputs' 128-byte pieces alone 1.6, both together 6.5. The
-# roofline's floor counts bytes; how the bytes are cut up counts too.
+# Not every miss is a chain of trips, and fewer trips are not always faster. The r=64
+# expand at 16 tokens per LoRA loaded B (8 KB a warp, from DRAM) first and the buffer's
+# rows (mostly in L2) after it, all in one trip; since v25 it reads the buffer first, and
+# although ptxas then waits for the buffer before it issues B's loads, one trip more, the
+# kernel went from about 7.2 µs to 6.8 (`h200_v25_candidates.json`): loads that would hit
+# L2 no longer queue behind loads from DRAM. With additions in place of its tensor-core
+# products it is no faster, and probes that make only its loads and stores take 5.7 µs at
+# best, the 5.7 wanted. The roofline's floor counts bytes; how the bytes are cut up and in
+# what order they are asked for counts too.
 #
 # The host has its chain too. An eager call that repeats on the same tensors is replayed
 # from a record of its launches, laid out once; v23 captures those launches once as a
@@ -501,7 +505,7 @@ else:
 # host, where the two launches took 12-15), and keeps the small fp32 buffer of a call
 # that gives none instead of allocating it each time. Inside a caller's own capture the
 # launches still go one by one, so the caller's graph holds them
-# (`_cuda.LaunchRecord.replay`). What is left, 18-34 µs a call in v23's and v24's runs, is
+# (`_cuda.LaunchRecord.replay`). What is left, 16-34 µs a call in v23's to v25's runs, is
 # the Python of the checks, which some of that host's processes run at half speed.
 
 # %% [markdown]
