@@ -142,9 +142,7 @@ def build_mma_shrink_kernel(
         slot, position, rows, first_token = read_tile(tiles, tile)
         if slot == -1:
             return
-        # By hand, not segments.slice_of: with it the H200's large shrinks took 13-32 %
-        # longer (revert of b4147e5, h200_v25_candidates.json) though this machine's
-        # compilers gave the same PTX and SASS.
+        # By hand, not segments.slice_of, as in the row shrink (.shrink: measured).
         if s_local == 0:
             w = w0
         elif s_local == 1:
