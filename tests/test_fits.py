@@ -105,9 +105,9 @@ def test_tensor_core_expand_keeps_to_its_register_ceiling(config, rank, monkeypa
     ``expand_mma.MAX_REGISTERS`` runs as its twin compiled with that ceiling (on the H200
     the 16-byte-word kernel took 132 at r=64); one under it runs as compiled. A build of
     one pass that holds more words of B early than ``EARLY_B_WORDS`` has no ceiling
-    (r=64 with 64 columns a warp: 134 registers locally) and runs as compiled. The first
-    launch of a fresh launcher runs Numba's own compilation, the later ones the kernel
-    kept: the same code, so the same bits."""
+    (r=64 with 64 columns a warp: 144 registers locally since v25) and runs as compiled.
+    The first launch of a fresh launcher runs Numba's own compilation, the later ones the
+    kernel kept: the same code, so the same bits."""
     from punica_numba import lora_expand
     from punica_numba.kernels.expand_mma import EARLY_B_WORDS, MAX_REGISTERS
     from punica_numba.meta import LoRAKernelMeta
