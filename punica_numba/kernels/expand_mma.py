@@ -131,6 +131,10 @@ additions were not faster (256/16 7.26-7.60): memory, not the tensor cores, sets
 pace. ptxas 13.0 gives these builds 144 registers (138 before); every other build compiles to
 the same SASS as before. The same arithmetic, so the same bits
 (``test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first``).
+B brought into shared memory by Hopper's bulk copy instead (``cp.async.bulk``, session
+24, branch ``next/expand-bulk-copy``) was slower in these builds: r=64 256/16 6.84-7.24
+-> 7.39-7.43 µs with one copy a warp, 256 on one LoRA 4.56-4.62 -> 5.04-5.06
+(``h200_v26_candidates.json``).
 
 The tokens themselves were a trip of their own: a block read its tile's ``position``
 from the table, then ``sorted_tokens[position + j]``. Since v16 each tile's tokens sit in
