@@ -70,6 +70,25 @@ def problems(draw, limits=KERNEL_LIMITS) -> Problem:
     return Problem(slots, prepared, num_loras, seed)
 
 
+def record_mma_expand_builds(monkeypatch, change=None) -> list[tuple]:
+    """Have ``ops`` build its tensor-core expands through a recorder, for this test: each
+    build's positional arguments (first passed through ``change``, which may turn a flag
+    off) go into the list returned, with the kernel built from them: ``(args, kernel)``."""
+    from punica_numba import ops
+
+    build = ops.build_mma_expand_kernel
+    built = []
+
+    def build_recorded(*args):
+        if change is not None:
+            args = change(args)
+        built.append((args, build(*args)))
+        return built[-1][1]
+
+    monkeypatch.setattr(ops, "build_mma_expand_kernel", build_recorded)
+    return built
+
+
 def rows_at_8_bytes(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` (16-bit elements) whose storage starts 8 bytes past a multiple of 16
     (rows of a multiple of 16 bytes then all start there: the kernels' 8-byte loads)."""

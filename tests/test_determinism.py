@@ -38,6 +38,7 @@ from .op_cases import (
     check_expand,
     check_shrink,
     expand_cases,
+    record_mma_expand_builds,
     serving_expand_case,
     shrink_cases,
 )
@@ -183,20 +184,13 @@ def test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first(monke
         for p in (1, 2)
     )
     _add_configs(monkeypatch, "expand", one_pass, two_passes)
-    built = []
-    build = ops.build_mma_expand_kernel
-
-    def build_recorded(*a):
-        built.append(a)
-        return build(*a)
-
-    monkeypatch.setattr(ops, "build_mma_expand_kernel", build_recorded)
+    built = record_mma_expand_builds(monkeypatch)
     problem = Problem([0] * 12 + [1] * 8, 20, 2, seed=3)  # tiles of several tokens
     case = serving_expand_case(problem, 64, [128])
     runs = [_run_under("expand", config, case) for config in (one_pass, two_passes)]
     assert [config for config, _ in runs] == [one_pass, two_passes]
     assert torch.equal(runs[0][1], runs[1][1]), "reading the buffer first changed the bits"
     # (n_tiles, k_steps, wide_x, one_pass) of each build: the first reads the buffer first
-    shapes = [(a[3], a[4], a[8], a[10]) for a in built]
+    shapes = [(a[3], a[4], a[8], a[10]) for a, _ in built]
     assert shapes == [(8, 4, True, True), (8, 4, True, False)], shapes
     assert 8 * 4 > EARLY_B_WORDS

@@ -27,6 +27,7 @@ from .op_cases import (
     ShrinkCase,
     check_expand,
     check_shrink,
+    record_mma_expand_builds,
     rows_at_8_bytes,
     serving_expand_case,
 )
@@ -112,11 +113,7 @@ def test_tensor_core_expand_keeps_to_its_register_ceiling(config, rank, monkeypa
     from punica_numba.kernels.expand_mma import EARLY_B_WORDS, MAX_REGISTERS
     from punica_numba.meta import LoRAKernelMeta
 
-    built = []
-    build = ops.build_mma_expand_kernel
-    monkeypatch.setattr(
-        ops, "build_mma_expand_kernel", lambda *a: built.append(build(*a)) or built[-1]
-    )
+    builds = record_mma_expand_builds(monkeypatch)
     ops._launcher.cache_clear()  # a fresh launcher: its first launch compiles
     problem = _problem()
     gen = torch.Generator().manual_seed(3)
@@ -132,6 +129,7 @@ def test_tensor_core_expand_keeps_to_its_register_ceiling(config, rank, monkeypa
         with force_launch_config("expand", config):
             lora_expand(x, weights, out, *meta.meta_args(len(slots)), add_inputs=True)
         results.append(out)
+    built = [kernel for _, kernel in builds]
     assert len({id(k) for k in built}) == 1, built
     launcher = ops._launcher(built[0])
     [kept] = launcher.kernels.values()  # the kernel its launches run

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from punica_numba import lora_expand, lora_shrink, ops
 from punica_numba.launch import config_name, force_launch_config, launch_configs
 
-from .op_cases import check_expand, check_shrink, expand_cases, rows_at_8_bytes, shrink_cases
+from .op_cases import (
+    check_expand,
+    check_shrink,
+    expand_cases,
+    record_mma_expand_builds,
+    rows_at_8_bytes,
+    shrink_cases,
+)
 
 
 @given(shrink_cases())
@@ -214,9 +221,7 @@ def test_tensor_core_expand_writes_16_or_8_byte_words(config, monkeypatch):
 
     from .strategies import DEVICE
 
-    built = []
-    build = ops.build_mma_expand_kernel
-    monkeypatch.setattr(ops, "build_mma_expand_kernel", lambda *a: built.append(a[6]) or build(*a))
+    builds = record_mma_expand_builds(monkeypatch)
     gen = torch.Generator().manual_seed(5)
     slots = torch.tensor([0, 2, -1, 1, 2, 2, 0, 1, 1, 0, 2, 2, 1, 0, 0, 2, 1, 2] * 2)
     T, L, r, widths = len(slots), 3, 24, [72, 16, 8]
@@ -237,7 +242,8 @@ def test_tensor_core_expand_writes_16_or_8_byte_words(config, monkeypatch):
         assert error < 1e-2, (shift, error)
         outputs.append((out[:, shift:], old[:, shift:]))
     n_tiles = config.tile_n // (config.threads // 4)
-    assert built == [n_tiles % 4 == 0, False], built
+    wide = [a[6] for a, _ in builds]
+    assert wide == [n_tiles % 4 == 0, False], wide
     assert torch.equal(outputs[0][0], outputs[1][0])
 
 
@@ -254,14 +260,8 @@ def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypat
 
     from .strategies import DEVICE
 
-    built = []
-    build = ops.build_mma_expand_kernel
-
-    def build_recorded(*a, clamps=False):
-        a = a[:7] + (False,) if clamps else a
-        built.append(a[7])
-        return build(*a)
-
+    clamped = []  # [True] while the builds are forced to clamp and check
+    builds = record_mma_expand_builds(monkeypatch, lambda a: a[:7] + (False,) if clamped else a)
     gen = torch.Generator().manual_seed(9)
     slots = torch.tensor([1, 0, 2, 2, -1, 0, 1, 1, 2, 0, 0, 2, 1, 2, 0, 1, 2, 1])
     per_warp = config.tile_n // (config.threads // 32)  # (128 columns for one warp of 128)
@@ -274,16 +274,15 @@ def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypat
     want = reference.lora_expand(x, weights, old, slots.to(DEVICE), 8, True)
     outputs = []
     for clamps in (False, True):
-        monkeypatch.setattr(
-            ops, "build_mma_expand_kernel", functools.partial(build_recorded, clamps=clamps)
-        )
+        clamped[:] = [True] if clamps else []
         out = old.clone()
         with force_launch_config("expand", config):
             lora_expand(x, weights, out, *meta.meta_args(T), offset_start=8, add_inputs=True)
         error = ((out.double() - want).abs().max() / want.abs().max()).item()
         assert error < 1e-2, (clamps, error)
         outputs.append(out)
-    assert built == [True, False], built
+    whole_groups = [a[7] for a, _ in builds]
+    assert whole_groups == [True, False], whole_groups
     assert torch.equal(outputs[0], outputs[1])
 
 
@@ -318,15 +317,10 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
     for one pass (``one_pass``: B loaded ahead, no second group). Right, and the same bits
     as the build with all three off (forced), and as the call whose buffer and B start 8
     bytes past (where the ops must turn the loads off)."""
-    built, forced_off = [], []
-    build = ops.build_mma_expand_kernel
-
-    def build_recorded(*a):
-        a = a[:8] + (False, False, False) + a[11:] if forced_off else a
-        built.append(a[8:11])  # wide_x, wide_b, one_pass
-        return build(*a)
-
-    monkeypatch.setattr(ops, "build_mma_expand_kernel", build_recorded)
+    forced_off = []  # [True] while the builds are forced to turn the three off
+    builds = record_mma_expand_builds(
+        monkeypatch, lambda a: a[:8] + (False, False, False) + a[11:] if forced_off else a
+    )
     slots = torch.tensor([2, 0, 1, -1, 1, 0, 2, 2, 0, 1, 1, 2, 0, 0, 1, 2, 2, 1])
     width = config.columns_per_block("expand")
     rank = min(32, config.to_rank or 32)  # (B's 16-byte words need a rank of 32)
@@ -344,6 +338,7 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
         assert error < 1e-2, (run, error)
         outputs.append(out)
     aligned = (True, rank % 32 == 0, True)
+    built = [a[8:11] for a, _ in builds]  # wide_x, wide_b, one_pass
     assert built == [aligned, (False, False, False), (False, False, True)], built
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
