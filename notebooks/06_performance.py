@@ -499,6 +499,17 @@ else:
 # best, the 5.7 wanted. The roofline's floor counts bytes; how the bytes are cut up and in
 # what order they are asked for counts too.
 #
+# Hopper's copy engine (`cp.async.bulk`) brings bytes into shared memory without holding a
+# register for them; in such a probe B came that way, at 5.7 µs. In the kernel it lost,
+# 7.4 µs with one copy a warp (session 24, `h200_v26_candidates.json`): the probe had beaten
+# a chain of its own making, while the kernel's loads were already in flight together, and
+# the copy engine waits longer for B than the lanes' loads do. What is left is the chain
+# itself. With almost no bytes an expand at r=64 takes about 2.5 µs (one token), so the 5.7
+# wanted leave at most 3.2 µs for the kernel's 12.6 MB: 3.9 TB/s, 95 % of the copy bandwidth. Part
+# of those 2.5 µs is the launch, which Hopper can overlap with the kernel ahead (a dependent
+# launch, each kernel waiting for that one before it reads): 0.5-1.2 µs a call in session
+# 24's measurements, not yet in the package (the benchmarks README, "Dependent launch").
+#
 # The host has its chain too. An eager call that repeats on the same tensors is replayed
 # from a record of its launches, laid out once; v23 captures those launches once as a
 # CUDA graph and runs it with one driver call (2.8-4.9 µs of host time on the H200's
