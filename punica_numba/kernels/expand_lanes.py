@@ -53,6 +53,7 @@ import torch
 from numba import float32, int64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
+from .dependent_launch import prologue
 from .dtypes import loader, memory_type, packing, storer, word_loader, words_loader
 from .segments import read_tile, slice_of, tile_token, token_of_block
 
@@ -135,11 +136,14 @@ def build_lanes_expand_kernel(
     SHUFFLE = not SIMULATOR
     FULL_MASK = 0xFFFFFFFF
 
+    begin = prologue()
+
     @jit_kernel(THREADS)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
         # x: [S, M, r]; w*: [L, N_s, W] words; out: [M, width]; col*: first column of a slice
         # (one slot: tiles is token_lora_mapping, [M], and block b takes token b, whose
         # slot is tested only where the block stores)
+        begin()  # let the next kernel start; wait for the one before (dependent_launch)
         slot, position, rows, first_token = read_work(tiles, cuda.blockIdx.x)
         if not ONE_SLOT and slot == -1:
             return

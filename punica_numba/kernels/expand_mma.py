@@ -192,6 +192,7 @@ import torch
 from numba import float32, int64, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
+from .dependent_launch import prologue
 from .dtypes import (
     bf16_pair,
     bf16_pair_values,
@@ -448,11 +449,14 @@ def build_mma_expand_kernel(
 
     read_block = tile_of_tokens if ONE_SLOT else tile_of_table
 
+    begin = prologue()
+
     @jit_kernel(threads, CEILING)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows, add_inputs):
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
         # out: [M, W/4] int64 words; col*: the word of a slice's first column;
         # tile_rows: [B, TILE_M] each tile's tokens (segments.tile_tokens)
+        begin()  # let the next kernel start; wait for the one before (dependent_launch)
         tid = cuda.threadIdx.x
         warp, lane = tid >> 5, tid & 31  # shifts and masks: no signed-division fix-ups
         g, t = lane >> 2, lane & 3

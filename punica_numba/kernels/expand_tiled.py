@@ -42,6 +42,7 @@ import torch
 from numba import float32, int64
 
 from .._cuda import cuda, jit_kernel
+from .dependent_launch import prologue
 from .dtypes import loader, memory_type, packing, storer, word_loader
 from .segments import read_tile, slice_of, tile_token
 
@@ -86,11 +87,14 @@ def build_tiled_expand_kernel(
     MICRO = MICRO_M * MICRO_N
     X_ELEMENT, W_WORD = memory_type(x_dtype, False), memory_type(w_dtype, packed)
 
+    begin = prologue()
+
     @jit_kernel(threads)
     def expand_tiled(
         x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs
     ):
         # x: [S, M, r]; w*: [L, N_s, r/PACK] words; out: [M, W]; col*: first column of a slice
+        begin()  # let the next kernel start; wait for the one before (dependent_launch)
         slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
         if slot == -1:
             return  # the whole block leaves together, before any barrier

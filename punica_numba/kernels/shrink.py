@@ -59,6 +59,7 @@ import torch
 from numba import float32, int64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
+from .dependent_launch import prologue
 from .dtypes import loader, memory_type, packing, storer, word_loader
 from .segments import read_tile, tile_token, token_of_block
 
@@ -169,11 +170,14 @@ def build_shrink_kernel(
     # first load of every block.
     ONE_PASS_STEP = 1 << 40
 
+    begin = prologue()
+
     @jit_kernel(THREADS)
     def shrink(x, w0, w1, w2, out, slice_base, tiles, sorted_tokens, scaling):
         # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [B, 4] int32
         # (one slot: tiles is token_lora_mapping, [M], and block b takes token b, whose
         # slot is tested only where the block stores)
+        begin()  # let the next kernel start; wait for the one before (dependent_launch)
         slot, position, rows, first_token = read_work(tiles, cuda.blockIdx.x)
         if not ONE_SLOT and slot == -1:
             return  # the whole block leaves together, before any barrier

@@ -59,6 +59,7 @@ import torch
 from numba import float32, int64, uint32
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
+from .dependent_launch import prologue
 from .dtypes import loader, storer, word_halves, words_loader
 from .mma import FRAGMENT_WORDS, mma_into
 from .segments import read_tile, tile_and_slice, tile_token
@@ -134,10 +135,13 @@ def build_mma_shrink_kernel(
                         p = (mi * N_TILES + nj) * 4
                         add_product(acc, p, a0, a1, a2, a3, b0, b1, scratch)
 
+    begin = prologue()
+
     @jit_kernel(THREADS)
     def shrink(x, w0, w1, w2, out, slice_base, slices, tiles, sorted_tokens, scaling):
         # x: [M, K/4] int64 words; w*: [L, R, K/4] words; out: [S, M, R]; tiles: [B, 4]
         # grid: (tiles * slices, rank groups, 1)
+        begin()  # let the next kernel start; wait for the one before (dependent_launch)
         tile, s_local = tile_and_slice(cuda.blockIdx.x, slices)
         slot, position, rows, first_token = read_tile(tiles, tile)
         if slot == -1:

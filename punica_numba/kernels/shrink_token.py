@@ -33,6 +33,7 @@ import torch
 from numba import float32, int64, uint64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
+from .dependent_launch import prologue
 from .dtypes import loader, packing, storer, word_loader
 from .segments import slice_of
 from .shrink import block_sum
@@ -68,10 +69,13 @@ def build_token_shrink_kernel(
     add_up, TREE_WIDTH = block_sum(threads, 1)
     FENCE = not SIMULATOR  # (the simulator runs no compiler to reorder loads)
 
+    begin = prologue()
+
     @jit_kernel(THREADS)
     def shrink_token(x, w0, w1, w2, out, slice_base, token_lora_mapping, sorted_tokens, scaling):
         # x: [M, K/PACK] words; w*: [1, R, K/PACK] words; out: [S, M, R]
         # (unsigned: indexing with them needs no wraparound of negative indices)
+        begin()  # let the next kernel start; wait for the one before (dependent_launch)
         token, s_local, n = uint64(cuda.blockIdx.x), cuda.blockIdx.y, uint64(cuda.blockIdx.z)
         tid = cuda.threadIdx.x
         slot = token_lora_mapping[token]  # (loaded with the rest; tested at the store)

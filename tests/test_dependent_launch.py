@@ -1,0 +1,313 @@
+"""Dependent launches: every kernel waits for the one before it before it touches memory.
+
+With a programmatic dependent launch (``_cuda.dependent_launch``) a kernel may start
+while the kernel ahead of it on the stream is still running; it is correct only because
+its first act is ``griddepcontrol.wait`` (:mod:`punica_numba.kernels.dependent_launch`).
+These tests pin that down:
+
+1. in the source, on any machine: every ``@jit_kernel`` function's first statement is
+   ``begin()``, bound in its builder to ``prologue()``;
+2. on the simulator: no dependent launch, and ``begin()`` does nothing;
+3. on the GPU: the switch says yes on sm_90 and newer; both launch paths ask for it;
+   each kind of kernel, as compiled, waits before its first load or store of memory;
+   and with ``PUNICA_NUMBA_DEPENDENT_LAUNCH=0`` (in a fresh process) the kernels and
+   launches are ordinary ones that give the same bits.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from punica_numba import _cuda, kernels, ops
+from punica_numba.kernels import dependent_launch as prologue_module
+from punica_numba.launch import force_launch_config, launch_configs
+
+from .op_cases import Problem, ShrinkCase, check_expand, check_shrink, serving_expand_case
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KERNELS = pathlib.Path(kernels.__file__).parent
+
+#: The modules that hold a kernel (a ``@jit_kernel`` function), one kernel each.
+KERNEL_MODULES = {
+    "expand",
+    "expand_lanes",
+    "expand_mma",
+    "expand_tiled",
+    "shrink",
+    "shrink_mma",
+    "shrink_token",
+}
+
+# -- 1. in the source ---------------------------------------------------------------------
+
+
+def _is_jit_kernel(decorator: ast.expr) -> bool:
+    call = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return isinstance(call, ast.Name) and call.id == "jit_kernel"
+
+
+def _calls(statement: ast.stmt, name: str) -> bool:
+    """Whether ``statement`` is the bare call ``name()``."""
+    return (
+        isinstance(statement, ast.Expr)
+        and isinstance(statement.value, ast.Call)
+        and isinstance(statement.value.func, ast.Name)
+        and statement.value.func.id == name
+        and not statement.value.args
+        and not statement.value.keywords
+    )
+
+
+def _binds_prologue(statement: ast.stmt) -> bool:
+    """Whether ``statement`` is ``begin = prologue()``."""
+    return (
+        isinstance(statement, ast.Assign)
+        and [ast.unparse(t) for t in statement.targets] == ["begin"]
+        and ast.unparse(statement.value) == "prologue()"
+    )
+
+
+def kernels_without_prologue(source: str) -> tuple[list[str], int]:
+    """The ``@jit_kernel`` functions in ``source`` whose first statement is not ``begin()``
+    or whose builder does not bind ``begin = prologue()`` before them; and how many such
+    functions there are in all."""
+    wrong, found = [], 0
+    for builder in ast.walk(ast.parse(source)):
+        if not isinstance(builder, ast.FunctionDef):
+            continue
+        bound = False
+        for statement in builder.body:
+            bound = bound or _binds_prologue(statement)
+            if isinstance(statement, ast.FunctionDef) and any(
+                _is_jit_kernel(d) for d in statement.decorator_list
+            ):
+                found += 1
+                if not (bound and _calls(statement.body[0], "begin")):
+                    wrong.append(statement.name)
+    return wrong, found
+
+
+def test_every_kernel_begins_with_the_prologue():
+    """Each kernel module holds one kernel, and its first statement is ``begin()``."""
+    for name in sorted(KERNEL_MODULES):
+        wrong, found = kernels_without_prologue((KERNELS / f"{name}.py").read_text())
+        assert found == 1, (name, found)
+        assert wrong == [], name
+    for path in KERNELS.glob("*.py"):  # and no kernel lives anywhere else
+        if path.stem not in KERNEL_MODULES:
+            assert kernels_without_prologue(path.read_text())[1] == 0, path.name
+
+
+def test_the_source_check_sees_a_kernel_that_reads_first():
+    """The check above fails a kernel that reads before ``begin()``, or has none bound."""
+    kernel = """
+def build():
+    begin = prologue()
+
+    @jit_kernel(32)
+    def k(x):
+        {body}
+    return k
+"""
+    assert kernels_without_prologue(kernel.format(body="begin()\n        x[0] = 1")) == ([], 1)
+    assert kernels_without_prologue(kernel.format(body="x[0] = 1\n        begin()")) == (["k"], 1)
+    unbound = kernel.replace("begin = prologue()", "begin = something()")
+    assert kernels_without_prologue(unbound.format(body="begin()")) == (["k"], 1)
+
+
+# -- 2. on the simulator ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not _cuda.SIMULATOR, reason="the simulator's answer")
+def test_the_simulator_launches_the_ordinary_way():
+    assert _cuda.dependent_launch() is False
+    assert prologue_module.prologue() is prologue_module._nothing
+
+
+# -- 3. on the GPU ------------------------------------------------------------------------
+
+#: The instructions of a kernel's PTX that touch memory other than its parameters.
+_MEMORY = re.compile(r"^\s*(ld|st|atom|red|cp|prefetch)\.(?!param)")
+
+
+def memory_before_wait(ptx: str) -> list[str]:
+    """The lines of a kernel's PTX, from its ``.entry``, that touch memory before its
+    ``griddepcontrol.wait``; all of them when there is none. Also fails when it does not
+    say ``launch_dependents`` before the wait."""
+    lines = ptx[ptx.index(".entry") :].splitlines()
+    early = []
+    for i, line in enumerate(lines):
+        if line.strip() == "griddepcontrol.wait;":
+            assert any("griddepcontrol.launch_dependents" in earlier for earlier in lines[:i]), (
+                "no launch_dependents before the wait"
+            )
+            return early
+        if _MEMORY.match(line):
+            early.append(line.strip())
+    return early or ["(no griddepcontrol.wait)"]
+
+
+def test_the_ptx_check_sees_a_load_before_the_wait():
+    good = ".entry k(\n)\n{\n\tld.param.u64 %rd1, [p];\n\tgriddepcontrol.launch_dependents;\n"
+    good += "\tgriddepcontrol.wait;\n\tld.global.u32 %r1, [%rd1];\n}"
+    assert memory_before_wait(good) == []
+    launch = "\tgriddepcontrol.launch_dependents;"
+    early = good.replace(launch, "\tld.global.u32 %r2, [%rd1];\n" + launch)
+    assert memory_before_wait(early) == ["ld.global.u32 %r2, [%rd1];"]
+    with pytest.raises(AssertionError, match="no launch_dependents"):
+        memory_before_wait(good.replace(launch, ""))
+    assert memory_before_wait(good.replace("griddepcontrol.wait;", "")) != []
+
+
+def _one_of_each_kernel(monkeypatch) -> list:
+    """Run a shrink and an expand under every launch configuration of the GPU's table, and
+    a one-token shrink on a stack of one LoRA (the one-token kernel); return the launchers
+    made, whose ``kernels`` are what ran."""
+    made = []
+    real = ops._launcher
+
+    def recorded(kernel):
+        launcher = real(kernel)
+        made.append(launcher)
+        return launcher
+
+    monkeypatch.setattr(ops, "_launcher", recorded)
+    problem = Problem(slots=[0, 1] * 16, prepared=32, num_loras=2, seed=5)
+    for config in launch_configs("shrink"):
+        case = ShrinkCase(problem, 512, 16, 1, 0, torch.bfloat16, torch.float32, 0.5, False)
+        with force_launch_config("shrink", config):
+            check_shrink(ops.lora_shrink, case)
+    for config in launch_configs("expand"):
+        with force_launch_config("expand", config):
+            check_expand(ops.lora_expand, serving_expand_case(problem, 16, [512, 128]))
+    one = Problem(slots=[0], prepared=1, num_loras=1, seed=6)
+    check_shrink(
+        ops.lora_shrink,
+        ShrinkCase(one, 512, 16, 1, 0, torch.bfloat16, torch.float32, 0.5, False),
+    )
+    return made
+
+
+def _module_of(kernel) -> str:
+    return kernel.py_func.__module__.rsplit(".", 1)[-1]
+
+
+@pytest.mark.gpu
+def test_the_switch_and_both_launch_paths_ask_for_a_dependent_launch():
+    capability = torch.cuda.get_device_capability()
+    wanted = capability >= (9, 0) and os.environ.get("PUNICA_NUMBA_DEPENDENT_LAUNCH") != "0"
+    assert _cuda.dependent_launch() is wanted
+    eager = _cuda._core_launch_config((3, 1, 1), 64)
+    assert eager.programmatic_stream_serialization is wanted
+    if wanted:
+        config = _cuda._dependent_launch_config(_cuda.ReadyLaunch((3, 2, 1), 64, None, []))
+        assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (3, 2, 1)
+        assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (64, 1, 1)
+        assert config.numAttrs == 1
+        (attribute,) = config.attrs
+        assert attribute.value.programmaticStreamSerializationAllowed == 1
+        assert attribute.id.name == "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"
+
+
+@pytest.mark.gpu
+def test_every_kind_of_kernel_waits_before_it_touches_memory(monkeypatch):
+    """The compiled PTX of each kernel that ran: the wait comes before every load and
+    store (a dependent launch may start it while the kernel ahead still writes)."""
+    if not _cuda.dependent_launch():
+        pytest.skip("no dependent launch on this GPU or in this environment")
+    capability = torch.cuda.get_device_capability()
+    seen = set()
+    for launcher in _one_of_each_kernel(monkeypatch):
+        for kernel in launcher.kernels.values():
+            assert memory_before_wait(kernel.inspect_asm(capability)) == [], kernel.py_func
+            seen.add(_module_of(kernel))
+    assert seen == KERNEL_MODULES
+
+
+#: Run in a fresh process, under the environment it was given (``report_fixed_calls``).
+_FIXED_CALLS = (
+    "import sys; from tests.test_dependent_launch import report_fixed_calls as r; r(sys.argv[1])"
+)
+
+
+def report_fixed_calls(path: str) -> None:
+    """Make :func:`fixed_calls`, save their results at ``path``, and print what the switch
+    says, how many kernels ran, whether any of them has griddepcontrol in its PTX, and
+    whether the eager launch asks for a dependent launch."""
+    buffer, out, launchers = fixed_calls()
+    torch.save((buffer.cpu(), out.cpu()), path)
+    capability = torch.cuda.get_device_capability()
+    unique = {id(launcher): launcher for launcher in launchers}.values()
+    ptx = [k.inspect_asm(capability) for launcher in unique for k in launcher.kernels.values()]
+    eager = _cuda._core_launch_config((1, 1, 1), 32)
+    said = {
+        "switch": _cuda.dependent_launch(),
+        "kernels": len(ptx),
+        "griddepcontrol": any("griddepcontrol" in p for p in ptx),
+        "eager": eager.programmatic_stream_serialization,
+    }
+    print(json.dumps(said))
+
+
+def fixed_calls():
+    """A shrink of 64 tokens on 8 LoRAs into a buffer, then an expand of it, each launched
+    twice (the second launch by raw parameters, after the first compiled); return the
+    buffer, the output and the launchers used."""
+    from punica_numba.meta import LoRAKernelMeta
+
+    gen = torch.Generator().manual_seed(11)
+    slots = torch.randint(0, 8, (64,), generator=gen).cuda()
+    meta = LoRAKernelMeta.make(8, 64, "cuda")
+    meta.prepare_tensors(slots)
+    x = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
+    a = torch.randn(8, 16, 1024, generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(8, 1024, 16, generator=gen).to("cuda", torch.bfloat16)
+    old = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
+    launchers = []
+    real = ops._launcher
+    ops._launcher = lambda kernel: launchers.append(real(kernel)) or launchers[-1]
+    try:
+        for _ in range(2):
+            buffer = torch.zeros(1, 64, 16, device="cuda")
+            ops.lora_shrink(x, [a], buffer, *meta.meta_args(64), 0.5)
+            out = old.clone()
+            ops.lora_expand(buffer, [b], out, *meta.meta_args(64), add_inputs=True)
+    finally:
+        ops._launcher = real
+    torch.cuda.synchronize()
+    return buffer, out, launchers
+
+
+@pytest.mark.gpu
+def test_the_environment_turns_it_off_with_the_same_bits(tmp_path):
+    """``PUNICA_NUMBA_DEPENDENT_LAUNCH=0``, read by a fresh process: ordinary kernels and
+    launches, and the same bits as this process's launches give."""
+    results = {}
+    for setting in ("0", "1"):
+        env = dict(os.environ, PUNICA_NUMBA_DEPENDENT_LAUNCH=setting)
+        saved = tmp_path / f"{setting}.pt"
+        run = subprocess.run(
+            [sys.executable, "-c", _FIXED_CALLS, str(saved)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        said = json.loads(run.stdout.strip().splitlines()[-1])
+        on = setting == "1" and torch.cuda.get_device_capability() >= (9, 0)
+        assert said == {"switch": on, "kernels": 2, "griddepcontrol": on, "eager": on}, said
+        results[setting] = torch.load(saved)
+    buffer, out, _ = fixed_calls()  # and this process, under its own setting
+    for got in results.values():
+        assert torch.equal(got[0], buffer.cpu()) and torch.equal(got[1], out.cpu())
