@@ -23,6 +23,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -135,8 +136,10 @@ def test_the_simulator_launches_the_ordinary_way():
 
 # -- 3. on the GPU ------------------------------------------------------------------------
 
-#: The instructions of a kernel's PTX that touch memory other than its parameters.
-_MEMORY = re.compile(r"^\s*(ld|st|atom|red|cp|prefetch)\.(?!param)")
+#: The instructions of a kernel's PTX that may touch memory another kernel sees: global or
+#: generic addresses, not the kernel's parameters, its threads' own local memory (where
+#: LLVM may zero a local array before the wait) or its block's shared memory.
+_MEMORY = re.compile(r"^\s*(ld|st|atom|red|cp|prefetch)\.(?!param|local|shared)")
 
 
 def memory_before_wait(ptx: str) -> list[str]:
@@ -163,6 +166,10 @@ def test_the_ptx_check_sees_a_load_before_the_wait():
     launch = "\tgriddepcontrol.launch_dependents;"
     early = good.replace(launch, "\tld.global.u32 %r2, [%rd1];\n" + launch)
     assert memory_before_wait(early) == ["ld.global.u32 %r2, [%rd1];"]
+    generic = good.replace(launch, "\tst.u32 [%rd1], %r2;\n" + launch)
+    assert memory_before_wait(generic) == ["st.u32 [%rd1], %r2;"]
+    own = good.replace(launch, "\tst.local.v2.u64 [%rd2], {%rd3, %rd3};\n" + launch)
+    assert memory_before_wait(own) == []
     with pytest.raises(AssertionError, match="no launch_dependents"):
         memory_before_wait(good.replace(launch, ""))
     assert memory_before_wait(good.replace("griddepcontrol.wait;", "")) != []
@@ -209,7 +216,8 @@ def test_the_switch_and_both_launch_paths_ask_for_a_dependent_launch():
     eager = _cuda._core_launch_config((3, 1, 1), 64)
     assert eager.programmatic_stream_serialization is wanted
     if wanted:
-        config = _cuda._dependent_launch_config(_cuda.ReadyLaunch((3, 2, 1), 64, None, []))
+        kernel = types.SimpleNamespace(handle=0)  # (a ReadyLaunch reads its handle)
+        config = _cuda._dependent_launch_config(_cuda.ReadyLaunch((3, 2, 1), 64, kernel, []))
         assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (3, 2, 1)
         assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (64, 1, 1)
         assert config.numAttrs == 1
