@@ -215,14 +215,13 @@ def dependent_launch() -> bool:
     On a stream, a kernel normally starts only when the one before it has finished, and
     the GPU spends a while between them: the last block drains, the next grid is set up,
     and its blocks are placed (on the H200 a dependent launch took the one-token expand
-    in a CUDA graph from 2.19 to 1.59 µs a call; docs/benchmarks). A dependent
-    launch lets the next kernel's blocks start while the one before is still running:
-    each of our kernels first says that its dependents may start
-    (``griddepcontrol.launch_dependents``) and then waits until the kernels before it
-    have finished and their writes are visible (``griddepcontrol.wait``), before it
-    reads anything (:mod:`.kernels.dependent_launch`). What overlaps is the launch and
-    the start of the blocks, never the work on memory, so the results cannot depend on
-    what ran before.
+    in a CUDA graph from 2.22 to 1.70 µs a call; docs/benchmarks). A dependent
+    launch lets the next kernel be launched as the blocks of the one before end, before
+    that kernel has finished: each of our kernels first waits until the kernels before it
+    have finished and their writes are visible (``griddepcontrol.wait``), before it reads
+    anything (:mod:`.kernels.dependent_launch`). What overlaps is the launch and the
+    start of the blocks, never the work on memory, so the results cannot depend on what
+    ran before.
 
     True on a GPU of compute capability 9.0 or newer whose cuda.core can ask for it,
     unless the environment sets ``PUNICA_NUMBA_DEPENDENT_LAUNCH=0``. The answer is made

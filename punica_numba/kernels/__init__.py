@@ -13,8 +13,8 @@
 * :mod:`.mma`      one warp's tensor-core product, on the GPU and on the simulator;
 * :mod:`.shrink_mma`, :mod:`.expand_mma` both ops on the tensor cores, for many tokens
   per slot;
-* :mod:`.dependent_launch` every kernel's first step, ``begin()``: on Hopper, let the next
-  kernel start and wait for the one before.
+* :mod:`.dependent_launch` every kernel's first step, ``begin()``: on Hopper, wait for the
+  kernels before it (which a dependent launch does not).
 """
 
 from .expand import COMPILED_WORDS, build_expand_kernel

@@ -1,32 +1,45 @@
-"""Every kernel's first step: let the next kernel start, then wait for the one before.
+"""Every kernel's first step: wait for the kernels before it.
 
 On a CUDA stream a kernel normally starts only once the kernel before it has finished.
-Between the two the GPU idles for a while: the last blocks of the first drain, the
-second grid is set up, its first blocks are placed and only then issue their first
-loads. At decode, where one of our kernels takes 2-4 µs, that gap is a large part of
-a call. Hopper (sm_90) can shorten it with a *programmatic dependent launch*: a kernel
-launched with the attribute ``programmatic_stream_serialization``
-(:func:`.._cuda.dependent_launch`) may start before the kernel ahead of it has
-finished, and two PTX instructions say what it may do meanwhile:
+Between the two the GPU idles for a while: the first kernel's last blocks drain and its
+end is made known, the second grid is set up, its blocks are placed, and only then do
+they issue their first loads. At decode, where one of our kernels takes 2-4 µs, that
+gap is a large part of a call. Hopper (sm_90) can shorten it with a *programmatic
+dependent launch*: a kernel launched with the attribute
+``programmatic_stream_serialization`` (:func:`.._cuda.dependent_launch`) may be
+launched once every block of the kernel ahead of it has ended, or has said so with
+``griddepcontrol.launch_dependents``, before that kernel is known to have finished. It
+must then wait before it touches what that kernel wrote:
 
-* ``griddepcontrol.launch_dependents``: the kernels launched after this one may start
-  now (once every block of this grid has said so, or finished);
-* ``griddepcontrol.wait``: wait until every kernel this one depends on has finished
-  and its writes to memory are visible.
+* ``griddepcontrol.wait``: wait until every kernel this one depends on has finished and
+  its writes to memory are visible.
 
-Our kernels give the first, then the second, as the first statement of their bodies
-(``begin()``, made by :func:`prologue` when the kernel is built), before they read a
-word of memory. So a kernel never reads what the kernel ahead of it may still be
-writing, or writes what it may still be reading, whatever that kernel is (ours,
+Our kernels wait as the first statement of their bodies (``begin()``, made by
+:func:`prologue` when the kernel is built), before they read or write a word of memory
+that another kernel sees. So a kernel never reads what the kernel ahead of it may still
+be writing, or writes what it may still be reading, whatever that kernel is (ours,
 torch's, anyone's): the results are those of an ordinary launch. What overlaps is the
 launch itself and the placing of the blocks. A kernel launched the ordinary way, or
-with nothing ahead of it, passes both instructions at once.
+with nothing ahead of it, passes the wait at once.
 
-Why wait at once, rather than after the reads that do not depend on the kernel ahead
-(the tile table, the weights)? Measured on the H200 (session 24, the r=64 tensor-core
-expand at 256 tokens on 16 LoRAs): waiting after the tile and the tokens had been read
-saved less (6.44-6.69 µs, from 6.94-7.14) than waiting first (6.13-6.27); and a kernel
-that reads nothing before the wait cannot depend on what ran before it.
+**Why not say ``launch_dependents`` too?** Said first, it lets the next kernel be
+launched as soon as every block of this one has started, so that kernel's blocks are
+placed on the SMs while this one's still run, wherever room is left, and wait there.
+Measured on the H200 (session 25, two rounds, one process per setting, µs; "ends":
+only the wait, the next kernel launched as this one's blocks end):
+
+| case | ordinary | said first | ends |
+| --- | --- | --- | --- |
+| expand T=1 | 2.22-2.23 | 1.61 | 1.70-1.71 |
+| QKV expand 256 over 16 LoRAs | 6.14-6.20 | 8.75-8.76 | 5.51-5.55 |
+| QKV shrink 4096 over 64 LoRAs | 27.2 | 30.9-31.2 | 26.9-28.1 |
+| expand 256 on one LoRA | 3.68-3.71 | 3.58-3.94 | 3.00 |
+
+Said first, it gained 0.1 µs more on the smallest kernels and lost up to 40 % where a
+kernel's blocks are many and short; waiting alone lost nowhere. Nor does a kernel wait
+later, after reads that do not depend on the kernel ahead (its tile, its weights): on
+the r=64 tensor-core expand that saved less (session 24), and a kernel that reads
+nothing before the wait cannot depend on what ran before it.
 
 On the simulator, below sm_90, or with ``PUNICA_NUMBA_DEPENDENT_LAUNCH=0``, ``begin()``
 does nothing (and the launches are ordinary ones).
@@ -45,20 +58,19 @@ def _nothing():
     return
 
 
-def _launch_dependents_then_wait():
-    """``begin()`` on the GPU: the two instructions, as one piece of inline PTX."""
+def _wait_for_the_kernels_before():
+    """``begin()`` on the GPU: ``griddepcontrol.wait`` as inline PTX."""
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def launch_dependents_then_wait(typingctx):
+    def grid_dependency_wait(typingctx):
         def codegen(context, builder, signature, args):
             asm = ir.InlineAsm(
                 ir.FunctionType(ir.VoidType(), []),
-                "griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;",
-                # "memory": no load or store may move above the wait
-                "~{memory}",
+                "griddepcontrol.wait;",
+                "~{memory}",  # no load or store of memory may move above it
                 side_effect=True,
             )
             builder.call(asm, [])
@@ -68,13 +80,13 @@ def _launch_dependents_then_wait():
 
     @cuda.jit(device=True)
     def begin():
-        launch_dependents_then_wait()
+        grid_dependency_wait()
 
     return begin
 
 
 def prologue():
-    """The device function every kernel calls first, as ``begin()``: the dependent
-    launch's two instructions where :func:`.._cuda.dependent_launch` holds, else
-    nothing. Called when a kernel is built, after the device is known."""
-    return _launch_dependents_then_wait() if dependent_launch() else _nothing
+    """The device function every kernel calls first, as ``begin()``: the wait where
+    :func:`.._cuda.dependent_launch` holds, else nothing. Called when a kernel is built,
+    once the device is known."""
+    return _wait_for_the_kernels_before() if dependent_launch() else _nothing

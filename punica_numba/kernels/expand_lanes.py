@@ -143,7 +143,7 @@ def build_lanes_expand_kernel(
         # x: [S, M, r]; w*: [L, N_s, W] words; out: [M, width]; col*: first column of a slice
         # (one slot: tiles is token_lora_mapping, [M], and block b takes token b, whose
         # slot is tested only where the block stores)
-        begin()  # let the next kernel start; wait for the one before (dependent_launch)
+        begin()  # wait for the kernels before this one (dependent_launch)
         slot, position, rows, first_token = read_work(tiles, cuda.blockIdx.x)
         if not ONE_SLOT and slot == -1:
             return

@@ -456,7 +456,7 @@ def build_mma_expand_kernel(
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
         # out: [M, W/4] int64 words; col*: the word of a slice's first column;
         # tile_rows: [B, TILE_M] each tile's tokens (segments.tile_tokens)
-        begin()  # let the next kernel start; wait for the one before (dependent_launch)
+        begin()  # wait for the kernels before this one (dependent_launch)
         tid = cuda.threadIdx.x
         warp, lane = tid >> 5, tid & 31  # shifts and masks: no signed-division fix-ups
         g, t = lane >> 2, lane & 3

@@ -94,7 +94,7 @@ def build_tiled_expand_kernel(
         x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs
     ):
         # x: [S, M, r]; w*: [L, N_s, r/PACK] words; out: [M, W]; col*: first column of a slice
-        begin()  # let the next kernel start; wait for the one before (dependent_launch)
+        begin()  # wait for the kernels before this one (dependent_launch)
         slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
         if slot == -1:
             return  # the whole block leaves together, before any barrier

@@ -177,7 +177,7 @@ def build_shrink_kernel(
         # x: [M, K/PACK] words; w*: [L, R, K/PACK] words; out: [S, M, R]; tiles: [B, 4] int32
         # (one slot: tiles is token_lora_mapping, [M], and block b takes token b, whose
         # slot is tested only where the block stores)
-        begin()  # let the next kernel start; wait for the one before (dependent_launch)
+        begin()  # wait for the kernels before this one (dependent_launch)
         slot, position, rows, first_token = read_work(tiles, cuda.blockIdx.x)
         if not ONE_SLOT and slot == -1:
             return  # the whole block leaves together, before any barrier

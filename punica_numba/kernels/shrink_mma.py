@@ -141,7 +141,7 @@ def build_mma_shrink_kernel(
     def shrink(x, w0, w1, w2, out, slice_base, slices, tiles, sorted_tokens, scaling):
         # x: [M, K/4] int64 words; w*: [L, R, K/4] words; out: [S, M, R]; tiles: [B, 4]
         # grid: (tiles * slices, rank groups, 1)
-        begin()  # let the next kernel start; wait for the one before (dependent_launch)
+        begin()  # wait for the kernels before this one (dependent_launch)
         tile, s_local = tile_and_slice(cuda.blockIdx.x, slices)
         slot, position, rows, first_token = read_tile(tiles, tile)
         if slot == -1:

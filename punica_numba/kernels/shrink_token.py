@@ -75,7 +75,7 @@ def build_token_shrink_kernel(
     def shrink_token(x, w0, w1, w2, out, slice_base, token_lora_mapping, sorted_tokens, scaling):
         # x: [M, K/PACK] words; w*: [1, R, K/PACK] words; out: [S, M, R]
         # (unsigned: indexing with them needs no wraparound of negative indices)
-        begin()  # let the next kernel start; wait for the one before (dependent_launch)
+        begin()  # wait for the kernels before this one (dependent_launch)
         token, s_local, n = uint64(cuda.blockIdx.x), cuda.blockIdx.y, uint64(cuda.blockIdx.z)
         tid = cuda.threadIdx.x
         slot = token_lora_mapping[token]  # (loaded with the rest; tested at the store)
