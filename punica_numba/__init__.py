@@ -8,10 +8,11 @@ The public pieces, bottom to top:
 * :func:`lora_shrink`, :func:`lora_expand`  the kernels, with vLLM's op signatures;
 * :class:`PunicaWrapperNumba`  vLLM's ``PunicaWrapperGPU`` API on those kernels.
 
-Importing the package switches Numba to its CUDA simulator when no GPU is usable.
+Importing the package switches Numba to its CUDA simulator when no GPU is usable;
+:func:`dependent_launch` says whether kernels are launched as Hopper's dependent launches.
 """
 
-from ._cuda import SIMULATOR
+from ._cuda import SIMULATOR, dependent_launch
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta
 from .ops import lora_expand, lora_shrink
@@ -26,6 +27,7 @@ __all__ = [
     "PunicaWrapperNumba",
     "LongContextLoRAContext",
     "convert_mapping",
+    "dependent_launch",
     "lora_expand",
     "lora_shrink",
 ]

@@ -218,8 +218,8 @@ def dependent_launch() -> bool:
     in a CUDA graph from 2.22 to 1.70 µs a call; docs/benchmarks). A dependent
     launch lets the next kernel be launched as the blocks of the one before end, before
     that kernel has finished: each of our kernels first waits until the kernels before it
-    have finished and their writes are visible (``griddepcontrol.wait``), before it reads
-    anything (:mod:`.kernels.dependent_launch`). What overlaps is the launch and the
+    have finished and their writes are visible (``griddepcontrol.wait``), before it
+    touches memory (:mod:`.kernels.dependent_launch`). What overlaps is the launch and the
     start of the blocks, never the work on memory, so the results cannot depend on what
     ran before.
 
