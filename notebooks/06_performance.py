@@ -504,11 +504,38 @@ else:
 # 7.4 µs with one copy a warp (session 24, `h200_v26_candidates.json`): the probe had beaten
 # a chain of its own making, while the kernel's loads were already in flight together, and
 # the copy engine waits longer for B than the lanes' loads do. What is left is the chain
-# itself. With almost no bytes an expand at r=64 takes about 2.5 µs (one token), so the 5.7
-# wanted leave at most 3.2 µs for the kernel's 12.6 MB: 3.9 TB/s, 95 % of the copy bandwidth. Part
-# of those 2.5 µs is the launch, which Hopper can overlap with the kernel ahead (a dependent
-# launch, each kernel waiting for that one before it reads): 0.5-1.2 µs a call in session
-# 24's measurements, not yet in the package (the benchmarks README, "Dependent launch").
+# itself. With almost no bytes an expand at r=64 took about 2.5 µs (one token), so the 5.7
+# wanted left at most 3.2 µs for the kernel's 12.6 MB: 3.9 TB/s, 95 % of the copy bandwidth.
+#
+# Part of those 2.5 µs is the launch. On a stream the next kernel starts only once the one
+# ahead has finished; Hopper can launch it sooner (a *dependent launch*), once the blocks of
+# the one ahead have ended, if it then waits for that kernel before it touches memory. v26
+# does so: every kernel's first statement is `begin()`, which on sm_90 is the one PTX
+# instruction `griddepcontrol.wait` (`kernels/dependent_launch.py`), and every launch asks
+# for it (`punica_numba.dependent_launch()` says whether it does). The results cannot
+# change: nothing is read or written before the wait. The one-token expand at r=64 then
+# takes 2.0 µs, and the r=64 expand at 16 tokens per LoRA 6.1 (its bound: 3.4 TB/s, 81 % of
+# the copy bandwidth). A kernel may also say `griddepcontrol.launch_dependents`, to let the
+# next kernel be launched even sooner, while its own blocks still run; measured, that lost
+# up to 40 %. The cell below reads the committed A/B (one process per setting, two rounds).
+
+# %%
+ab_path = root / "docs" / "benchmarks" / "h200_v26_candidates.json"
+ab = json.loads(ab_path.read_text())["session25_call3_launch_dependents_or_wait_only"]
+settings = {"ordinary": "ordinary", "trigger-first": "said first", "wait-only": "wait only"}
+by_setting = {}
+for run in ab["rounds"]:
+    by_setting.setdefault(settings[run["tag"].split()[0]], []).append(run["us"])
+print(f"{'case (op:T:mode:r:widths)':40}" + "".join(f"{name:>18}" for name in by_setting))
+for case in ab["rounds"][0]["us"]:
+    spread = ["/".join(f"{rounds[case]:.2f}" for rounds in runs) for runs in by_setting.values()]
+    print(f"{case:40}" + "".join(f"{cell:>18}" for cell in spread))
+print(
+    "this process launches its kernels as dependent launches:",
+    punica_numba.dependent_launch(),
+)
+
+# %% [markdown]
 #
 # The host has its chain too. An eager call that repeats on the same tensors is replayed
 # from a record of its launches, laid out once; v23 captures those launches once as a
@@ -516,7 +543,7 @@ else:
 # host, where the two launches took 12-15), and keeps the small fp32 buffer of a call
 # that gives none instead of allocating it each time. Inside a caller's own capture the
 # launches still go one by one, so the caller's graph holds them
-# (`_cuda.LaunchRecord.replay`). What is left, 16-34 µs a call in v23's to v25's runs, is
+# (`_cuda.LaunchRecord.replay`). What is left, 16-34 µs a call in v23's to v26's runs, is
 # the Python of the checks, which some of that host's processes run at half speed.
 
 # %% [markdown]
