@@ -17,6 +17,7 @@ These tests pin that down:
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import pathlib
@@ -168,19 +169,26 @@ def test_the_ptx_check_sees_a_load_before_the_wait():
     assert memory_before_wait(good.replace(wait, "")) != []
 
 
-def _one_of_each_kernel(monkeypatch) -> list:
-    """Run a shrink and an expand under every launch configuration of the GPU's table, and
-    a one-token shrink on a stack of one LoRA (the one-token kernel); return the launchers
-    made, whose ``kernels`` are what ran."""
-    made = []
-    real = ops._launcher
+@contextlib.contextmanager
+def recorded_launchers():
+    """Within it, every launcher that ``ops`` takes for a kernel is noted in the list it
+    gives (a launcher's ``kernels`` are what its launches ran)."""
+    made, real = [], ops._launcher
 
     def recorded(kernel):
-        launcher = real(kernel)
-        made.append(launcher)
-        return launcher
+        made.append(real(kernel))
+        return made[-1]
 
-    monkeypatch.setattr(ops, "_launcher", recorded)
+    ops._launcher = recorded
+    try:
+        yield made
+    finally:
+        ops._launcher = real
+
+
+def _one_of_each_kernel() -> None:
+    """Run a shrink and an expand under every launch configuration of the GPU's table, and
+    a one-token shrink on a stack of one LoRA (the one-token kernel), each checked."""
     problem = Problem(slots=[0, 1] * 16, prepared=32, num_loras=2, seed=5)
     for config in launch_configs("shrink"):
         case = ShrinkCase(problem, 512, 16, 1, 0, torch.bfloat16, torch.float32, 0.5, False)
@@ -194,7 +202,6 @@ def _one_of_each_kernel(monkeypatch) -> list:
         ops.lora_shrink,
         ShrinkCase(one, 512, 16, 1, 0, torch.bfloat16, torch.float32, 0.5, False),
     )
-    return made
 
 
 def _module_of(kernel) -> str:
@@ -220,14 +227,16 @@ def test_the_switch_and_both_launch_paths_ask_for_a_dependent_launch():
 
 
 @pytest.mark.gpu
-def test_every_kind_of_kernel_waits_before_it_touches_memory(monkeypatch):
+def test_every_kind_of_kernel_waits_before_it_touches_memory():
     """The compiled PTX of each kernel that ran: the wait comes before every load and
     store (a dependent launch may start it before the kernel ahead has finished)."""
     if not _cuda.dependent_launch():
         pytest.skip("no dependent launch on this GPU or in this environment")
     capability = torch.cuda.get_device_capability()
     seen = set()
-    for launcher in _one_of_each_kernel(monkeypatch):
+    with recorded_launchers() as launchers:
+        _one_of_each_kernel()
+    for launcher in launchers:
         for kernel in launcher.kernels.values():
             ptx = kernel.inspect_asm(capability)
             assert memory_before_wait(ptx) == [], kernel.py_func
@@ -276,17 +285,12 @@ def fixed_calls():
     a = torch.randn(8, 16, 1024, generator=gen).to("cuda", torch.bfloat16)
     b = torch.randn(8, 1024, 16, generator=gen).to("cuda", torch.bfloat16)
     old = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
-    launchers = []
-    real = ops._launcher
-    ops._launcher = lambda kernel: launchers.append(real(kernel)) or launchers[-1]
-    try:
+    with recorded_launchers() as launchers:
         for _ in range(2):
             buffer = torch.zeros(1, 64, 16, device="cuda")
             ops.lora_shrink(x, [a], buffer, *meta.meta_args(64), 0.5)
             out = old.clone()
             ops.lora_expand(buffer, [b], out, *meta.meta_args(64), add_inputs=True)
-    finally:
-        ops._launcher = real
     torch.cuda.synchronize()
     return buffer, out, launchers
 
