@@ -517,7 +517,7 @@ else:
 # takes 2.0 µs, and the r=64 expand at 16 tokens per LoRA 6.1 (its bound: 3.4 TB/s, 81 % of
 # the copy bandwidth). A kernel may also say `griddepcontrol.launch_dependents`, to let the
 # next kernel be launched even sooner, while its own blocks still run; measured, that lost
-# up to 40 %. The cell below reads the committed A/B (one process per setting, two rounds).
+# up to 41 %. The cell below reads the committed A/B (one process per setting, two rounds).
 
 # %%
 ab_path = root / "docs" / "benchmarks" / "h200_v26_candidates.json"

@@ -35,7 +35,7 @@ only the wait, the next kernel launched as this one's blocks end):
 | QKV shrink 4096 over 64 LoRAs | 27.2 | 30.9-31.2 | 26.9-28.1 |
 | expand 256 on one LoRA | 3.68-3.71 | 3.58-3.94 | 3.00 |
 
-Said first, it gained 0.1 µs more on the smallest kernels and lost up to 40 % where a
+Said first, it gained 0.1 µs more on the smallest kernels and lost up to 41 % where a
 kernel's blocks are many and short; waiting alone lost nowhere. Nor does a kernel wait
 later, after reads that do not depend on the kernel ahead (its tile, its weights): on
 the r=64 tensor-core expand that saved less (session 24), and a kernel that reads
