@@ -381,6 +381,12 @@ def build_mma_expand_kernel(
                 early_b[(kk + B_STEP - 1) * N_TILES + nj] = second
 
     @cuda.jit(device=True, inline="always")
+    def buffer_four(x, s, token, mi, half, kk, t):
+        """The lane's four elements of rank step kk of row ``half`` of m-tile mi of the
+        buffer (``wide_x``: one 16-byte load), as fp32 values."""
+        return load_four(x[s, token[2 * mi + half]], KQ * t + 4 * kk)
+
+    @cuda.jit(device=True, inline="always")
     def buffer_at(kk, mi, half):
         """Where the lane's four elements of rank step kk of row ``half`` of m-tile mi sit
         in the buffer values read first (BUFFER_FIRST)."""
@@ -494,7 +500,7 @@ def build_mma_expand_kernel(
                 for mi in range(M_TILES):
                     for half in range(2):
                         p = buffer_at(kk, mi, half)
-                        v0, v1, v2, v3 = load_four(x[s, token[2 * mi + half]], KQ * t + 4 * kk)
+                        v0, v1, v2, v3 = buffer_four(x, s, token, mi, half, kk, t)
                         buffer_values[p], buffer_values[p + 1] = v0, v1
                         buffer_values[p + 2], buffer_values[p + 3] = v2, v3
 
@@ -522,7 +528,7 @@ def build_mma_expand_kernel(
                             v0, v1 = buffer_values[p], buffer_values[p + 1]
                             v2, v3 = buffer_values[p + 2], buffer_values[p + 3]
                         else:
-                            v0, v1, v2, v3 = load_four(x[s, token[2 * mi + half]], KQ * t + 4 * kk)
+                            v0, v1, v2, v3 = buffer_four(x, s, token, mi, half, kk, t)
                         a[base + 4 + half], a[base + half] = split_pair(v0, v1)
                         a[base + 6 + half], a[base + 2 + half] = split_pair(v2, v3)
                     continue
