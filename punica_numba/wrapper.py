@@ -670,14 +670,17 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     where = (x2.data_ptr(), y2.data_ptr(), own or buffer.data_ptr())
     replays = a[0].launch.setdefault("shrink_then_expand", {})  # where -> _Replay
     known = replays.get(where)
+    key = None  # (computed once: a call that misses its record is recorded again)
     if known is not None and known.record is not None:
         if own:
             buffer = known.buffer
-        if known.key == _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate):
+        key = _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate)
+        if known.key == key:
             known.record.replay(capturing=False if own else None)  # (own: eager_stream read it)
             return
     if own:
         buffer = _new_buffer(*shape, device=x2.device)
+        key = None  # (it read the kept buffer, not this one)
     launches = []
     if a[0].rows:
         launches.append(_shrink_launch(x2, a, buffer, meta, scale, accumulate))
@@ -690,7 +693,7 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
             del replays[next(iter(replays))]  # the oldest
         replays[where] = _Replay(None, (), None)
         return
-    key = _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate)
+    key = key or _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate)
     with LaunchRecord((x2, buffer, y2)) as record:
         for launch in launches:
             launch()

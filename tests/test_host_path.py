@@ -512,6 +512,27 @@ def test_a_replayed_call_sends_what_a_fresh_call_sends(gpu_path, monkeypatch, ch
     assert len(prepared) == (1 if change == "nothing" else 2)  # "nothing": replayed
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["given buffer", "own buffer"])
+def test_a_call_recorded_again_after_a_change_is_replayed_from_then_on(gpu_path, monkeypatch, own):
+    """A call at the same addresses whose scale changed misses its record and is
+    recorded again (with a new buffer where the wrapper's own is used): the next call
+    replays the new record and prepares nothing."""
+    state, made, counting = _own_buffer_setup() if own else (_replay_setup(1), [], None)
+    with counting or contextlib.nullcontext():
+        for _ in range(3):  # compiles; seen; recorded
+            _run(state)
+        state["call"]["scale"] = 0.25
+        _run(state)  # recorded again
+        prepared = []
+        real = wrapper_module._shrink_launch
+        monkeypatch.setattr(
+            wrapper_module, "_shrink_launch", lambda *a: prepared.append(a) or real(*a)
+        )
+        made.clear()
+        again = _sent_by(gpu_path, lambda: _run(state))
+    assert len(again) == 2 and prepared == [] and made == []
+
+
 def test_calls_that_come_back_in_turns_are_replayed(gpu_path, monkeypatch):
     """A buffer at one of two addresses in turn (as an allocator may place it): each call
     is recorded the second time it comes, and replayed from then on."""
