@@ -305,7 +305,9 @@ _GPU_CONFIGS = {
         # (h200_v12_candidates.json, 8-byte words -> 16 within one run: 64/8 4.08 -> 3.69
         # µs, 256/16 5.41 -> 4.92, 4096 on one LoRA with two passes 25.9 -> 24.0; r=64
         # 4096/64 with eight passes 48.8 -> 43.7 with the 128-register ceiling, 59.1
-        # without) ...
+        # without). With the dependent launch (session 26, h200_v27_candidates.json, three
+        # rounds at r=64 256/16) blocks of 2 or 4 such warps tie (6.37-6.61, 6.42-6.65
+        # against 6.24-6.46 µs) and every other shape loses ...
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=8),
         # ... and two warps of four from 1024 rows on (v9: 1024/32 11.1 -> 11.0 µs, 4096 on
         # one LoRA 28.9 -> 28.8, QKV 4096/64 53.7 -> 50.5, r=64 4096/64 61.2 -> 61.0), each
