@@ -137,9 +137,9 @@ B brought into shared memory by Hopper's bulk copy instead (``cp.async.bulk``, s
 (``h200_v26_candidates.json``). Four more were measured with the dependent launch (session
 26, ``h200_v27_candidates.json``, three rounds, µs at r=64 256/16 against main's 6.34-6.47):
 B's rows prefetched to L2 before the wait (6.46-6.64; with the old outputs 7.54-7.64), a
-warp's columns multiplied and stored in two halves so that the first half's stores overlap
-the second's loads (6.35-6.50), and B read by ``ld.global.nc.L1::no_allocate`` (6.53-6.58;
-4096/64 32.5-34.3 -> 42.2-44.0, where a slot's tiles share B through L1), or by
+warp's columns multiplied and stored in two halves so that the first half's stores could
+overlap the second's loads (6.35-6.50), and B read by ``ld.global.nc.L1::no_allocate``
+(6.53-6.58; 4096/64 32.5-34.3 -> 42.2-44.0, where a slot's tiles share B through L1), or by
 ``ld.global.L2::256B`` (6.82-6.99 against 6.21-6.46 in its call). None kept.
 
 The tokens themselves were a trip of their own: a block read its tile's ``position``
