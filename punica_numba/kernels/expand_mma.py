@@ -120,8 +120,10 @@ than :data:`EARLY_B_WORDS` words of B a lane (r=64 with 64 columns a warp), B's 
 went out first and the buffer's after them: rows that every column group of the tile
 reads, so mostly from L2, waiting behind 8 KB a warp from DRAM. These builds now read
 the buffer's rows first, keep the values as they came (``buffer_values``), then load B
-and the old outputs, and split the buffer after. ptxas still splits it as soon as it
-has arrived and issues B's loads only then, one more trip; even so, on the H200
+and the old outputs, and split the buffer after. Compiled on a CPU machine, ptxas still
+split it as soon as it had arrived and issued B's loads only then, one more trip; the H200
+machine's own compile of the op's build issues all 32 of a lane's loads before the first
+split (160 registers; session 27, below). Either way, on the H200
 (``h200_v25_candidates.json``: two calls, three rounds each, one process per tree and
 round) r=64 256/16 went from 7.13-7.37 µs to 6.85-7.21, 64/8 from 5.05-5.21 to 4.70-4.90
 and 256 on one LoRA from 4.68-4.87 to 4.53-4.66. An order without that trip (the
@@ -140,7 +142,17 @@ B's rows prefetched to L2 before the wait (6.46-6.64; with the old outputs 7.54-
 warp's columns multiplied and stored in two halves so that the first half's stores could
 overlap the second's loads (6.35-6.50), and B read by ``ld.global.nc.L1::no_allocate``
 (6.53-6.58; 4096/64 32.5-34.3 -> 42.2-44.0, where a slot's tiles share B through L1), or by
-``ld.global.L2::256B`` (6.82-6.99 against 6.21-6.46 in its call). None kept.
+``ld.global.L2::256B`` (6.82-6.99 against 6.21-6.46 in its call). None kept. Session 27
+(``h200_v28_candidates.json``; benchmarks README, "where the last microsecond goes"): this
+kernel's loads and stores alone, every one in flight, take 5.0-5.1 µs at r=64 256/16 (the op
+6.14-6.18 in the same processes), so what is left is its work after the loads. Multiplying
+only the buffer's high halves (a diagnostic: half the ``mma``, not this kernel's precision)
+took 0.3-0.5 µs off each r=64 decode case (256/16: 5.71-6.03); returning where ``known < 0``
+(never) after the loads, so that no work comes before one (6.25-6.45: a tie), B's loads said
+to be global (6.41-6.61), a warp past its slice leaving first (6.41-6.74), and some column
+groups starting 0.4-1.2 µs later so that their products overlap the others' loads
+(6.41-6.85) were no faster. Each of a tile's column groups splits the same buffer rows
+again; splitting them once a tile is not yet tried.
 
 The tokens themselves were a trip of their own: a block read its tile's ``position``
 from the table, then ``sorted_tokens[position + j]``. Since v16 each tile's tokens sit in

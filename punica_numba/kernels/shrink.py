@@ -182,9 +182,10 @@ def build_shrink_kernel(
         if not ONE_SLOT and slot == -1:
             return  # the whole block leaves together, before any barrier
         s_local = cuda.blockIdx.y
-        # By hand, not segments.slice_of: with it the H200's large shrinks took 13-32 %
-        # longer (revert of b4147e5, h200_v25_candidates.json), though compiled on a CPU
-        # machine (NVVM, ptxas 13.0) both gave the same SASS.
+        # By hand, not segments.slice_of: with it the H200's large shrinks took 10-32 %
+        # longer (revert of b4147e5, h200_v25_candidates.json; again in session 27,
+        # h200_v28_candidates.json). Compiled on a CPU machine both forms give the same PTX;
+        # on the H200 machine they do not (123 registers against 126 at T=256 distinct).
         if s_local == 0:
             w = w0
         elif s_local == 1:
