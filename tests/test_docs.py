@@ -4,11 +4,14 @@
   notebooks from their stored outputs, the benchmark page) into a temporary folder;
 * every notebook is a jupytext ``py:percent`` file paired with an ``.ipynb`` whose
   cells say the same, and opens with a title and "You will learn" bullets;
-* the example on the "Testing your own kernels" page runs and passes.
+* the example on the "Testing your own kernels" page runs and passes;
+* each probe kept beside the benchmark results (``docs/benchmarks/probes``) still builds
+  against the package, and the r=64 traffic probe touches what it says it does.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -103,3 +106,54 @@ def test_the_testing_page_example_passes():
     finally:
         tolerance.LARGEST_ERRORS.clear()
         tolerance.LARGEST_ERRORS.update(saved)
+
+
+PROBES = sorted((DOCS / "benchmarks" / "probes").glob("*.py"))
+
+
+def _probe_module(path: Path):
+    spec = importlib.util.spec_from_file_location(f"probe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # imports only: a probe runs from main()
+    return module
+
+
+@pytest.mark.parametrize("path", PROBES, ids=lambda p: p.name)
+def test_a_benchmark_probe_imports_and_builds_its_kernels(path):
+    module = _probe_module(path)
+    assert callable(module.main)
+    for flags in module.VARIANTS.values():
+        assert module.build(*flags) is not None
+
+
+def test_the_r64_traffic_probe_stores_its_tiles_rows_of_its_column_group():
+    """One block (tile 0, column group 0) of the probe in the kernel's pattern changes the
+    first word of each 16-byte piece of its 16 token rows in the group's 64 columns (words
+    0-15 of a row), and nothing else. On the GPU only: Numba's simulator has no
+    ``cuda.syncwarp``, which the probe's kernels call."""
+    import torch
+
+    from punica_numba._cuda import SIMULATOR, device_of, kernel_array
+
+    if SIMULATOR:
+        pytest.skip("the probe's kernels call cuda.syncwarp, which the simulator lacks")
+
+    module = _probe_module(DOCS / "benchmarks" / "probes" / "r64_expand_traffic.py")
+    device = device_of()
+    gen = torch.Generator().manual_seed(3)
+    bw = torch.randint(-(2**62), 2**62, (module.TILES, 4096, 16), generator=gen).to(device)
+    out = torch.randint(-(2**62), 2**62, (256, 1024), generator=gen).to(device)
+    tile_rows = torch.randperm(256, generator=gen).reshape(module.TILES, 16).to(torch.int32)
+    slots = torch.arange(module.TILES, dtype=torch.int32)
+    sink = torch.zeros(1, dtype=torch.int64)
+    before = out.clone()
+    args = [bw, out, tile_rows.to(device), slots.to(device), sink.to(device)]
+    module.build(*module.VARIANTS["kernel_b_kernel_out_table"])[(1, 1, 1), 32](
+        *[kernel_array(a) for a in args], 0
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    changed = (out != before).cpu()
+    want = torch.zeros_like(changed)
+    want[tile_rows[0].long().unsqueeze(1), torch.arange(0, 16, 2)] = True
+    assert torch.equal(changed, want)
