@@ -149,10 +149,12 @@ kernel's loads and stores alone, every one in flight, take 5.0-5.1 µs at r=64 2
 only the buffer's high halves (a diagnostic: half the ``mma``, not this kernel's precision)
 took 0.3-0.5 µs off each r=64 decode case (256/16: 5.71-6.03); returning where ``known < 0``
 (never) after the loads, so that no work comes before one (6.25-6.45: a tie), B's loads said
-to be global (6.41-6.61), a warp past its slice leaving first (6.41-6.74), and some column
+to be global (6.41-6.61), a warp past its slice leaving first (6.41-6.74), some column
 groups starting 0.4-1.2 µs later so that their products overlap the others' loads
-(6.41-6.85) were no faster. Each of a tile's column groups splits the same buffer rows
-again; splitting them once a tile is not yet tried.
+(6.41-6.85), and the column halves with each half's loads together, the first half's first
+(6.59-6.77 against 6.23-6.35), were no faster. Not yet measured: fewer, longer-lived warps
+that stage their next column group's B in shared memory while they multiply this one's, so
+that the products run under the stream, not after it.
 
 The tokens themselves were a trip of their own: a block read its tile's ``position``
 from the table, then ``sorted_tokens[position + j]``. Since v16 each tile's tokens sit in
