@@ -491,13 +491,12 @@ else:
 #
 # Not every miss is a chain of trips, and fewer trips are not always faster. The r=64
 # expand at 16 tokens per LoRA loaded B (8 KB a warp, from DRAM) first and the buffer's
-# rows (mostly in L2) after it, all in one trip; since v25 it reads the buffer first, and
-# although ptxas then waits for the buffer before it issues B's loads, one trip more, the
-# kernel went from about 7.2 µs to 6.8 (`h200_v25_candidates.json`): loads that would hit
-# L2 no longer queue behind loads from DRAM. With additions in place of its tensor-core
-# products it is no faster, and probes that make only its loads and stores take 5.7 µs at
-# best, the 5.7 wanted. The roofline's floor counts bytes; how the bytes are cut up and in
-# what order they are asked for counts too.
+# rows (mostly in L2) after it, all in one trip; since v25 it asks for the buffer first,
+# and the kernel went from about 7.2 µs to 6.8 (`h200_v25_candidates.json`): loads that
+# would hit L2 no longer queue behind loads from DRAM. With additions in place of its
+# tensor-core products it was no faster, and probes that made only its loads and stores
+# took 5.7 µs at best, the 5.7 wanted. The roofline's floor counts bytes; how the bytes are
+# cut up and in what order they are asked for counts too.
 #
 # Hopper's copy engine (`cp.async.bulk`) brings bytes into shared memory without holding a
 # register for them; in such a probe B came that way, at 5.7 µs. In the kernel it lost,
@@ -534,6 +533,24 @@ print(
     "this process launches its kernels as dependent launches:",
     punica_numba.dependent_launch(),
 )
+
+# %% [markdown]
+#
+# With the launch shorter, what keeps that r=64 expand at 6.1 µs? A probe that makes exactly
+# its loads and stores, every one of a lane's in flight before the first is used, in its
+# grid and with the dependent launch (`docs/benchmarks/probes/r64_expand_traffic.py`), takes
+# 5.0-5.1 µs (session 27, `h200_v28_candidates.json`): the memory fits under the 5.7 wanted.
+# (The probes of v24-v25 had let the compiler fold each word as it arrived, so that only a
+# few were in flight: they timed a chain of their own.) What is left is the work after the
+# last load: the tensor-core products (two `mma` a tile, to keep 16 bits of each fp32
+# buffer element), the rounding and the stores, which every warp of the one wave runs at
+# once, when the stream ends. Multiplying only the buffer's high halves (half the products;
+# not the op's precision) took 0.3-0.5 µs off; starting some blocks later, or multiplying and
+# storing half a warp's columns before the rest arrived, did not let the products run under
+# the stream. One more lesson for reading compiled code: the H200 machine compiled this kernel
+# to other PTX than a CPU machine did from the same source (all loads first, 160 registers,
+# against a split of the buffer between them, 144), so a kernel's schedule is read from the
+# cubin the GPU's machine made.
 
 # %% [markdown]
 #
