@@ -129,9 +129,11 @@ round) r=64 256/16 went from 7.13-7.37 µs to 6.85-7.21, 64/8 from 5.05-5.21 to 
 and 256 on one LoRA from 4.68-4.87 to 4.53-4.66. An order without that trip (the
 buffer, the old outputs, then B, which ptxas kept) was no better at 256/16 (6.86-6.90)
 and lost on one LoRA (5.12-5.14); the same builds with each ``mma`` replaced by four
-additions were not faster (256/16 7.26-7.60): memory, not the tensor cores, sets their
-pace. ptxas 13.0 gives these builds 144 registers (138 before); every other build compiles to
-the same SASS as before. The same arithmetic, so the same bits
+additions were not faster (256/16 7.26-7.60): memory, not the tensor cores, set their
+pace then (session 27, below, measured what the products add after the loads). Compiled on a
+CPU machine, ptxas 13.0 gives these builds 144 registers (138 before; the H200 machine's
+compile, 160), and every other build compiles to the same SASS as before. The same
+arithmetic, so the same bits
 (``test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first``).
 B brought into shared memory by Hopper's bulk copy instead (``cp.async.bulk``, session
 24, branch ``next/expand-bulk-copy``) was slower in these builds: r=64 256/16 6.84-7.24
