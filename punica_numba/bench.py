@@ -401,6 +401,16 @@ def host_overhead_us(dtype=torch.bfloat16, calls: int = 400) -> dict[str, float]
     return results
 
 
+def pool_size(set_bytes: int, pool_bytes: int = 2 * L2_BYTES) -> int:
+    """How many independent argument sets of ``set_bytes`` each a timed pool holds: enough
+    to fill ``pool_bytes`` (twice the L2 by default, so that no call finds what the call
+    before it touched still in L2), 2 to 1024 of them; 1 on the simulator, which is not
+    timed for its memory."""
+    if SIMULATOR:
+        return 1
+    return max(2, min(1024, math.ceil(pool_bytes / set_bytes)))
+
+
 def run_case(
     case: Case, pool_bytes: int = 2 * L2_BYTES, seed: int = 0, all_configs: bool = False
 ) -> dict:
@@ -411,8 +421,8 @@ def run_case(
     meta = LoRAKernelMeta.make(case.num_loras, case.T, device)
     meta.prepare_tensors(slots.to(device))
     slots_d = slots.to(device)
-    pool_size = 1 if SIMULATOR else max(2, min(1024, math.ceil(pool_bytes / case.floor_bytes())))
-    pool = [_argument_set(case, gen, device) for _ in range(pool_size)]
+    size = pool_size(case.floor_bytes(), pool_bytes)
+    pool = [_argument_set(case, gen, device) for _ in range(size)]
     error = _check(case, pool[0], meta, slots_d)
     ours = time_calls([lambda a=a: _run_op(case, a, meta) for a in pool])
     chosen = getattr(_prepared_op(case, pool[0], meta), "config", None)  # the heuristic's
@@ -430,7 +440,7 @@ def run_case(
         torch_gather_bmm_us=round(baseline, 3),
         bytes=case.floor_bytes(),
         relative_error=error,
-        pool=pool_size,
+        pool=size,
         config=config_name(chosen) if chosen else None,
     )
     if per_config:

@@ -47,6 +47,21 @@ def test_floor_bytes_match_the_issue_table():
         assert case.floor_bytes() / 4.2e6 == pytest.approx(us, abs=0.06)
 
 
+def test_a_timed_pool_fills_twice_the_l2(monkeypatch):
+    """On a GPU a pool holds enough argument sets to fill twice the L2 (at least 2, at
+    most 1024); on the simulator one."""
+    monkeypatch.setattr(bench, "SIMULATOR", False)
+    r64_expand_256_16 = bench.Case("expand", 256, "uniform", 4096, 64, "bf16", [4096]).floor_bytes()
+    assert bench.pool_size(r64_expand_256_16) == 10  # 120 MiB over 12.1 MiB
+    assert bench.pool_size(bench.L2_BYTES) == 2
+    assert bench.pool_size(bench.L2_BYTES + 1) == 2
+    assert bench.pool_size(10**12) == 2
+    assert bench.pool_size(1000) == 1024
+    assert bench.pool_size(2**20, pool_bytes=3 * 2**20) == 3
+    monkeypatch.setattr(bench, "SIMULATOR", True)
+    assert bench.pool_size(r64_expand_256_16) == 1
+
+
 def test_uniform_mode_uses_ceil_sqrt_loras():
     assert bench.Case("shrink", 1024, "uniform", 8, 4, "bf16", [8]).num_loras == 32
     assert bench.Case("shrink", 5, "uniform", 8, 4, "bf16", [8]).num_loras == 3

@@ -36,7 +36,7 @@ import torch
 from numba import int64
 
 from punica_numba._cuda import KernelLauncher, cuda, dependent_launch, jit_kernel
-from punica_numba.bench import L2_BYTES, Case, run_case, time_calls
+from punica_numba.bench import Case, pool_size, run_case, time_calls
 from punica_numba.kernels.dependent_launch import prologue
 from punica_numba.kernels.dtypes import words_loader, words_storer
 
@@ -121,7 +121,7 @@ def build(B, OUT, STORE, TABLE):
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     per_set = TILES * 4096 * 64 * 2 + 2 * 256 * 4096 * 2
-    pool = max(2, -(-2 * L2_BYTES // per_set))
+    pool = pool_size(per_set)  # the benchmark's rule: together twice the L2
     sets = [
         (
             torch.randint(-(2**62), 2**62, (TILES, 4096, 16), generator=gen).cuda(),
