@@ -547,10 +547,17 @@ print(
 # once, when the stream ends. Multiplying only the buffer's high halves (half the products;
 # not the op's precision) took 0.3-0.5 µs off; starting some blocks later, or multiplying and
 # storing half a warp's columns before the rest arrived, did not let the products run under
-# the stream. One more lesson for reading compiled code: the H200 machine compiled this kernel
-# to other PTX than a CPU machine did from the same source (all loads first, 160 registers,
-# against a split of the buffer between them, 144), so a kernel's schedule is read from the
-# cubin the GPU's machine made.
+# the stream. The machine code says why: each instruction carries in its last bits which of
+# six scoreboards its result sets and which ones it waits for, and in the H200's code all 28
+# of a warp's loads set the same one, which its first split waits for, so no product starts
+# before the warp's last load has landed (session 28, `h200_v29_candidates.json`).
+# `cp.async` copies to shared memory complete in groups that a warp can wait for one at a
+# time; with B staged that way, the best of 26 forms tied the kernel: the route through
+# shared memory cost about what the earlier start saved
+# (`docs/benchmarks/probes/r64_expand_staged.py`). One more lesson for reading compiled
+# code: the H200 machine compiled this kernel to other PTX than a CPU machine did from the
+# same source (all loads first, 160 registers, against a split of the buffer between them,
+# 144), so a kernel's schedule is read from the cubin the GPU's machine made.
 
 # %% [markdown]
 #

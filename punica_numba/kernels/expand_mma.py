@@ -154,9 +154,15 @@ took 0.3-0.5 µs off each r=64 decode case (256/16: 5.71-6.03); returning where 
 to be global (6.41-6.61), a warp past its slice leaving first (6.41-6.74), some column
 groups starting 0.4-1.2 µs later so that their products overlap the others' loads
 (6.41-6.85), and the column halves with each half's loads together, the first half's first
-(6.59-6.77 against 6.23-6.35), were no faster. Not yet measured: fewer, longer-lived warps
-that stage their next column group's B in shared memory while they multiply this one's, so
-that the products run under the stream, not after it.
+(6.59-6.77 against 6.23-6.35), were no faster. Session 28 (``h200_v29_candidates.json``;
+benchmarks README, "A warp's products wait for all of its loads") read why the products cannot
+start earlier: in the H200's code every one of a lane's 28 loads of data sets the same
+scoreboard, and the first split waits for it, so a warp multiplies nothing before its last load
+has landed. B brought through shared memory by ``cp.async`` instead, in commit groups waited
+for one at a time so that a group's products run while the next streams, in 26 forms
+(``probes/r64_expand_staged.py``, the same bits): the best two (B in 4 or 2 groups, the old
+outputs and the buffer loaded as here) tie this kernel (6.27-6.66 against 6.17-6.52 µs), every
+other form is slower, by up to 5 µs.
 
 The tokens themselves were a trip of their own: a block read its tile's ``position``
 from the table, then ``sorted_tokens[position + j]``. Since v16 each tile's tokens sit in
