@@ -196,6 +196,42 @@ def row_slot(r, c16):
     return r * uint64(8) + (c16 ^ (r & uint64(7)))
 
 
+@cuda.jit(device=True, inline="always")
+def tile_of(tiles, tile_rows, g):
+    """The block's tile as the op reads it: its slot and rows, its row of tokens, the lane's
+    two tokens (rows g, g + 8) and their sum with the rows (``known``, never negative)."""
+    slot, _, n_rows, _ = read_tile(tiles, cuda.blockIdx.x)
+    my_rows = tile_rows[cuda.blockIdx.x]
+    tok0, tok1 = int64(my_rows[g]), int64(my_rows[g + 8])
+    return slot, n_rows, my_rows, tok0, tok1, n_rows + tok0 + tok1
+
+
+@cuda.jit(device=True, inline="always")
+def slice_of_block(w0, w1, w2, col0, col1, col2, slice_base):
+    """The block's slice (``blockIdx.y``): its weights, first output word, index in the
+    buffer and width."""
+    s_local = cuda.blockIdx.y
+    w, word0 = slice_of(s_local, w0, w1, w2, col0, col1, col2)
+    return w, word0, slice_base + s_local, uint64(w.shape[1])
+
+
+def _products():
+    """``add_steps(acc, a, nj, kk, first, second, scratch)``: tile nj's products of rank steps
+    kk, kk + 1 from the lane's two words of B, each step's low halves first, as the op adds
+    them."""
+    add_product = mma_into(torch.bfloat16)
+
+    @cuda.jit(device=True, inline="always")
+    def add_steps(acc, a, nj, kk, first, second, scratch):
+        for step in range(2):
+            b0, b1 = word_halves(first if step == 0 else second)
+            for term in range(TERMS):
+                q = ((kk + step) * TERMS + term) * 4
+                add_product(acc, nj * 4, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, scratch)
+
+    return add_steps
+
+
 def build_walking(passes, stages, n_tiles, rows, level):
     b_pieces = n_tiles * K_STEPS // 2  # 16-byte pieces of B a lane reads a group
     words = n_tiles // 2  # output words a lane holds a row
@@ -203,7 +239,7 @@ def build_walking(passes, stages, n_tiles, rows, level):
     warp_n, outputs, a_words, old_words = 8 * n_tiles, n_tiles * 4, K_STEPS * TERMS * 4, 2 * words
     load_pair, store_pair = words_loader(True), words_storer(True)
     load_four = four_float32_loader(True)
-    add_product = mma_into(torch.bfloat16)
+    add_steps = _products()
     wait, copy16, committed = wait_for(stages - 1), copier(level), commit()
     new_word = _output_words(words)
     begin = prologue()
@@ -236,16 +272,10 @@ def build_walking(passes, stages, n_tiles, rows, level):
         begin()
         lane = cuda.threadIdx.x
         g, t = lane >> 2, lane & 3
-        slot, _, n_rows, _ = read_tile(tiles, cuda.blockIdx.x)
-        my_rows = tile_rows[cuda.blockIdx.x]
-        tok0, tok1 = int64(my_rows[g]), int64(my_rows[g + 8])
-        known = n_rows + tok0 + tok1
-        if slot == -1 and known >= 0:
+        slot, n_rows, my_rows, tok0, tok1, known = tile_of(tiles, tile_rows, g)
+        if slot == -1 and known >= 0:  # (never negative: the op's "Order of the loads")
             return
-        s_local = cuda.blockIdx.y
-        w, word0 = slice_of(s_local, w0, w1, w2, col0, col1, col2)
-        s = slice_base + s_local
-        width = uint64(w.shape[1])
+        w, word0, s, width = slice_of_block(w0, w1, w2, col0, col1, col2, slice_base)
         scratch = cuda.shared.array((1, 32, FRAGMENT_WORDS), uint32)
         stage = cuda.shared.array((stages, slots, 2), int64, alignment=16)
         b_rows = w[slot]
@@ -289,21 +319,7 @@ def build_walking(passes, stages, n_tiles, rows, level):
                             first, second = load_pair(
                                 stage[st, ((kk // 2) * n_tiles + nj) * 32 + lane], 0
                             )
-                        for step in range(2):
-                            b0, b1 = word_halves(first if step == 0 else second)
-                            for term in range(TERMS):
-                                q = ((kk + step) * TERMS + term) * 4
-                                add_product(
-                                    acc,
-                                    nj * 4,
-                                    a[q],
-                                    a[q + 1],
-                                    a[q + 2],
-                                    a[q + 3],
-                                    b0,
-                                    b1,
-                                    scratch[0],
-                                )
+                        add_steps(acc, a, nj, kk, first, second, scratch[0])
                 for i in range(2):
                     for v in range(0, words, 2):
                         if add_inputs:
@@ -386,7 +402,7 @@ def build_progressive(groups, old_in_registers, buffer, level="cg"):
     buffer_copied, buffer_rows = buffer != "registers", buffer == "rows"
     load_pair, store_pair = words_loader(True), words_storer(True)
     load_four = four_float32_loader(True)
-    add_product = mma_into(torch.bfloat16)
+    add_steps = _products()
     copy16, committed, wait_pending = copier(level), commit(), _waits()
     new_word = _output_words(words)
     begin = prologue()
@@ -396,16 +412,10 @@ def build_progressive(groups, old_in_registers, buffer, level="cg"):
         begin()
         lane = cuda.threadIdx.x
         g, t = lane >> 2, lane & 3
-        slot, _, n_rows, _ = read_tile(tiles, cuda.blockIdx.x)
-        my_rows = tile_rows[cuda.blockIdx.x]
-        tok0, tok1 = int64(my_rows[g]), int64(my_rows[g + 8])
-        known = n_rows + tok0 + tok1
-        if slot == -1 and known >= 0:
+        slot, n_rows, my_rows, tok0, tok1, known = tile_of(tiles, tile_rows, g)
+        if slot == -1 and known >= 0:  # (never negative: the op's "Order of the loads")
             return
-        s_local = cuda.blockIdx.y
-        w, word0 = slice_of(s_local, w0, w1, w2, col0, col1, col2)
-        s = slice_base + s_local
-        width = uint64(w.shape[1])
+        w, word0, s, width = slice_of_block(w0, w1, w2, col0, col1, col2, slice_base)
         n0 = uint64(cuda.blockIdx.z) * uint64(64)
         if n0 >= width:
             return
@@ -506,13 +516,7 @@ def build_progressive(groups, old_in_registers, buffer, level="cg"):
                     nj = j * per_group + jn
                     r = lane_n + uint64(output_column(nj, 0, RUN))
                     first, second = load_pair(stage[row_slot(r, uint64(2 * t + kk // 2))], 0)
-                    for step in range(2):
-                        b0, b1 = word_halves(first if step == 0 else second)
-                        for term in range(TERMS):
-                            q = ((kk + step) * TERMS + term) * 4
-                            add_product(
-                                acc, nj * 4, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, scratch[0]
-                            )
+                    add_steps(acc, a, nj, kk, first, second, scratch[0])
         if not old_in_registers:
             wait_pending(0)
             for i in range(2):
