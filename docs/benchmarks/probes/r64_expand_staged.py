@@ -159,6 +159,7 @@ def _statement(text: str):
 
 
 def commit():
+    """Close the warp's copies issued since the last commit into one group."""
     return _statement("cp.async.commit_group;")
 
 
@@ -233,6 +234,7 @@ def _products():
 
 
 def build_walking(passes, stages, n_tiles, rows, level):
+    """A warp walking ``passes`` column groups, copies ``stages`` groups ahead (module notes)."""
     b_pieces = n_tiles * K_STEPS // 2  # 16-byte pieces of B a lane reads a group
     words = n_tiles // 2  # output words a lane holds a row
     slots = (b_pieces + words) * 32  # a stage: B, then the old outputs (2 rows x words / 2)
@@ -393,6 +395,7 @@ def buffer_slot(row, c):
 
 
 def build_progressive(groups, old_in_registers, buffer, level="cg"):
+    """One column group a warp, B in ``groups`` commit groups waited for one at a time."""
     n_tiles, words, outputs, a_words, old_words = 8, 4, 32, 32, 8
     b_slots, old_slots = 512, 4 * 32  # 16-byte slots: 64 rows of B x 8; the lanes' old words
     all_slots = b_slots + old_slots
