@@ -45,7 +45,7 @@ from numba import float32, int64, types, uint32, uint64
 
 from punica_numba import ops
 from punica_numba._cuda import KernelLauncher, cuda, dependent_launch, jit_kernel
-from punica_numba.bench import Case, pool_size, run_case, time_calls
+from punica_numba.bench import Case, _argument_set, _slots, pool_size, run_case, time_calls
 from punica_numba.kernels.dependent_launch import prologue
 from punica_numba.kernels.dtypes import (
     bf16_pair,
@@ -557,27 +557,12 @@ def _grid_z(flags, op_groups: int) -> int:
     return op_groups
 
 
-def _argument_sets(gen: torch.Generator, count: int) -> list[dict]:
-    def rand(*shape, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=gen) * 0.5).to(dtype=dtype, device="cuda")
-
-    return [
-        dict(
-            x=rand(1, 256, 64, dtype=torch.float32),
-            weights=[rand(16, 4096, 64)],
-            out=rand(256, 4096),
-        )
-        for _ in range(count)
-    ]
-
-
 def main() -> None:
     names = os.environ.get("VARIANTS", DEFAULT_VARIANTS).split(",")
-    gen = torch.Generator().manual_seed(0)
-    slots = (torch.arange(256) % 16)[torch.randperm(256, generator=gen)]
-    meta = LoRAKernelMeta.make(16, 256, "cuda")
-    meta.prepare_tensors(slots.to("cuda"))
-    sets = _argument_sets(gen, pool_size(CASE.floor_bytes()))
+    gen = torch.Generator().manual_seed(0)  # the benchmark's arguments for CASE
+    meta = LoRAKernelMeta.make(CASE.num_loras, CASE.T, "cuda")
+    meta.prepare_tensors(_slots(CASE, gen).to("cuda"))
+    sets = [_argument_set(CASE, gen, "cuda") for _ in range(pool_size(CASE.floor_bytes()))]
     launches, real = [], ops._launcher
 
     def recording(kernel):  # the op's launches: (grid, threads, arguments)
@@ -592,7 +577,7 @@ def main() -> None:
     def run_op(a):
         launches.clear()
         ops.prepare_expand(
-            a["x"], a["weights"], a["out"], *meta.meta_args(256), offset_start=0, add_inputs=True
+            a["x"], a["weights"], a["out"], *meta.meta_args(CASE.T), offset_start=0, add_inputs=True
         )()
         return launches[-1]
 
