@@ -36,7 +36,10 @@ only the wait, the next kernel launched as this one's blocks end):
 | expand 256 on one LoRA | 3.68-3.71 | 3.58-3.94 | 3.00 |
 
 Said first, it gained 0.1 µs more on the smallest kernels and lost up to 41 % where a
-kernel's blocks are many and short; waiting alone lost nowhere. Nor does a kernel wait
+kernel's blocks are many and short; waiting alone lost nowhere. Said later, by the
+tensor-core expand after its loads, after its products or after its stores (session 29,
+``h200_v30_candidates.json``), it tied on the r=64 expand at 256 tokens over 16 LoRAs and lost
+up to 1.3 µs elsewhere (the QKV layer's expand at 256 over 16 LoRAs: 5.62-5.71 -> 6.16-6.89). Nor does a kernel wait
 later, after reads that do not depend on the kernel ahead (its tile, its weights): on
 the r=64 tensor-core expand that saved less (session 24), and a kernel that reads
 nothing before the wait cannot depend on what ran before it. Nor does it prefetch its

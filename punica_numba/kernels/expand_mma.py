@@ -162,7 +162,12 @@ has landed. B brought through shared memory by ``cp.async`` instead, in commit g
 for one at a time so that a group's products run while the next streams, in 26 forms
 (``probes/r64_expand_staged.py``, the same bits): the best two (B in 4 or 2 groups, the old
 outputs and the buffer loaded as here) tie this kernel (6.27-6.66 against 6.17-6.52 µs), every
-other form is slower, by up to 5 µs.
+other form is slower, by up to 5 µs. Session 29 (``h200_v30_candidates.json``) multiplied the
+tile on Hopper's warpgroup instruction ``wgmma`` instead, B's rows as its register operand and
+the split buffer in shared memory (``probes/r64_expand_wgmma.py``; its outputs as accurate as
+these): its two committed forms 0.3-0.8 µs slower than this kernel, and the best form measured,
+a draft that loaded the buffer's rows before the old outputs, 0.1-0.3 µs slower (6.29-6.52
+against 6.12-6.36).
 
 The tokens themselves were a trip of their own: a block read its tile's ``position``
 from the table, then ``sorted_tokens[position + j]``. Since v16 each tile's tokens sit in
