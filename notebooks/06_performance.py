@@ -554,10 +554,14 @@ print(
 # `cp.async` copies to shared memory complete in groups that a warp can wait for one at a
 # time; with B staged that way, the best of 26 forms tied the kernel: the route through
 # shared memory cost about what the earlier start saved
-# (`docs/benchmarks/probes/r64_expand_staged.py`). One more lesson for reading compiled
-# code: the H200 machine compiled this kernel to other PTX than a CPU machine did from the
-# same source (all loads first, 160 registers, against a split of the buffer between them,
-# 144), so a kernel's schedule is read from the cubin the GPU's machine made.
+# (`docs/benchmarks/probes/r64_expand_staged.py`). Faster products did not help either:
+# Hopper's warpgroup instruction `wgmma`, with B's rows as its register operand and the split
+# buffer in shared memory, gave outputs as accurate as the kernel's but took 0.1-0.3 µs longer
+# in the best form measured (session 29, `docs/benchmarks/probes/r64_expand_wgmma.py`). One
+# more lesson for reading compiled code: the H200 machine compiled this kernel to other PTX
+# than a CPU machine did from the same source (all loads first, 160 registers, against a split
+# of the buffer between them, 144), so a kernel's schedule is read from the cubin the GPU's
+# machine made.
 
 # %% [markdown]
 #
