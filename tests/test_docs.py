@@ -108,13 +108,19 @@ def test_the_testing_page_example_passes():
         tolerance.LARGEST_ERRORS.update(saved)
 
 
-PROBES = sorted((DOCS / "benchmarks" / "probes").glob("*.py"))
+PROBE_DIR = DOCS / "benchmarks" / "probes"
+#: Every probe; ``_shared.py`` holds what they share, and is no probe.
+PROBES = sorted(p for p in PROBE_DIR.glob("*.py") if not p.name.startswith("_"))
 
 
 def _probe_module(path: Path):
     spec = importlib.util.spec_from_file_location(f"probe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # imports only: a probe runs from main()
+    sys.path.insert(0, str(PROBE_DIR))  # as when run as a script: ``from _shared import ...``
+    try:
+        spec.loader.exec_module(module)  # imports only: a probe runs from main()
+    finally:
+        sys.path.remove(str(PROBE_DIR))
     return module
 
 
@@ -138,7 +144,7 @@ def test_the_r64_traffic_probe_stores_its_tiles_rows_of_its_column_group():
     if SIMULATOR:
         pytest.skip("the probe's kernels call cuda.syncwarp, which the simulator lacks")
 
-    module = _probe_module(DOCS / "benchmarks" / "probes" / "r64_expand_traffic.py")
+    module = _probe_module(PROBE_DIR / "r64_expand_traffic.py")
     device = device_of()
     gen = torch.Generator().manual_seed(3)
     bw = torch.randint(-(2**62), 2**62, (module.TILES, 4096, 16), generator=gen).to(device)

@@ -41,11 +41,11 @@ import json
 import os
 
 import torch
+from _shared import op_launches, ptx_statement, timed_against_the_op
 from numba import float32, int64, types, uint32, uint64
 
-from punica_numba import ops
 from punica_numba._cuda import KernelLauncher, cuda, dependent_launch, jit_kernel
-from punica_numba.bench import Case, _argument_set, _slots, pool_size, run_case, time_calls
+from punica_numba.bench import Case
 from punica_numba.kernels.dependent_launch import prologue
 from punica_numba.kernels.dtypes import (
     bf16_pair,
@@ -59,7 +59,6 @@ from punica_numba.kernels.dtypes import (
 from punica_numba.kernels.expand_mma import output_column
 from punica_numba.kernels.mma import FRAGMENT_WORDS, mma_into, split_pair
 from punica_numba.kernels.segments import read_tile, slice_of
-from punica_numba.meta import LoRAKernelMeta
 
 CASE = Case("expand", 256, "uniform", 4096, 64, "bf16", [4096])
 K_STEPS, KQ, TERMS, RUN = 4, 16, 2, 4  # r = 64; fp32 buffer split in two; 16-byte words
@@ -138,34 +137,14 @@ def copier(level: str):
     return copy16
 
 
-@functools.cache
-def _statement(text: str):
-    """A device function of no arguments that is the PTX statement ``text``."""
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def statement(typingctx):
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True
-            )
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    return statement
-
-
 def commit():
     """Close the warp's copies issued since the last commit into one group."""
-    return _statement("cp.async.commit_group;")
+    return ptx_statement("cp.async.commit_group;")
 
 
 def wait_for(pending: int):
     """Wait until at most ``pending`` of the warp's newest commit groups are in flight."""
-    return _statement(f"cp.async.wait_group {pending};")
+    return ptx_statement(f"cp.async.wait_group {pending};")
 
 
 # -- the two kinds of kernel -----------------------------------------------------------------
@@ -559,27 +538,7 @@ def _grid_z(flags, op_groups: int) -> int:
 
 def main() -> None:
     names = os.environ.get("VARIANTS", DEFAULT_VARIANTS).split(",")
-    gen = torch.Generator().manual_seed(0)  # the benchmark's arguments for CASE
-    meta = LoRAKernelMeta.make(CASE.num_loras, CASE.T, "cuda")
-    meta.prepare_tensors(_slots(CASE, gen).to("cuda"))
-    sets = [_argument_set(CASE, gen, "cuda") for _ in range(pool_size(CASE.floor_bytes()))]
-    launches, real = [], ops._launcher
-
-    def recording(kernel):  # the op's launches: (grid, threads, arguments)
-        inner = real(kernel)
-
-        def launch(grid, threads, args):
-            launches.append((grid, args))
-            inner(grid, threads, args)
-
-        return launch
-
-    def run_op(a):
-        launches.clear()
-        ops.prepare_expand(
-            a["x"], a["weights"], a["out"], *meta.meta_args(CASE.T), offset_start=0, add_inputs=True
-        )()
-        return launches[-1]
+    _, sets, run_op = op_launches(CASE)
 
     def copied(a):
         return {
@@ -587,7 +546,6 @@ def main() -> None:
             for k, v in a.items()
         }
 
-    ops._launcher = recording
     recorded = [run_op(a) for a in sets]
     reference = copied(sets[0])
     run_op(reference)
@@ -603,19 +561,17 @@ def main() -> None:
         torch.cuda.synchronize()
         res["same_bits"][name] = bool(torch.equal(mine["out"], reference["out"]))
         res["registers"][name] = [k.regs_per_thread for k in launcher.kernels.values()]
-    names = names[rnd % len(names) :] + names[: rnd % len(names)]
-    for i, name in enumerate(names):
-        if i == len(names) // 2:
-            res["us"]["op"] = run_case(CASE)["us"]
+
+    def calls_of(name):
         z = _grid_z(VARIANTS[name], recorded[0][0][2])
-        calls = [
+        return [
             lambda grid=grid, args=args, z=z, launch=launchers[name]: launch(
                 (grid[0], grid[1], z), 32, args
             )
             for grid, args in recorded
         ]
-        res["us"][name] = time_calls(calls)
-    res["us"]["op_end"] = run_case(CASE)["us"]
+
+    res["us"] = timed_against_the_op(CASE, names, calls_of, rnd)
     print(json.dumps(res), flush=True)
 
 

@@ -50,11 +50,12 @@ import json
 import os
 
 import torch
+from _shared import op_launches, ptx_statement, timed_against_the_op
 from numba import int32, int64, types, uint32, uint64
 
-from punica_numba import ops, reference
+from punica_numba import reference
 from punica_numba._cuda import KernelLauncher, cuda, dependent_launch, jit_kernel
-from punica_numba.bench import Case, _argument_set, _slots, pool_size, run_case, time_calls
+from punica_numba.bench import Case
 from punica_numba.kernels.dependent_launch import prologue
 from punica_numba.kernels.dtypes import (
     bf16_pair,
@@ -66,7 +67,6 @@ from punica_numba.kernels.dtypes import (
 )
 from punica_numba.kernels.mma import split_pair
 from punica_numba.kernels.segments import read_tile, slice_of
-from punica_numba.meta import LoRAKernelMeta
 
 CASE = Case("expand", 256, "uniform", 4096, 64, "bf16", [4096])
 K_STEPS, STEP_BYTES = 4, 1024  # r = 64 in steps of 16; a step's B operand: 32 columns x 16 k
@@ -80,26 +80,6 @@ DEFAULT_VARIANTS = "warps_of_16_columns,warps_of_64_columns"
 
 
 # -- inline PTX (GPU only; the simulator never compiles these kernels) ------------------------
-
-
-@functools.cache
-def _statement(text: str):
-    """A device function of no arguments that is the PTX statement ``text``."""
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def statement(typingctx):
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True
-            )
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    return statement
 
 
 @functools.cache
@@ -216,7 +196,7 @@ def _staging():
     ``8h + 2t + j`` of its step, the order the A registers hold B's rows in. Then the fence that
     lets the tensor cores see the writes, and a barrier for the warpgroup."""
     load_four = four_float32_loader(True)
-    fence_for_the_tensor_cores = _statement("fence.proxy.async.shared::cta;")
+    fence_for_the_tensor_cores = ptx_statement("fence.proxy.async.shared::cta;")
 
     @cuda.jit(device=True, inline="always")
     def stage_buffer(x, s, token, stage):
@@ -345,28 +325,7 @@ def build(chunks: int):
 
 def main() -> None:
     names = os.environ.get("VARIANTS", DEFAULT_VARIANTS).split(",")
-    gen = torch.Generator().manual_seed(0)  # the benchmark's arguments for CASE
-    slots = _slots(CASE, gen)
-    meta = LoRAKernelMeta.make(CASE.num_loras, CASE.T, "cuda")
-    meta.prepare_tensors(slots.to("cuda"))
-    sets = [_argument_set(CASE, gen, "cuda") for _ in range(pool_size(CASE.floor_bytes()))]
-    launches, real = [], ops._launcher
-
-    def recording(kernel):  # the op's launches: (grid, arguments)
-        inner = real(kernel)
-
-        def launch(grid, threads, args):
-            launches.append((grid, args))
-            inner(grid, threads, args)
-
-        return launch
-
-    def run_op(a):
-        launches.clear()
-        ops.prepare_expand(
-            a["x"], a["weights"], a["out"], *meta.meta_args(CASE.T), offset_start=0, add_inputs=True
-        )()
-        return launches[-1]
+    slots, sets, run_op = op_launches(CASE)
 
     def adapted(name, grid, args):
         """The variant's grid and arguments from the op's: a block for every 64 * chunks
@@ -377,7 +336,6 @@ def main() -> None:
             args[4] = args[4].view(torch.int32)
         return (grid[0], grid[1], grid[2] // chunks), tuple(args)
 
-    ops._launcher = recording
     before = sets[0]["out"].clone()
     recorded = [run_op(a) for a in sets]  # sets[0]["out"] now holds the op's output
     op_out = sets[0]["out"].clone()
@@ -405,17 +363,15 @@ def main() -> None:
             "differs_from_op": int((mine != op_out).sum()),
         }
         res["registers"][name] = [k.regs_per_thread for k in launcher.kernels.values()]
-    names = names[rnd % len(names) :] + names[: rnd % len(names)]
-    for i, name in enumerate(names):
-        if i == len(names) // 2:
-            res["us"]["op"] = run_case(CASE)["us"]
+
+    def calls_of(name):
         ready = [adapted(name, grid, args) for grid, args in recorded]
-        calls = [
+        return [
             lambda grid=grid, args=args, launch=launchers[name]: launch(grid, 128, args)
             for grid, args in ready
         ]
-        res["us"][name] = time_calls(calls)
-    res["us"]["op_end"] = run_case(CASE)["us"]
+
+    res["us"] = timed_against_the_op(CASE, names, calls_of, rnd)
     print(json.dumps(res), flush=True)
 
 
