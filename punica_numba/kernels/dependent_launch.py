@@ -39,10 +39,10 @@ Said first, it gained 0.1 µs more on the smallest kernels and lost up to 41 % w
 kernel's blocks are many and short; waiting alone lost nowhere. Said later, by the
 tensor-core expand after its loads, after its products or after its stores (session 29,
 ``h200_v30_candidates.json``), it tied on the r=64 expand at 256 tokens over 16 LoRAs and lost
-up to 1.3 µs elsewhere (the QKV layer's expand at 256 over 16 LoRAs: 5.62-5.71 -> 6.16-6.89). Nor does a kernel wait
-later, after reads that do not depend on the kernel ahead (its tile, its weights): on
-the r=64 tensor-core expand that saved less (session 24), and a kernel that reads
-nothing before the wait cannot depend on what ran before it. Nor does it prefetch its
+up to 1.3 µs elsewhere (the QKV layer's expand at 256 over 16 LoRAs: 5.62-5.71 -> 6.16-6.89).
+Nor does a kernel wait later, after reads that do not depend on the kernel ahead (its tile,
+its weights): on the r=64 tensor-core expand that saved less (session 24), and a kernel that
+reads nothing before the wait cannot depend on what ran before it. Nor does it prefetch its
 weights into L2 before the wait: that lost on the r=64 expand at 256 over 16 LoRAs
 (6.34-6.47 -> 6.46-6.64 µs, session 26, ``h200_v27_candidates.json``), as if little
 time passed between a block's start and the end of its wait.
