@@ -29,9 +29,10 @@ Two kinds (``VARIANTS``), both the op's 16-token tile:
 
 Each A register is made by an ALU instruction (an XOR with a zero the compiler cannot know)
 right before the products. In the first draft the registers of two rank steps were the very
-registers the 16-byte loads of B had filled, and its products came out wrong, rows of A mixed
-between lanes, though the same register values replayed from memory through the same
-instruction gave the right ones (``h200_v30_candidates.json``, calls 2-8); the cause was not
+registers the 16-byte loads of B had filled, each passed to the instruction as an argument of
+its own, and its products came out wrong, rows of A mixed between lanes, though the same
+register values replayed from memory through the same instructions gave the right ones
+(``h200_v30_candidates.json``, calls 2-8). Which of the two changes mended it, and why, was not
 isolated.
 
 Not the op's bits: hi and lo are summed in two accumulators, the op's in one, so ``main``
