@@ -33,10 +33,11 @@ import json
 import os
 
 import torch
+from _shared import timed_against_the_op
 from numba import int64
 
 from punica_numba._cuda import KernelLauncher, cuda, dependent_launch, jit_kernel
-from punica_numba.bench import Case, pool_size, run_case, time_calls
+from punica_numba.bench import Case, pool_size
 from punica_numba.kernels.dependent_launch import prologue
 from punica_numba.kernels.dtypes import words_loader, words_storer
 
@@ -132,24 +133,26 @@ def main() -> None:
     tile_rows = torch.randperm(256, generator=gen).reshape(TILES, 16).to(torch.int32).cuda()
     slots = torch.randperm(TILES, generator=gen).to(torch.int32).cuda()
     sink = torch.zeros(1, dtype=torch.int64).cuda()
-    names = list(VARIANTS)
     rnd = int(os.environ.get("ROUND", "0"))
-    names = names[rnd % len(names) :] + names[: rnd % len(names)]
     res = {"round": rnd, "pool": pool, "dependent_launch": dependent_launch(), "us": {}}
     op_case = Case("expand", 256, "uniform", 4096, 64, "bf16", [4096])
-    for i, name in enumerate(names):
-        if i == len(names) // 2:  # the op itself, halfway through
-            res["us"]["op"] = run_case(op_case)["us"]
-        launcher = KernelLauncher(build(*VARIANTS[name]))
-        calls = [
-            lambda b=b, o=o, launch=launcher: launch(
+    launchers = {name: KernelLauncher(build(*VARIANTS[name])) for name in VARIANTS}
+
+    def calls_of(name):
+        return [
+            lambda b=b, o=o, launch=launchers[name]: launch(
                 (TILES, 1, GROUPS), 32, (b, o, tile_rows, slots, sink, 0)
             )
             for b, o in sets
         ]
-        res["us"][name] = time_calls(calls)
-        res.setdefault("regs", {})[name] = [k.regs_per_thread for k in launcher.kernels.values()]
-    res["us"]["op"] = run_case(op_case)["us"]  # and again at the end (the one kept)
+
+    res["us"] = timed_against_the_op(op_case, list(VARIANTS), calls_of, rnd)
+    res["us"]["op"] = res["us"].pop("op_end")  # the op again at the end: the one kept
+    res["regs"] = {
+        name: [k.regs_per_thread for k in launchers[name].kernels.values()]
+        for name in res["us"]
+        if name != "op"
+    }
     print(json.dumps(res), flush=True)
 
 
