@@ -719,6 +719,7 @@ def _expand_launch(
         x, weights, out, wide, wide_x, wide_b = operands
         columns = [c // 4 for c in columns]  # the kernel places slices by 4-column words
         n_tiles = config.tile_n // (8 * config.threads // 32)  # 8-column tiles per warp
+        one_pass = _one_pass(config, max(widths), per_block)
         kernel = build_mma_expand_kernel(
             inputs.dtype,
             config.threads,
@@ -730,8 +731,9 @@ def _expand_launch(
             all(width % (8 * n_tiles) == 0 for width in widths),  # whole column groups
             wide_x,  # the buffer in 16-byte loads
             wide_b,  # B in 16-byte loads
-            _one_pass(config, max(widths), per_block),
+            one_pass,
             one_slot,
+            _asks_ahead(widths, one_pass, one_slot),
         )
     else:
         wide = packed and all(_rows_start_at(w.view, 16) for w in weights)
@@ -765,6 +767,15 @@ def _column_blocks(config: LaunchConfig, width: int, per_block: int) -> int:
     groups of ``per_block`` columns, and as many more as the grid is short of."""
     groups = -(-width // (per_block * config.passes))
     return min(groups, MAX_GRID_YZ) if config.spread else 1
+
+
+def _asks_ahead(widths: list[int], one_pass: bool, one_slot: bool) -> bool:
+    """Whether a tensor-core expand lets the next launch be placed at once and asks L2 for
+    its tile before its wait (:mod:`.kernels.expand_mma`, "Asking ahead"): where it was
+    measured to pay, a launch of one slice whose grid has a block for every column group
+    and whose blocks find their tokens in the tile table. With three slices (the QKV
+    layer) and under one slot it was slower, and those keep the plain wait."""
+    return len(widths) == 1 and one_pass and not one_slot
 
 
 def _one_pass(config: LaunchConfig, width: int, per_block: int) -> bool:

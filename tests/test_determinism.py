@@ -29,6 +29,7 @@ import torch
 from hypothesis import given, settings
 
 from punica_numba import launch, ops
+from punica_numba.kernels import build_mma_expand_kernel
 from punica_numba.launch import LaunchConfig, force_launch_config, launch_configs
 from punica_numba.ops import prepare_expand, prepare_shrink
 
@@ -170,6 +171,43 @@ def test_tensor_core_expand_bits_do_not_depend_on_its_passes(monkeypatch):
     (_, want), *others = runs
     for config, got in others:
         assert torch.equal(got, want), f"{config} and {first} give different bits"
+
+
+def test_asking_ahead_does_not_change_the_bits(monkeypatch):
+    """A tensor-core expand of one slice whose grid has a block for every column group
+    asks ahead (``expand_mma``, "Asking ahead": the next launch placed at once, L2 asked
+    for the tile before the wait); the same call built without asking gives the same
+    bits, and each is right. (On the simulator there is nothing to ask: both builds run
+    the same code, and the test checks which build each call asked for.)"""
+    config = LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=1e9)
+    _add_configs(monkeypatch, "expand", config)
+    built = record_mma_expand_builds(monkeypatch)
+    case = serving_expand_case(Problem([0] * 12 + [1] * 8, 20, 2, seed=3), 64, [128])
+    _, asked = _run_under("expand", config, case)
+    record_mma_expand_builds(monkeypatch, change=lambda args: (*args[:12], False))
+    _, plain = _run_under("expand", config, case)
+    assert [a[12] for a, _ in built] == [True, False]  # (ask_ahead)
+    assert torch.equal(asked, plain), "asking ahead changed the bits"
+
+
+def test_only_one_slice_found_in_the_tile_table_asks_ahead(monkeypatch):
+    """Asking ahead was measured to pay only for launches of one slice in one pass whose
+    blocks read the tile table: three slices (the QKV layer) and one slot do not ask."""
+    config = LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=1e9)
+    _add_configs(monkeypatch, "expand", config)
+    built = record_mma_expand_builds(monkeypatch)
+    two_loras = Problem([0] * 12 + [1] * 8, 20, 2, seed=3)
+    one_lora = Problem([0] * 20, 20, 1, seed=4)
+    for problem, widths in ((two_loras, [128]), (two_loras, [64, 32, 32]), (one_lora, [128])):
+        _run_under("expand", config, serving_expand_case(problem, 64, widths))
+    # (one_pass, one_slot, ask_ahead) of each build
+    assert [a[10:13] for a, _ in built] == [
+        (True, False, True),
+        (True, False, False),
+        (True, True, False),
+    ]
+    with pytest.raises(ValueError, match="one_slot"):
+        build_mma_expand_kernel(torch.float32, 32, 1, 8, 4, True, one_slot=True, ask_ahead=True)
 
 
 def test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first(monkeypatch):

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from .._cuda import cuda, dependent_launch
 
-__all__ = ["prologue"]
+__all__ = ["next_launch", "prologue"]
 
 
 @cuda.jit(device=True)
@@ -89,6 +89,41 @@ def _wait_for_the_kernels_before():
         grid_dependency_wait()
 
     return begin
+
+
+def _let_the_next_kernel_launch():
+    """``griddepcontrol.launch_dependents`` as inline PTX."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def launch_dependents(typingctx):
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), []),
+                "griddepcontrol.launch_dependents;",
+                "~{memory}",
+                side_effect=True,
+            )
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @cuda.jit(device=True)
+    def let_next():
+        launch_dependents()
+
+    return let_next
+
+
+def next_launch():
+    """The device function ``let_next()``: ``griddepcontrol.launch_dependents``, so that the
+    next kernel on the stream may be launched once every block of this one has said it
+    (used only where it was measured to pay: :mod:`.expand_mma`, "Asking ahead"); nothing
+    where :func:`prologue`'s wait is nothing too."""
+    return _let_the_next_kernel_launch() if dependent_launch() else _nothing
 
 
 def prologue():

@@ -225,7 +225,7 @@ import torch
 from numba import float32, int64, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
-from .dependent_launch import prologue
+from .dependent_launch import next_launch, prologue
 from .dtypes import (
     bf16_pair,
     bf16_pair_values,
@@ -236,6 +236,7 @@ from .dtypes import (
     words_loader,
     words_storer,
 )
+from .l2_prefetch import bytes_asker, line_asker
 from .mma import FRAGMENT_WORDS, mma_into, pair_of, split_pair
 from .segments import read_tile, slice_of
 
@@ -274,6 +275,7 @@ def build_mma_expand_kernel(
     wide_b: bool = False,
     one_pass: bool = False,
     one_slot: bool = False,
+    ask_ahead: bool = False,
 ):
     """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
     warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
@@ -302,6 +304,9 @@ def build_mma_expand_kernel(
       outputs before it knows their slots ("One slot"). The kernel's ``tiles`` argument
       is then ``token_lora_mapping`` (``tile_rows`` is not read), and the grid has a
       block per ``16 * m_tiles`` tokens.
+    * ``ask_ahead``: say ``griddepcontrol.launch_dependents`` first, and before the wait
+      ask L2 for the lines the block will load ("Asking ahead"); not with ``one_slot``.
+      The same loads, products and stores: the same bits.
 
     The rank itself is read at run time, so that a test drawing many ranks compiles a
     handful of kernels, not one per rank.
@@ -326,6 +331,8 @@ def build_mma_expand_kernel(
     if wide_x and not (SPLIT and whole):
         raise ValueError("16-byte loads of the buffer take an fp32 buffer and a whole rank")
     WIDE_X = wide_x
+    if ask_ahead and one_slot:
+        raise ValueError("asking ahead reads the tile table, which one_slot builds have not")
     if wide_b and not (whole and k_steps % 2 == 0):
         raise ValueError("16-byte loads of B take an even number of whole rank steps")
     B_STEP = 2 if wide_b else 1  # rank steps whose words of B a lane loads at once
@@ -489,12 +496,49 @@ def build_mma_expand_kernel(
     read_block = tile_of_tokens if ONE_SLOT else tile_of_table
 
     begin = prologue()
+    let_next = next_launch()
+    ask_line, ask_bytes = line_asker(), bytes_asker()
+    ASK_AHEAD = ask_ahead and not SIMULATOR  # (nothing to ask of the simulator)
+    X_LINE = 32 if SPLIT else 64  # buffer elements in a 128-byte line
+    OUT_LINE = 16  # output words in a 128-byte line
+
+    @cuda.jit(device=True, inline="always")
+    def ask_for_the_tile(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows):
+        """Before the wait ("Asking ahead"): ask L2 for the warp's rows of B (one bulk
+        prefetch), and for its tokens' old output words and buffer rows (a line at a
+        time), found from the table as it reads before the wait: a stale entry only asks
+        for lines the block will not load."""
+        warp, lane = cuda.threadIdx.x >> 5, cuda.threadIdx.x & 31
+        slot, _, _, _ = read_tile(tiles, cuda.blockIdx.x)
+        w, word0 = slice_of(cuda.blockIdx.y, w0, w1, w2, col0, col1, col2)
+        n0 = cuda.blockIdx.z * BLOCK_N + warp * WARP_N
+        if slot < 0 or slot >= w.shape[0] or n0 >= w.shape[1]:
+            return
+        rows = min(WARP_N, w.shape[1] - n0)
+        if lane == 0:
+            ask_bytes(w[slot, n0], 0, rows * w.shape[2] * 8)
+        first = word0 + (n0 >> 2)
+        last = first + ((rows - 1) >> 2)
+        for i in range(lane, TILE_M, 32):
+            token = tile_rows[cuda.blockIdx.x, i]
+            if token >= 0 and token < out.shape[0]:
+                old_row = out[token]
+                for q in range(first, last, OUT_LINE):
+                    ask_line(old_row, q)
+                ask_line(old_row, last)
+                x_row = x[slice_base + cuda.blockIdx.y, token]
+                for q in range(0, x_row.shape[0], X_LINE):
+                    ask_line(x_row, q)
+                ask_line(x_row, x_row.shape[0] - 1)
 
     @jit_kernel(threads, CEILING)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows, add_inputs):
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
         # out: [M, W/4] int64 words; col*: the word of a slice's first column;
         # tile_rows: [B, TILE_M] each tile's tokens (segments.tile_tokens)
+        if ASK_AHEAD:  # the next launch may be placed now; L2 asked for this one's tile
+            let_next()
+            ask_for_the_tile(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows)
         begin()  # wait for the kernels before this one (dependent_launch)
         tid = cuda.threadIdx.x
         warp, lane = tid >> 5, tid & 31  # shifts and masks: no signed-division fix-ups
