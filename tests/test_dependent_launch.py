@@ -6,10 +6,14 @@ its first act is ``griddepcontrol.wait`` (:mod:`punica_numba.kernels.dependent_l
 These tests pin that down:
 
 1. in the source, on any machine: every ``@jit_kernel`` function's first statement is
-   ``begin()``, bound in its builder to ``prologue()``;
+   ``begin()``, bound in its builder to ``prologue()``, but for the tensor-core expand's
+   asking ahead before it (``if ASK_AHEAD: let_next(); ask_for_the_tile(...)``: the next
+   launch let go, and L2 asked for lines, :mod:`punica_numba.kernels.expand_mma`);
 2. on the simulator: no dependent launch, and ``begin()`` does nothing;
 3. on the GPU: the switch says yes on sm_90 and newer; both launch paths ask for it;
-   each kind of kernel, as compiled, waits before its first load or store of memory;
+   each kind of kernel, as compiled, waits before its first load or store of memory,
+   but for a build that asks ahead, which before the wait only loads (its tile table)
+   and prefetches;
    and with ``PUNICA_NUMBA_DEPENDENT_LAUNCH=0`` (in a fresh process) the kernels and
    launches are ordinary ones that give the same bits.
 """
@@ -78,10 +82,29 @@ def _binds_prologue(statement: ast.stmt) -> bool:
     )
 
 
+def _asks_ahead(statement: ast.stmt) -> bool:
+    """Whether ``statement`` is the tensor-core expand's asking ahead: ``if ASK_AHEAD:``
+    with ``let_next()`` and a call of ``ask_for_the_tile`` in it, and nothing else."""
+    if not (
+        isinstance(statement, ast.If)
+        and ast.unparse(statement.test) == "ASK_AHEAD"
+        and not statement.orelse
+        and len(statement.body) == 2
+    ):
+        return False
+    let, ask = statement.body
+    return (
+        _calls(let, "let_next")
+        and isinstance(ask, ast.Expr)
+        and isinstance(ask.value, ast.Call)
+        and ast.unparse(ask.value.func) == "ask_for_the_tile"
+    )
+
+
 def kernels_without_prologue(source: str) -> tuple[list[str], int]:
     """The ``@jit_kernel`` functions in ``source`` whose first statement is not ``begin()``
-    or whose builder does not bind ``begin = prologue()`` before them; and how many such
-    functions there are in all."""
+    (nor asking ahead, then ``begin()``) or whose builder does not bind ``begin =
+    prologue()`` before them; and how many such functions there are in all."""
     wrong, found = [], 0
     for builder in ast.walk(ast.parse(source)):
         if not isinstance(builder, ast.FunctionDef):
@@ -93,7 +116,8 @@ def kernels_without_prologue(source: str) -> tuple[list[str], int]:
                 _is_jit_kernel(d) for d in statement.decorator_list
             ):
                 found += 1
-                if not (bound and _calls(statement.body[0], "begin")):
+                body = statement.body[1:] if _asks_ahead(statement.body[0]) else statement.body
+                if not (bound and body and _calls(body[0], "begin")):
                     wrong.append(statement.name)
     return wrong, found
 
@@ -124,6 +148,11 @@ def build():
     assert kernels_without_prologue(kernel.format(body="x[0] = 1\n        begin()")) == (["k"], 1)
     unbound = kernel.replace("begin = prologue()", "begin = something()")
     assert kernels_without_prologue(unbound.format(body="begin()")) == (["k"], 1)
+    ask = "if ASK_AHEAD:\n            let_next()\n            ask_for_the_tile(x)\n        "
+    assert kernels_without_prologue(kernel.format(body=ask + "begin()")) == ([], 1)
+    reads = ask.replace("let_next()", "x[0] = 1")
+    assert kernels_without_prologue(kernel.format(body=reads + "begin()")) == (["k"], 1)
+    assert kernels_without_prologue(kernel.format(body=ask + "x[0] = 1")) == (["k"], 1)
 
 
 # -- 2. on the simulator ------------------------------------------------------------------
@@ -197,6 +226,8 @@ def _one_of_each_kernel() -> None:
     for config in launch_configs("expand"):
         with force_launch_config("expand", config):
             check_expand(ops.lora_expand, serving_expand_case(problem, 16, [512, 128]))
+            if config.kernel == "mma":  # one slice: the builds that ask ahead
+                check_expand(ops.lora_expand, serving_expand_case(problem, 16, [512]))
     one = Problem(slots=[0], prepared=1, num_loras=1, seed=6)
     check_shrink(
         ops.lora_shrink,
@@ -233,17 +264,28 @@ def test_every_kind_of_kernel_waits_before_it_touches_memory():
     if not _cuda.dependent_launch():
         pytest.skip("no dependent launch on this GPU or in this environment")
     capability = torch.cuda.get_device_capability()
-    seen = set()
+    seen, asked = set(), 0
     with recorded_launchers() as launchers:
         _one_of_each_kernel()
     for launcher in launchers:
         for kernel in launcher.kernels.values():
             ptx = kernel.inspect_asm(capability)
-            assert memory_before_wait(ptx) == [], kernel.py_func
-            # Nor does it let the next kernel start early (kernels.dependent_launch: slower)
-            assert "launch_dependents" not in ptx, kernel.py_func
+            early = memory_before_wait(ptx)
             seen.add(_module_of(kernel))
+            if "launch_dependents" in ptx:  # asking ahead: loads and prefetches only
+                assert _module_of(kernel) == "expand_mma", kernel.py_func
+                assert all(_ASKING.match(line) for line in early), early
+                asked += 1
+                continue
+            # Nor does any other let the next kernel start early (kernels.dependent_launch)
+            assert early == [], kernel.py_func
     assert seen == KERNEL_MODULES
+    assert asked > 0  # a build that asks ahead was among them
+
+
+#: What a kernel that asks ahead may do to memory before its wait: load (its tile table,
+#: for the addresses it asks for) and prefetch. No store, atomic or copy.
+_ASKING = re.compile(r"^(ld\.global\.|prefetch\.global\.L2 |cp\.async\.bulk\.prefetch\.L2\.)")
 
 
 #: Run in a fresh process, under the environment it was given (``report_fixed_calls``).

@@ -421,7 +421,10 @@ def test_one_slot_gives_the_tables_bits(kernel, num_loras, monkeypatch):
     built = []  # one_slot of each build; "token" for the one-token shrink
     for name in builds:
         build = getattr(ops, name)
-        mark = (lambda a: "token") if name == "build_token_shrink_kernel" else (lambda a: a[-1])
+        mark = {  # one_slot: the last argument, but for the tensor-core expand's (11)
+            "build_token_shrink_kernel": lambda a: "token",
+            "build_mma_expand_kernel": lambda a: a[11],
+        }.get(name, lambda a: a[-1])
         monkeypatch.setattr(
             ops, name, lambda *a, build=build, mark=mark: built.append(mark(a)) or build(*a)
         )
