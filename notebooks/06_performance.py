@@ -562,6 +562,17 @@ print(
 # than a CPU machine did from the same source (all loads first, 160 registers, against a split
 # of the buffer between them, 144), so a kernel's schedule is read from the cubin the GPU's
 # machine made.
+#
+# What did help was to overlap the calls instead of the work inside one (v27, session 30,
+# `h200_v31_candidates.json`). While one call's last blocks multiply and store, DRAM idles,
+# because the next call's loads leave only after its wait. So the tensor-core expand *asks
+# ahead*: it says `launch_dependents` first, so the next call's blocks are placed beside its
+# own while they run, and before their wait those blocks ask L2 for the lines they will load
+# (`prefetch`, `kernels/l2_prefetch.py`). A prefetch puts nothing in a register, so a stale
+# address read before the wait costs bandwidth, never a wrong result. Each half alone had
+# tied or lost; together they took this row from 6.14-6.46 to 5.73-5.93 µs in A/B runs, and
+# 5.93 in v27's benchmark: still 0.23 over the 5.7 wanted. With three slices, or on one LoRA,
+# the same lost, so only launches of one slice read from the tile table ask ahead.
 
 # %% [markdown]
 #

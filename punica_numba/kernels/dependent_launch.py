@@ -20,7 +20,10 @@ that another kernel sees. So a kernel never reads what the kernel ahead of it ma
 be writing, or writes what it may still be reading, whatever that kernel is (ours,
 torch's, anyone's): the results are those of an ordinary launch. What overlaps is the
 launch itself and the placing of the blocks. A kernel launched the ordinary way, or
-with nothing ahead of it, passes the wait at once.
+with nothing ahead of it, passes the wait at once. (One build does a little before its
+wait: the tensor-core expand that asks ahead, below, reads its tile table there only to
+choose lines to prefetch, and reads it again after the wait; nothing it reads before the
+wait reaches a result.)
 
 **Why not say ``launch_dependents`` too?** Said first, it lets the next kernel be
 launched as soon as every block of this one has started, so that kernel's blocks are
@@ -46,6 +49,14 @@ reads nothing before the wait cannot depend on what ran before it. Nor does it p
 weights into L2 before the wait: that lost on the r=64 expand at 256 over 16 LoRAs
 (6.34-6.47 -> 6.46-6.64 µs, session 26, ``h200_v27_candidates.json``), as if little
 time passed between a block's start and the end of its wait.
+
+**Said first, with the tile asked of L2.** The two together pay where neither did alone:
+said first, the next launch's blocks are placed while this one's run, and so have time to
+ask L2 for their tiles before their wait. The tensor-core expand of one slice does both
+(:func:`next_launch`; :mod:`.expand_mma`, "Asking ahead"): on the H200 (session 30,
+``h200_v31_candidates.json``) r=64 at 256 tokens over 16 LoRAs went from 6.14-6.46 to
+5.73-5.93 µs, and 64 over 8 LoRAs from 4.15-4.28 to 3.66-3.79; launches of three slices and
+of one slot lost, and keep the wait alone.
 
 On the simulator, below sm_90, or with ``PUNICA_NUMBA_DEPENDENT_LAUNCH=0``, ``begin()``
 does nothing (and the launches are ordinary ones).

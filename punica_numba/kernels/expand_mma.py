@@ -205,6 +205,49 @@ built without the clamps and checks: the same loads and stores, and for r=16 wit
 columns a warp 576 SASS instructions instead of 808 (r=64: 792 instead of 952; ptxas
 13.0 for sm_90, at the 128-register ceiling).
 
+**Asking ahead** (``ask_ahead``, v27). What the measurements above leave of a decode
+call is a chain, and it does not overlap the next call's: each launch's blocks wait for the
+launch ahead (:mod:`.dependent_launch`), read their tile, wait a trip to DRAM for B, the buffer
+and the old outputs, multiply and store; while one launch's last blocks multiply and store,
+DRAM idles, and the next launch's loads leave only after its wait. A build with
+``ask_ahead`` says ``griddepcontrol.launch_dependents`` as its first act, so the next launch
+may be placed beside this one's blocks once all of them have started, and before its wait
+each warp asks L2 (:mod:`.l2_prefetch`) for what it will load: its rows of B in one bulk
+prefetch (8 KB at r=64), its tokens' old output words and buffer rows a line at a time. The
+next launch's early blocks so fetch their tiles while this launch's last blocks still work,
+and after their wait find them in L2. Before its wait a block reads only its table row and
+tokens, and only to choose lines to ask for: if the kernel ahead is still writing them, a
+stale entry asks for lines the block will not load (the bounds keep every address in its
+tensor). After the wait it reads them again as every kernel does, and ``griddepcontrol.wait``
+makes every write of the kernels ahead visible to it (PTX's promise). A prefetch puts nothing
+in a register: the same loads, products and stores, so the same bits
+(``test_asking_ahead_does_not_change_the_bits``).
+
+On the H200 (``h200_v31_candidates.json``, a git-excluded copy with a switch; two calls,
+three rounds each, one process per setting and round; µs; the kernels each case ran are in
+the file):
+
+| case | wait only (v26) | said first | + B asked for | + its tokens' rows | said late |
+| --- | --- | --- | --- | --- | --- |
+| r=64, 256 over 16 LoRAs | 6.14-6.46 | 6.17-6.19 | 5.85-6.08 | **5.73-5.93** | 6.71-7.06 |
+| r=64, 64 over 8 LoRAs | 4.15-4.28 | 4.27-4.31 | 3.97-4.07 | **3.66-3.79** | 4.12-4.21 |
+| r=16, 256 over 16 LoRAs | 3.96-4.13 | 4.25-4.38 | 3.78-3.86 | **3.68-3.81** | 4.41-4.47 |
+| r=16, 1024 over 32 (two passes) | 8.13-8.52 | 8.03-8.23 | 7.74-8.00 | 7.96-8.25 | 8.48-8.62 |
+| r=64, 4096 over 64 (eight passes) | 32.2-33.3 | 32.8-34.4 | 33.2-34.6 | 33.3-34.4 | 34.1-38.6 |
+| r=64, 256 on one LoRA (one slot) | 4.00-4.12 | 4.82-4.86 | 4.81-4.89 | 4.69-4.80 | 4.89-4.97 |
+| QKV r=16, 256 over 16 LoRAs | 5.58-5.77 | 8.49-8.53 | 8.42-8.54 | 8.48-8.80 | 7.42-7.43 |
+| QKV r=64, 256 over 16 LoRAs | 9.49-9.90 | | | 10.55-10.90 | |
+
+("+ its tokens' rows": B, the old outputs and the buffer rows asked for; "said late": all
+three asked for, ``launch_dependents`` said after the loads.) Said first alone ties or loses,
+as v26 found; the bytes asked for pay for it and more in launches of one slice whose blocks
+each take one column group and find their tokens in the table. Launches of three slices lost
+1-3 µs at both ranks, and one slot 0.6-0.8; why was not measured. So only one-slice,
+one-pass table builds ask (:func:`..ops._asks_ahead`); the others keep the plain wait. Held
+to 128 registers (160 without), so that a whole second launch of r=64's one-warp blocks
+fits beside the first, the r=64 build lost (256/16: 6.84-7.11). In the benchmark at e40f18a
+(v27): r=64 256/16 6.14 -> 5.93 µs, r=16 64/8 2.77 -> 2.40, 256/16 3.97 -> 3.84.
+
 **Registers.** At most 128 a thread (:data:`MAX_REGISTERS`), so that an SM holds 16
 warps of it (except the one-pass builds that hold every word of B early: above). ptxas
 gave the 16-byte-word kernel 132 at r=64 on the H200, and 12 warps fitted: 4096 tokens
