@@ -75,20 +75,18 @@ def _nothing():
     return
 
 
-def _wait_for_the_kernels_before():
-    """``begin()`` on the GPU: ``griddepcontrol.wait`` as inline PTX."""
+def _one_instruction(text: str):
+    """A device function that runs the one PTX instruction ``text`` (inline asm across
+    which no load or store of memory may move)."""
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def grid_dependency_wait(typingctx):
+    def instruction(typingctx):
         def codegen(context, builder, signature, args):
             asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), []),
-                "griddepcontrol.wait;",
-                "~{memory}",  # no load or store of memory may move above it
-                side_effect=True,
+                ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True
             )
             builder.call(asm, [])
             return context.get_dummy_value()
@@ -96,37 +94,10 @@ def _wait_for_the_kernels_before():
         return types.void(), codegen
 
     @cuda.jit(device=True)
-    def begin():
-        grid_dependency_wait()
+    def run():
+        instruction()
 
-    return begin
-
-
-def _let_the_next_kernel_launch():
-    """``griddepcontrol.launch_dependents`` as inline PTX."""
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def launch_dependents(typingctx):
-        def codegen(context, builder, signature, args):
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), []),
-                "griddepcontrol.launch_dependents;",
-                "~{memory}",
-                side_effect=True,
-            )
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    @cuda.jit(device=True)
-    def let_next():
-        launch_dependents()
-
-    return let_next
+    return run
 
 
 def next_launch():
@@ -134,11 +105,11 @@ def next_launch():
     next kernel on the stream may be launched once every block of this one has said it
     (used only where it was measured to pay: :mod:`.expand_mma`, "Asking ahead"); nothing
     where :func:`prologue`'s wait is nothing too."""
-    return _let_the_next_kernel_launch() if dependent_launch() else _nothing
+    return _one_instruction("griddepcontrol.launch_dependents;") if dependent_launch() else _nothing
 
 
 def prologue():
     """The device function every kernel calls first, as ``begin()``: the wait where
     :func:`.._cuda.dependent_launch` holds, else nothing. Called when a kernel is built,
     once the device is known."""
-    return _wait_for_the_kernels_before() if dependent_launch() else _nothing
+    return _one_instruction("griddepcontrol.wait;") if dependent_launch() else _nothing
