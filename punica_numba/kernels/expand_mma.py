@@ -267,7 +267,7 @@ import functools
 import torch
 from numba import float32, int64, uint32, uint64
 
-from .._cuda import SIMULATOR, cuda, jit_kernel
+from .._cuda import SIMULATOR, cuda, dependent_launch, jit_kernel
 from .dependent_launch import next_launch, prologue
 from .dtypes import (
     bf16_pair,
@@ -541,7 +541,7 @@ def build_mma_expand_kernel(
     begin = prologue()
     let_next = next_launch()
     ask_line, ask_bytes = line_asker(), bytes_asker()
-    ASK_AHEAD = ask_ahead and not SIMULATOR  # (nothing to ask of the simulator)
+    ASK_AHEAD = ask_ahead and dependent_launch()  # (no launch to overlap: nothing to ask)
     X_LINE = 32 if SPLIT else 64  # buffer elements in a 128-byte line
     OUT_LINE = 16  # output words in a 128-byte line
 
