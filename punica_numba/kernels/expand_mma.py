@@ -242,7 +242,7 @@ the file):
 three asked for, ``launch_dependents`` said after the loads.) Said first alone ties or loses,
 as v26 found; the bytes asked for pay for it and more in launches of one slice whose blocks
 each take one column group and find their tokens in the table. Launches of three slices lost
-1-3 µs at both ranks, and one slot 0.6-0.8; why was not measured. So only one-slice,
+0.7-3 µs (r=64, r=16), and one slot 0.6-0.8; why was not measured. So only one-slice,
 one-pass table builds ask (:func:`..ops._asks_ahead`); the others keep the plain wait. Held
 to 128 registers (160 without), so that a whole second launch of r=64's one-warp blocks
 fits beside the first, the r=64 build lost (256/16: 6.84-7.11). In the benchmark at e40f18a
