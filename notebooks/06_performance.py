@@ -572,7 +572,8 @@ print(
 # address read before the wait costs bandwidth, never a wrong result. Each half alone had
 # tied or lost; together they took this row from 6.14-6.46 to 5.73-5.93 µs in A/B runs, and
 # 5.93 in v27's benchmark: still 0.23 over the 5.7 wanted. With three slices, or on one LoRA,
-# the same lost, so only launches of one slice read from the tile table ask ahead.
+# the same lost, so only launches of one slice read from the tile table, of up to 256
+# tokens (the most measured), ask ahead.
 
 # %% [markdown]
 #

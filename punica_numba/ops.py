@@ -733,7 +733,7 @@ def _expand_launch(
             wide_b,  # B in 16-byte loads
             one_pass,
             one_slot,
-            _asks_ahead(widths, one_pass, one_slot),
+            _asks_ahead(widths, one_pass, one_slot, num_tokens),
         )
     else:
         wide = packed and all(_rows_start_at(w.view, 16) for w in weights)
@@ -769,13 +769,20 @@ def _column_blocks(config: LaunchConfig, width: int, per_block: int) -> int:
     return min(groups, MAX_GRID_YZ) if config.spread else 1
 
 
-def _asks_ahead(widths: list[int], one_pass: bool, one_slot: bool) -> bool:
+#: The most tokens of a launch that asks ahead: the largest measured (a launch of more has
+#: more blocks, and where a kernel's blocks were many, saying launch_dependents first lost).
+ASK_AHEAD_TOKENS = 256
+
+
+def _asks_ahead(widths: list[int], one_pass: bool, one_slot: bool, num_tokens: int) -> bool:
     """Whether a tensor-core expand lets the next launch be placed at once and asks L2 for
     its tile before its wait (:mod:`.kernels.expand_mma`, "Asking ahead"): where it was
     measured to pay, a launch of one slice whose grid has a block for every column group
-    and whose blocks find their tokens in the tile table. With three slices (the QKV
-    layer) and under one slot it was slower, and those keep the plain wait."""
-    return len(widths) == 1 and one_pass and not one_slot
+    and whose blocks find their tokens in the tile table, of at most
+    :data:`ASK_AHEAD_TOKENS` tokens. With three slices (the QKV layer) and under one slot
+    it was slower, and those keep the plain wait; so do launches of more tokens, not
+    measured."""
+    return len(widths) == 1 and one_pass and not one_slot and num_tokens <= ASK_AHEAD_TOKENS
 
 
 def _one_pass(config: LaunchConfig, width: int, per_block: int) -> bool:

@@ -192,19 +192,24 @@ def test_asking_ahead_does_not_change_the_bits(monkeypatch):
 
 def test_only_one_slice_found_in_the_tile_table_asks_ahead(monkeypatch):
     """Asking ahead was measured to pay only for launches of one slice in one pass whose
-    blocks read the tile table: three slices (the QKV layer) and one slot do not ask."""
+    blocks read the tile table, of up to ``ops.ASK_AHEAD_TOKENS`` tokens: three slices (the
+    QKV layer), one slot and more tokens do not ask."""
     config = LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=1e9)
     _add_configs(monkeypatch, "expand", config)
+    monkeypatch.setattr(ops, "ASK_AHEAD_TOKENS", 20)  # (so that 21 tokens are more)
     built = record_mma_expand_builds(monkeypatch)
     two_loras = Problem([0] * 12 + [1] * 8, 20, 2, seed=3)
     one_lora = Problem([0] * 20, 20, 1, seed=4)
-    for problem, widths in ((two_loras, [128]), (two_loras, [64, 32, 32]), (one_lora, [128])):
+    more = Problem([0] * 12 + [1] * 9, 21, 2, seed=5)
+    cases = ((two_loras, [128]), (two_loras, [64, 32, 32]), (one_lora, [128]), (more, [128]))
+    for problem, widths in cases:
         _run_under("expand", config, serving_expand_case(problem, 64, widths))
     # (one_pass, one_slot, ask_ahead) of each build
     assert [a[10:13] for a, _ in built] == [
         (True, False, True),
         (True, False, False),
         (True, True, False),
+        (True, False, False),
     ]
     with pytest.raises(ValueError, match="one_slot"):
         build_mma_expand_kernel(torch.float32, 32, 1, 8, 4, True, one_slot=True, ask_ahead=True)

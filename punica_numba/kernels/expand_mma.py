@@ -243,7 +243,9 @@ three asked for, ``launch_dependents`` said after the loads.) Said first alone t
 as v26 found; the bytes asked for pay for it and more in launches of one slice whose blocks
 each take one column group and find their tokens in the table. Launches of three slices lost
 0.7-3 µs (r=64, r=16), and one slot 0.6-0.8; why was not measured. So only one-slice,
-one-pass table builds ask (:func:`..ops._asks_ahead`); the others keep the plain wait. Held
+one-pass table builds ask (:func:`..ops._asks_ahead`), and only up to 256 tokens, the most
+measured (more tokens make more blocks, where saying it first lost in v26's trials); the
+others keep the plain wait. Held
 to 128 registers (160 without), so that a whole second launch of r=64's one-warp blocks
 fits beside the first, the r=64 build lost (256/16: 6.84-7.11). In the benchmark at e40f18a
 (v27): r=64 256/16 6.14 -> 5.93 µs, r=16 64/8 2.77 -> 2.40, 256/16 3.97 -> 3.84.
