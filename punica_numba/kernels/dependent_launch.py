@@ -64,6 +64,8 @@ does nothing (and the launches are ordinary ones).
 
 from __future__ import annotations
 
+import functools
+
 from .._cuda import cuda, dependent_launch
 
 __all__ = ["next_launch", "prologue"]
@@ -75,15 +77,17 @@ def _nothing():
     return
 
 
-def _one_instruction(text: str):
-    """A device function that runs the one PTX instruction ``text`` (inline asm across
-    which no load or store of memory may move)."""
+@functools.cache
+def ptx_statement(text: str):
+    """The intrinsic of no arguments that is the one PTX statement ``text``: inline asm
+    across which no load or store of memory may move (GPU only; the benchmark probes use it
+    too)."""
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def instruction(typingctx):
+    def statement(typingctx):
         def codegen(context, builder, signature, args):
             asm = ir.InlineAsm(
                 ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True
@@ -93,9 +97,16 @@ def _one_instruction(text: str):
 
         return types.void(), codegen
 
+    return statement
+
+
+def _one_instruction(text: str):
+    """A device function that runs the one PTX statement ``text``."""
+    statement = ptx_statement(text)
+
     @cuda.jit(device=True)
     def run():
-        instruction()
+        statement()
 
     return run
 

@@ -1,7 +1,8 @@
 """What the probes beside this file share (not a probe itself: the tests build every other file
 here as one).
 
-* :func:`ptx_statement`: one PTX statement as a device function (GPU only);
+* :func:`ptx_statement`: one PTX statement as an intrinsic (GPU only), the package's own
+  (``punica_numba.kernels.dependent_launch``), passed on;
 * :func:`op_launches`: the benchmark's argument sets for a case, and the op's own launch on any
   of them, recorded by wrapping ``ops._launcher``, so that a probe's kernels can be run on
   exactly the op's arguments and grid;
@@ -12,34 +13,14 @@ A probe imports them as ``from _shared import ...``: run as a script, a probe's 
 leads ``sys.path``.
 """
 
-import functools
-
 import torch
-from numba import types
 
 from punica_numba import ops
 from punica_numba.bench import _argument_set, _slots, pool_size, run_case, time_calls
+from punica_numba.kernels.dependent_launch import ptx_statement
 from punica_numba.meta import LoRAKernelMeta
 
-
-@functools.cache
-def ptx_statement(text: str):
-    """A device function of no arguments that is the PTX statement ``text``."""
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def statement(typingctx):
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True
-            )
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    return statement
+__all__ = ["op_launches", "ptx_statement", "timed_against_the_op"]
 
 
 def op_launches(case):
