@@ -267,17 +267,21 @@ def word_loader(dtype: torch.dtype, packed: bool):
 # loads, and a warp's access moves twice the bytes) or four int32 (a tile-table row).
 
 
-def _vector_address(context, builder, sig, args, vector):
-    """In an intrinsic's codegen whose first two arguments are ``(row, q)``: the address
-    of element ``q`` of the 1-D array ``row``, as a pointer to ``vector``."""
+def element_pointer(context, builder, sig, args):
+    """In an intrinsic's codegen whose first two arguments are ``(row, q)``: the pointer to
+    element ``q`` of the 1-D array ``row`` (also :mod:`.l2_prefetch`'s address)."""
     from numba import types
     from numba.core import cgutils
 
     row_type, q_type = sig.args[:2]
     array = context.make_array(row_type)(context, builder, args[0])
     index = context.cast(builder, args[1], q_type, types.intp)
-    address = cgutils.get_item_pointer(context, builder, row_type, array, [index])
-    return builder.bitcast(address, vector.as_pointer())
+    return cgutils.get_item_pointer(context, builder, row_type, array, [index])
+
+
+def _vector_address(context, builder, sig, args, vector):
+    """:func:`element_pointer` as a pointer to ``vector``."""
+    return builder.bitcast(element_pointer(context, builder, sig, args), vector.as_pointer())
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 
 from .._cuda import SIMULATOR, cuda
+from .dtypes import element_pointer
 
 __all__ = ["bytes_asker", "line_asker"]
 
@@ -33,14 +34,8 @@ def _element_address(context, builder, sig, args):
     """In an intrinsic's codegen whose first two arguments are ``(row, q)``: the address
     of element ``q`` of the 1-D array ``row``, as a 64-bit integer."""
     from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
 
-    row_type, q_type = sig.args[:2]
-    array = context.make_array(row_type)(context, builder, args[0])
-    index = context.cast(builder, args[1], q_type, types.intp)
-    pointer = cgutils.get_item_pointer(context, builder, row_type, array, [index])
-    return builder.ptrtoint(pointer, ir.IntType(64))
+    return builder.ptrtoint(element_pointer(context, builder, sig, args), ir.IntType(64))
 
 
 @functools.cache
