@@ -296,6 +296,9 @@ EARLY_B_WORDS = 16
 ONE_PASS_B_WORDS = 32
 #: The most registers a thread may have: 65536 / 128 = 16 warps an SM (module notes).
 MAX_REGISTERS = 128
+#: Asking ahead, one column group in this many asks L2 for its tile's buffer rows, which
+#: every group of the tile reads ("Asking ahead"; every group asking was slower at r=16).
+BUFFER_ASKERS = 8
 
 
 @cuda.jit(device=True)
@@ -550,9 +553,9 @@ def build_mma_expand_kernel(
     @cuda.jit(device=True, inline="always")
     def ask_for_the_tile(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows):
         """Before the wait ("Asking ahead"): ask L2 for the warp's rows of B (one bulk
-        prefetch), and for its tokens' old output words and buffer rows (a line at a
-        time), found from the table as it reads before the wait: a stale entry only asks
-        for lines the block will not load."""
+        prefetch), and for its tokens' old output words and (one column group in
+        :data:`BUFFER_ASKERS`) buffer rows, a line at a time, found from the table as it
+        reads before the wait: a stale entry only asks for lines the block will not load."""
         warp, lane = cuda.threadIdx.x >> 5, cuda.threadIdx.x & 31
         slot, _, _, _ = read_tile(tiles, cuda.blockIdx.x)
         w, word0 = slice_of(cuda.blockIdx.y, w0, w1, w2, col0, col1, col2)
@@ -571,10 +574,11 @@ def build_mma_expand_kernel(
                 for q in range(first, last, OUT_LINE):
                     ask_line(old_row, q)
                 ask_line(old_row, last)
-                x_row = x[slice_base + cuda.blockIdx.y, token]
-                for q in range(0, x_row.shape[0], X_LINE):
-                    ask_line(x_row, q)
-                ask_line(x_row, x_row.shape[0] - 1)
+                if cuda.blockIdx.z % BUFFER_ASKERS == 0:  # the tile's rows: every group reads them
+                    x_row = x[slice_base + cuda.blockIdx.y, token]
+                    for q in range(0, x_row.shape[0], X_LINE):
+                        ask_line(x_row, q)
+                    ask_line(x_row, x_row.shape[0] - 1)
 
     @jit_kernel(threads, CEILING)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows, add_inputs):
