@@ -573,7 +573,10 @@ print(
 # tied or lost; together they took this row from 6.14-6.46 to 5.73-5.93 µs in A/B runs, and
 # 5.93 in v27's benchmark: still 0.23 over the 5.7 wanted. With three slices, or on one LoRA,
 # the same lost, so only launches of one slice read from the tile table, of up to 256
-# tokens (the most measured), ask ahead.
+# tokens (the most measured), ask ahead. What each block asks for matters too: every column
+# group of a tile reads the same buffer rows, and when all 64 asked for them the r=16 expand
+# was slower than when one group in eight does (v28, session 31: 256 over 16 LoRAs 3.84 ->
+# 3.38 µs in the benchmark); this row tied (5.84).
 
 # %% [markdown]
 #
