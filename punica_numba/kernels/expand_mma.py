@@ -251,13 +251,14 @@ to 128 registers (160 without), so that a whole second launch of r=64's one-warp
 fits beside the first, the r=64 build lost (256/16: 6.84-7.11). In the benchmark at e40f18a
 (v27): r=64 256/16 6.14 -> 5.93 µs, r=16 64/8 2.77 -> 2.40, 256/16 3.97 -> 3.84.
 
-Every column group of a tile reads the same buffer rows, and in v27 all 64 asked L2 for them.
+Every column group of a tile reads the same buffer rows, and in v27 all of them (64 in a slice
+of 4096 columns) asked L2 for them.
 Since v28 one group in :data:`BUFFER_ASKERS` does (``h200_v32_candidates.json``, three rounds):
-r=16 256/16 3.79-3.81 -> 3.34-3.46 µs, 64/8 2.35 -> 2.20-2.21; r=64 tied (256/16 5.84-5.87
-against 5.75-6.09); none asking, r=64 64/8 lost 0.3. In the same session a block asking also
+r=16 256/16 3.79-3.81 -> 3.34-3.46 µs, 64/8 2.35 -> 2.20-2.21; r=64 tied (256/16 5.75-6.09
+against 5.84-5.87); none asking, r=64 64/8 lost 0.3. In the same session a block asking also
 for the tile of the block half a grid later lost (r=64 256/16 6.24-6.52 against 5.84-6.10), and
 the column group along the grid's x, so that blocks are placed tile by tile with the table's
-empty rows last, lost 0.4-1.3. In the benchmark at 46f9381 (v28): r=16 256/16 3.38 µs, 64/8
+empty rows last, lost 0.4-1.3 µs. In the benchmark at 46f9381 (v28): r=16 256/16 3.38 µs, 64/8
 2.21, r=64 256/16 5.84.
 
 **Registers.** At most 128 a thread (:data:`MAX_REGISTERS`), so that an SM holds 16
