@@ -22,9 +22,10 @@ this probe, ``call3``): blocks are placed on pairs of neighbouring SMs, the pair
 (blocks 0-7 on SMs 124-131, then 12, 13, 28, 29, ... or 4, 5, 20, 21, ...), not one SM after
 another. With 33 rows an SM got 0-12 blocks with a tile and 0-7 tiles (mostly 3 or 4); with 16
 rows 7 or 8 blocks and 3-5 tiles. So the bound's grid neither keeps a tile to one SM nor spreads
-the work as evenly as the exact grid, and yet it is the faster of the two. Why stays open. (A
-launch alone on an idle GPU; with the dependent launch, blocks are placed while the launch ahead
-still runs, which this does not reproduce.)
+the work as evenly as the exact grid, and yet it is the faster of the two. (A launch alone on an
+idle GPU; with the dependent launch, blocks are placed while the launch ahead still runs, which
+this does not reproduce.) The timelines of consecutive launches in the benchmarks README
+(session 32, ``call7``) suggest that what differs is when blocks are placed.
 
 Run on a GPU from the repository root: ``python docs/benchmarks/probes/block_placement.py``.
 Prints one JSON line: for each variant, per SM the blocks with a tile and the distinct tiles,
