@@ -8,12 +8,14 @@ These tests pin that down:
 1. in the source, on any machine: every ``@jit_kernel`` function's first statement is
    ``begin()``, bound in its builder to ``prologue()``, but for the tensor-core expand's
    asking ahead before it (``if ASK_AHEAD: let_next(); ask_for_the_tile(...)``: the next
-   launch let go, and L2 asked for lines, :mod:`punica_numba.kernels.expand_mma`);
+   launch let go, and L2 asked for lines; then its words of B loaded and, with no tile,
+   the block gone: :mod:`punica_numba.kernels.expand_mma`, "B before the wait"), after
+   only its thread-private arrays and numbers are made;
 2. on the simulator: no dependent launch, and ``begin()`` does nothing;
 3. on the GPU: the switch says yes on sm_90 and newer; both launch paths ask for it;
    each kind of kernel, as compiled, waits before its first load or store of memory,
-   but for a build that asks ahead, which before the wait only loads (its tile table)
-   and prefetches;
+   but for a build that asks ahead, which before the wait only loads (its tile table
+   and B) and prefetches;
    and with ``PUNICA_NUMBA_DEPENDENT_LAUNCH=0`` (in a fresh process) the kernels and
    launches are ordinary ones that give the same bits.
 """
@@ -82,29 +84,58 @@ def _binds_prologue(statement: ast.stmt) -> bool:
     )
 
 
+def _is_call_of(node: ast.expr, name: str) -> bool:
+    return isinstance(node, ast.Call) and ast.unparse(node.func) == name
+
+
+def _is_private(statement: ast.stmt) -> bool:
+    """Whether ``statement`` makes only a thread's own values: ``name =
+    cuda.local.array(...)`` or ``name = int64(<number>)``."""
+    if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1):
+        return False
+    value = statement.value
+    if _is_call_of(value, "cuda.local.array"):
+        return True
+    if not (_is_call_of(value, "int64") and len(value.args) == 1):
+        return False
+    try:
+        return isinstance(ast.literal_eval(value.args[0]), int)
+    except ValueError:  # not a literal: it may read memory
+        return False
+
+
 def _asks_ahead(statement: ast.stmt) -> bool:
     """Whether ``statement`` is the tensor-core expand's asking ahead: ``if ASK_AHEAD:``
-    with ``let_next()`` and a call of ``ask_for_the_tile`` in it, and nothing else."""
+    with ``let_next()`` first, then only a call of ``ask_for_the_tile``, B loaded by
+    ``name = load_b_before_the_wait(...)``, and ``if ...: return``."""
     if not (
         isinstance(statement, ast.If)
         and ast.unparse(statement.test) == "ASK_AHEAD"
         and not statement.orelse
-        and len(statement.body) == 2
+        and statement.body
+        and _calls(statement.body[0], "let_next")
     ):
         return False
-    let, ask = statement.body
-    return (
-        _calls(let, "let_next")
-        and isinstance(ask, ast.Expr)
-        and isinstance(ask.value, ast.Call)
-        and ast.unparse(ask.value.func) == "ask_for_the_tile"
-    )
+    for step in statement.body[1:]:
+        asks = isinstance(step, ast.Expr) and _is_call_of(step.value, "ask_for_the_tile")
+        loads_b = isinstance(step, ast.Assign) and _is_call_of(step.value, "load_b_before_the_wait")
+        leaves = (
+            isinstance(step, ast.If)
+            and not step.orelse
+            and len(step.body) == 1
+            and isinstance(step.body[0], ast.Return)
+            and step.body[0].value is None
+        )
+        if not (asks or loads_b or leaves):
+            return False
+    return True
 
 
 def kernels_without_prologue(source: str) -> tuple[list[str], int]:
     """The ``@jit_kernel`` functions in ``source`` whose first statement is not ``begin()``
-    (nor asking ahead, then ``begin()``) or whose builder does not bind ``begin =
-    prologue()`` before them; and how many such functions there are in all."""
+    (nor, after thread-private values, asking ahead, then ``begin()``) or whose builder
+    does not bind ``begin = prologue()`` before them; and how many such functions there
+    are in all."""
     wrong, found = [], 0
     for builder in ast.walk(ast.parse(source)):
         if not isinstance(builder, ast.FunctionDef):
@@ -116,7 +147,11 @@ def kernels_without_prologue(source: str) -> tuple[list[str], int]:
                 _is_jit_kernel(d) for d in statement.decorator_list
             ):
                 found += 1
-                body = statement.body[1:] if _asks_ahead(statement.body[0]) else statement.body
+                body = list(statement.body)
+                while body and _is_private(body[0]):
+                    body.pop(0)
+                if body and _asks_ahead(body[0]):
+                    body.pop(0)
                 if not (bound and body and _calls(body[0], "begin")):
                     wrong.append(statement.name)
     return wrong, found
@@ -153,6 +188,20 @@ def build():
     reads = ask.replace("let_next()", "x[0] = 1")
     assert kernels_without_prologue(kernel.format(body=reads + "begin()")) == (["k"], 1)
     assert kernels_without_prologue(kernel.format(body=ask + "x[0] = 1")) == (["k"], 1)
+    private = "b = cuda.local.array(4, int64)\n        s = int64(-1)\n        "
+    b = "s = load_b_before_the_wait(b, x)\n            if s == -1:\n                return\n"
+    ask_b = ask.replace("ask_for_the_tile(x)\n", "ask_for_the_tile(x)\n            " + b)
+    taken = kernels_without_prologue(kernel.format(body=private + ask_b + "begin()"))
+    assert taken == ([], 1)
+    stores = ask_b.replace("return", "x[0] = 1")
+    assert kernels_without_prologue(kernel.format(body=stores + "begin()")) == (["k"], 1)
+    reads_first = "s = x[0]\n        " + ask_b + "begin()"
+    assert kernels_without_prologue(kernel.format(body=reads_first)) == (["k"], 1)
+    not_private = private.replace("int64(-1)", "int64(x[0])")
+    assert kernels_without_prologue(kernel.format(body=not_private + ask_b + "begin()")) == (
+        ["k"],
+        1,
+    )
 
 
 # -- 2. on the simulator ------------------------------------------------------------------
@@ -284,8 +333,9 @@ def test_every_kind_of_kernel_waits_before_it_touches_memory():
 
 
 #: What a kernel that asks ahead may do to memory before its wait: load (its tile table,
-#: for the addresses it asks for) and prefetch. No store, atomic or copy.
-_ASKING = re.compile(r"^(ld\.global\.|prefetch\.global\.L2 |cp\.async\.bulk\.prefetch\.L2\.)")
+#: for the addresses it asks for, and its words of B, through global or generic addresses)
+#: and prefetch. No store, atomic or copy.
+_ASKING = re.compile(r"^(ld\.|prefetch\.global\.L2 |cp\.async\.bulk\.prefetch\.L2\.)")
 
 
 #: Run in a fresh process, under the environment it was given (``report_fixed_calls``).

@@ -261,6 +261,26 @@ the column group along the grid's x, so that blocks are placed tile by tile with
 empty rows last, lost 0.4-1.3 µs. In the benchmark at 46f9381 (v28): r=16 256/16 3.38 µs, 64/8
 2.21, r=64 256/16 5.84.
 
+**B before the wait** (v29). A block that asks ahead also loads its words of B into
+registers before its wait (``load_b_before_the_wait``, in the builds that hold them all early:
+``EARLY``), and a block whose table row has no tile leaves there, without waiting. Before the
+wait a block may read only what no kernel still running can be writing, and B and the table
+are such: the only kernels that let the next one start before they end
+(``griddepcontrol.launch_dependents``) are this package's asking expands, which write only
+their outputs, and every kernel before the first of them had ended when it started (torch's
+kernels, and the package's others, let the next start only as they end). The one promise
+asked of a caller is the obvious one: a call's weights and metadata are not the output of a
+call still in flight. After the wait the block reads its table row again, as every kernel
+does, and loads B again should the slot differ. On the H200 (session 33,
+``h200_v34_candidates.json``, two calls of three rounds, one process per form and round, µs,
+main in the same call): B before the wait, r=64 256/16 5.78-5.89 and 5.60-5.61 against
+5.83-6.02 and 5.76-5.86, 64/8 3.30-3.47 against 3.72-3.79, r=16 256/16 3.23-3.39 against
+3.45-3.57, 64/8 1.97-2.04 against 2.20-2.28; with the empty tiles leaving before the wait
+too (this build), r=64 256/16 5.42-5.57 and 64/8 3.29-3.30, r=16 256/16 3.35-3.50 and 64/8
+2.11-2.17. Not kept: the register loads without the bulk prefetch of B (r=64 256/16
+6.17-6.33), or issued before the other asks (160 registers instead of 134; 5.83-6.02), or
+held to 128 registers (5.58-5.83).
+
 **Registers.** At most 128 a thread (:data:`MAX_REGISTERS`), so that an SM holds 16
 warps of it (except the one-pass builds that hold every word of B early: above). ptxas
 gave the 16-byte-word kernel 132 at r=64 on the H200, and 12 warps fitted: 4096 tokens
@@ -364,7 +384,8 @@ def build_mma_expand_kernel(
       is then ``token_lora_mapping`` (``tile_rows`` is not read), and the grid has a
       block per ``16 * m_tiles`` tokens.
     * ``ask_ahead``: say ``griddepcontrol.launch_dependents`` first, and before the wait
-      ask L2 for the lines the block will load ("Asking ahead"); not with ``one_slot``.
+      ask L2 for the lines the block will load ("Asking ahead"), load B into registers
+      and, with no tile, leave ("B before the wait"); not with ``one_slot``.
       The same loads, products and stores: the same bits.
 
     The rank itself is read at run time, so that a test drawing many ranks compiles a
@@ -591,14 +612,41 @@ def build_mma_expand_kernel(
                         ask_line(x_row, q)
                     ask_line(x_row, x_row.shape[0] - 1)
 
+    # B before the wait ("B before the wait"): builds that ask ahead and hold B early.
+    B_BEFORE_THE_WAIT = ASK_AHEAD and EARLY
+
+    @cuda.jit(device=True, inline="always")
+    def load_b_before_the_wait(early_b, w0, w1, w2, col0, col1, col2, tiles):
+        """Before the wait: the lane's words of B for its tile's slot, read from the table
+        (what no kernel that can still be running writes: "B before the wait"). The slot
+        whose words ``early_b`` now holds, or -1 where the block has none to load (or the
+        build does not load B before the wait)."""
+        if not B_BEFORE_THE_WAIT:
+            return int64(-1)
+        warp, lane = cuda.threadIdx.x >> 5, cuda.threadIdx.x & 31
+        slot, _, _, _ = read_tile(tiles, cuda.blockIdx.x)
+        w, _ = slice_of(cuda.blockIdx.y, w0, w1, w2, col0, col1, col2)
+        n0 = cuda.blockIdx.z * BLOCK_N + warp * WARP_N
+        if slot < 0 or slot >= w.shape[0] or n0 >= w.shape[1]:
+            return int64(-1)
+        lane_n = uint64(output_column(0, lane >> 2, RUN))
+        last_n = uint64(w.shape[1] - 1)
+        load_early_b(early_b, w[slot], uint64(n0), lane_n, last_n, lane & 3)
+        return int64(slot)
+
     @jit_kernel(threads, CEILING)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows, add_inputs):
         # x: [S, M, r] fp32 or int16 bits; w*: [L, N_s, r/4] int64 words;
         # out: [M, W/4] int64 words; col*: the word of a slice's first column;
         # tile_rows: [B, TILE_M] each tile's tokens (segments.tile_tokens)
+        early_b = cuda.local.array(EARLY_WORDS, int64)
+        early_slot = int64(-1)  # the slot whose words of B early_b holds (-1: none)
         if ASK_AHEAD:  # the next launch may be placed now; L2 asked for this one's tile
             let_next()
             ask_for_the_tile(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows)
+            early_slot = load_b_before_the_wait(early_b, w0, w1, w2, col0, col1, col2, tiles)
+            if early_slot == -1 and read_tile(tiles, cuda.blockIdx.x)[0] == -1:
+                return  # no tile: nothing to wait for ("B before the wait")
         begin()  # wait for the kernels before this one (dependent_launch)
         tid = cuda.threadIdx.x
         warp, lane = tid >> 5, tid & 31  # shifts and masks: no signed-division fix-ups
@@ -643,8 +691,7 @@ def build_mma_expand_kernel(
 
         # EARLY: loads in the order of what they wait for ("Order of the loads"). B needs
         # only the slot ... (A warp past the slice's columns loads nothing.)
-        early_b = cuda.local.array(EARLY_WORDS, int64)
-        if EARLY and n0 < uint64(width):
+        if EARLY and n0 < uint64(width) and (not B_BEFORE_THE_WAIT or slot != early_slot):
             load_early_b(early_b, b_rows, n0, lane_n, last_n, t)
 
         # ... the old outputs and the buffer rows need the tokens.
