@@ -577,6 +577,17 @@ print(
 # group of a tile reads the same buffer rows, and when all 64 asked for them the r=16 expand
 # was slower than when one group in eight does (v28, session 31: 256 over 16 LoRAs 3.84 ->
 # 3.38 µs in the benchmark); this row tied (5.84).
+#
+# The last step used the time that asking ahead had made (v29, session 33,
+# `h200_v34_candidates.json`). A block placed early now waits for microseconds before its
+# wait returns, and it already knew its slot there: so it loads its rows of B into the
+# registers that hold them anyway, and a block whose table row has no tile leaves without
+# waiting at all. That is safe only because nothing still running can be writing B or the
+# table: the kernels that say `launch_dependents` are these expands, which write only their
+# outputs. Session 24 had tried loads before the wait and found they saved little, when a
+# block had almost no time before its wait; the same idea paid once the launches
+# overlapped. The row went to 5.35-5.61 µs in A/B runs (5.77-6.02 before) and 5.58 in v29's
+# benchmark, under the 5.7 wanted; the r=64 expand at 64 over 8 LoRAs from about 3.7 to 3.3.
 
 # %% [markdown]
 #

@@ -278,8 +278,9 @@ main in the same call): B before the wait, r=64 256/16 5.78-5.89 and 5.60-5.61 a
 3.45-3.57, 64/8 1.97-2.04 against 2.20-2.28; with the empty tiles leaving before the wait
 too (this build), r=64 256/16 5.42-5.57 and 64/8 3.29-3.30, r=16 256/16 3.35-3.50 and 64/8
 2.11-2.17. Not kept: the register loads without the bulk prefetch of B (r=64 256/16
-6.17-6.33), or issued before the other asks (160 registers instead of 134; 5.83-6.02), or
-held to 128 registers (5.58-5.83).
+6.17-6.33), or issued before the other asks (5.83-6.02: 160 registers in the H200 machine's
+compile, as before, where this build has 142), or held to 128 registers (5.58-5.83). In the
+benchmark at dab1d2e (v29): r=64 256/16 5.84 -> 5.58 µs, r=16 64/8 2.21 -> 2.11, 256/16 3.38.
 
 **Registers.** At most 128 a thread (:data:`MAX_REGISTERS`), so that an SM holds 16
 warps of it (except the one-pass builds that hold every word of B early: above). ptxas
