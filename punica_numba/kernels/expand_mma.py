@@ -216,10 +216,11 @@ each warp asks L2 (:mod:`.l2_prefetch`) for what it will load: its rows of B in 
 prefetch (8 KB at r=64), its tokens' old output words and (one column group in eight, below)
 buffer rows a line at a time. The
 next launch's early blocks so fetch their tiles while this launch's last blocks still work,
-and after their wait find them in L2. Before its wait a block reads only its table row and
-tokens, and only to choose lines to ask for: if the kernel ahead is still writing them, a
-stale entry asks for lines the block will not load (the bounds keep every address in its
-tensor). After the wait it reads them again as every kernel does, and ``griddepcontrol.wait``
+and after their wait find them in L2. Before its wait a v27 block read only its table row
+and tokens, and only to choose lines to ask for: had a kernel ahead still been writing them, a
+stale entry would have asked for lines the block does not load (the bounds keep every address
+in its tensor). (Since v29 it also loads B there, and a block with no tile leaves: "B before
+the wait" says why nothing it reads there can be stale.) After the wait it reads them again as every kernel does, and ``griddepcontrol.wait``
 makes every write of the kernels ahead visible to it (PTX's promise). A prefetch puts nothing
 in a register: the same loads, products and stores, so the same bits
 (``test_asking_ahead_does_not_change_the_bits``).
