@@ -220,8 +220,9 @@ and after their wait find them in L2. Before its wait a v27 block read only its 
 and tokens, and only to choose lines to ask for: had a kernel ahead still been writing them, a
 stale entry would have asked for lines the block does not load (the bounds keep every address
 in its tensor). (Since v29 it also loads B there, and a block with no tile leaves: "B before
-the wait" says why nothing it reads there can be stale.) After the wait it reads them again as every kernel does, and ``griddepcontrol.wait``
-makes every write of the kernels ahead visible to it (PTX's promise). A prefetch puts nothing
+the wait" says why nothing it reads there can be stale.) After the wait it reads them again as
+every kernel does, and ``griddepcontrol.wait`` makes every write of the kernels ahead visible
+to it (PTX's promise). A prefetch puts nothing
 in a register: the same loads, products and stores, so the same bits
 (``test_asking_ahead_does_not_change_the_bits``).
 
