@@ -190,6 +190,45 @@ def test_asking_ahead_does_not_change_the_bits(monkeypatch):
     assert torch.equal(asked, plain), "asking ahead changed the bits"
 
 
+@pytest.mark.skipif(not launch.SIMULATOR, reason="the GPU runs this code in every asking call")
+def test_the_code_before_the_wait_on_the_simulator(monkeypatch):
+    """What an asking build does before its wait (``expand_mma``, "B before the wait": its
+    words of B loaded into registers, a block with no tile leaving) runs on the GPU only,
+    where there is a dependent launch. Told there is one, the simulator runs it too (its
+    wait, the next launch and the asks do nothing there), and on a grid of the tile table's
+    bound, with rows past the tiles as on the GPU, the call is right and gives the plain
+    build's bits."""
+    from punica_numba.kernels import expand_mma
+
+    config = LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=1e9)
+    _add_configs(monkeypatch, "expand", config)
+    exact_tiles = ops._tiles
+    rows = []
+
+    def bound_grid(*args):  # the GPU's grid: every row of the table, empty ones too
+        table, tokens, blocks = exact_tiles(*args)
+        rows.append((table.shape[0], blocks))
+        return table, tokens, table.shape[0]
+
+    monkeypatch.setattr(ops, "_tiles", bound_grid)
+    built = record_mma_expand_builds(monkeypatch)
+    case = serving_expand_case(Problem([0] * 12 + [1] * 8, 20, 2, seed=3), 64, [128])
+    build_mma_expand_kernel.cache_clear()  # (builds made without a dependent launch)
+    monkeypatch.setattr(expand_mma, "dependent_launch", lambda: True)
+    try:
+        _, asked = _run_under("expand", config, case)
+    finally:
+        build_mma_expand_kernel.cache_clear()  # (so no later test takes these builds)
+    monkeypatch.undo()
+    _add_configs(monkeypatch, "expand", config)
+    monkeypatch.setattr(ops, "_tiles", bound_grid)
+    record_mma_expand_builds(monkeypatch, change=lambda args: (*args[:12], False))
+    _, plain = _run_under("expand", config, case)
+    assert [a[12] for a, _ in built] == [True]  # (ask_ahead)
+    assert all(table_rows > tiles for table_rows, tiles in rows), rows  # empty rows ran
+    assert torch.equal(asked, plain), "the code before the wait changed the bits"
+
+
 def test_only_one_slice_found_in_the_tile_table_asks_ahead(monkeypatch):
     """Asking ahead was measured to pay only for launches of one slice in one pass whose
     blocks read the tile table, of up to ``ops.ASK_AHEAD_TOKENS`` tokens: three slices (the
