@@ -221,8 +221,10 @@ def dependent_launch() -> bool:
     have finished and their writes are visible (``griddepcontrol.wait``), before it
     touches memory (:mod:`.kernels.dependent_launch`). What overlaps is the launch and the
     start of the blocks, never the work on memory, so the results cannot depend on what
-    ran before. (The tensor-core expand that asks ahead also asks L2 for lines before its
-    wait, :mod:`.kernels.expand_mma`: a prefetch brings no value into a result.)
+    ran before. (The tensor-core expand that asks ahead reads a little before its wait:
+    it asks L2 for lines, and loads its weights and its tile-table row, which no kernel
+    that can still be running then writes: :mod:`.kernels.expand_mma`, "B before the
+    wait".)
 
     True on a GPU of compute capability 9.0 or newer whose cuda.core can ask for it,
     unless the environment sets ``PUNICA_NUMBA_DEPENDENT_LAUNCH=0``. The answer is made

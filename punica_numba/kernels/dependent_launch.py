@@ -20,10 +20,14 @@ that another kernel sees. So a kernel never reads what the kernel ahead of it ma
 be writing, or writes what it may still be reading, whatever that kernel is (ours,
 torch's, anyone's): the results are those of an ordinary launch. What overlaps is the
 launch itself and the placing of the blocks. A kernel launched the ordinary way, or
-with nothing ahead of it, passes the wait at once. (One build does a little before its
-wait: the tensor-core expand that asks ahead, below, reads its tile table there only to
-choose lines to prefetch, and reads it again after the wait; nothing it reads before the
-wait reaches a result.)
+with nothing ahead of it, passes the wait at once. (One build does more before its wait:
+the tensor-core expand that asks ahead, below, reads its tile table and tokens there to
+choose lines to prefetch and, since v29, loads its rows of B and, with no tile, leaves. B
+and the table could be in the writing only by a kernel ahead that lets the next start
+early; of this package's kernels only these expands do, and they write only their outputs.
+So that build asks one thing of its caller: its weights and metadata are not written by a
+kernel of the caller's own, just ahead of it, that says ``launch_dependents`` early.
+:mod:`.expand_mma`, "B before the wait".)
 
 **Why not say ``launch_dependents`` too?** Said first, it lets the next kernel be
 launched as soon as every block of this one has started, so that kernel's blocks are

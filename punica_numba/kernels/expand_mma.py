@@ -271,8 +271,9 @@ are such: the only kernels that let the next one start before they end
 (``griddepcontrol.launch_dependents``) are this package's asking expands, which write only
 their outputs, and every kernel before the first of them had ended when it started (torch's
 kernels, and the package's others, let the next start only as they end). The one promise
-asked of a caller is the obvious one: a call's weights and metadata are not the output of a
-call still in flight. After the wait the block reads its table row again, as every kernel
+asked of a caller: a call's weights and metadata are not the output of a call still in
+flight, nor of a kernel of the caller's own, just ahead, that says ``launch_dependents``
+early. After the wait the block reads its table row again, as every kernel
 does, and loads B again should the slot differ. On the H200 (session 33,
 ``h200_v34_candidates.json``, two calls of three rounds, one process per form and round, µs,
 main in the same call): B before the wait, r=64 256/16 5.78-5.89 and 5.60-5.61 against
