@@ -585,10 +585,11 @@ print(
 # waiting at all. That is safe only because nothing still running can be writing B or the
 # table: of this package's kernels, only these expands say `launch_dependents`, and they
 # write only their outputs (a caller's own kernel just ahead that said it early, and wrote
-# the weights, would break that: the module's note says so). Session 24 had tried loads before the wait and found they saved little, when a
-# block had almost no time before its wait; the same idea paid once the launches
-# overlapped. The row went to 5.35-5.61 µs in A/B runs (5.77-6.02 before) and 5.58 in v29's
-# benchmark, under the 5.7 wanted; the r=64 expand at 64 over 8 LoRAs from about 3.7 to 3.3.
+# the weights, would break that: the module's note says so). Session 24 had tried loads
+# before the wait and found they saved little, when a block had almost no time before its
+# wait; the same idea paid once the launches overlapped. The row went to 5.35-5.61 µs in
+# A/B runs (5.77-6.02 before) and 5.58 in v29's benchmark, under the 5.7 wanted; the r=64
+# expand at 64 over 8 LoRAs from about 3.7 to 3.3.
 
 # %% [markdown]
 #
