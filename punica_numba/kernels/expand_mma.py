@@ -116,35 +116,33 @@ went from 5.39-5.51 µs to 5.15-5.39 and 256/16 from 7.25-7.44 to 7.12-7.29; the
 early loads with the buffer read element by element had lost (256/16 7.7 -> 8.2).
 
 **The buffer before B** (``BUFFER_FIRST``, v25). In those one-pass builds that hold more
-than :data:`EARLY_B_WORDS` words of B a lane (r=64 with 64 columns a warp), B's 16 loads
-went out first and the buffer's after them: rows that every column group of the tile
-reads, so mostly from L2, waiting behind 8 KB a warp from DRAM. These builds now read
-the buffer's rows first, keep the values as they came (``buffer_values``), then load B
-and the old outputs, and split the buffer after. Compiled on a CPU machine, ptxas still
-split it as soon as it had arrived and issued B's loads only then, one more trip; the H200
-machine's own compile of the op's build issues all 32 of a lane's loads before the first
-split (160 registers; session 27, below). Either way, on the H200
-(``h200_v25_candidates.json``: two calls, three rounds each, one process per tree and
-round) r=64 256/16 went from 7.13-7.37 µs to 6.85-7.21, 64/8 from 5.05-5.21 to 4.70-4.90
-and 256 on one LoRA from 4.68-4.87 to 4.53-4.66. An order without that trip (the
-buffer, the old outputs, then B, which ptxas kept) was no better at 256/16 (6.86-6.90)
-and lost on one LoRA (5.12-5.14); the same builds with each ``mma`` replaced by four
-additions were not faster (256/16 7.26-7.60): memory, not the tensor cores, set their
-pace then (session 27, below, measured what the products add after the loads). Compiled on a
-CPU machine, ptxas 13.0 gives these builds 144 registers (138 before; the H200 machine's
-compile, 160), and every other build compiles to the same SASS as before. The same
-arithmetic, so the same bits
-(``test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first``).
-B brought into shared memory by Hopper's bulk copy instead (``cp.async.bulk``, session
-24, branch ``next/expand-bulk-copy``) was slower in these builds: r=64 256/16 6.84-7.24
+than :data:`EARLY_B_WORDS` words of B a lane (r=64 with 64 columns a warp), B's 16 loads went out
+first and the buffer's after them: rows that every column group of the tile reads, so mostly from
+L2, waiting behind 8 KB a warp from DRAM. These builds now read the buffer's rows first, keep the
+values as they came (``buffer_values``), then load B and the old outputs, and split the buffer
+after. Compiled on a CPU machine, ptxas still split it as soon as it had arrived and issued B's
+loads only then, one more trip; the H200 machine's own compile of the op's build issues all 32 of a
+lane's loads before the first split (160 registers; the ``h200_v28_candidates.json`` trials, below).
+Either way, on the H200 (``h200_v25_candidates.json``: two calls, three rounds each, one process per
+tree and round) r=64 256/16 went from 7.13-7.37 µs to 6.85-7.21, 64/8 from 5.05-5.21 to 4.70-4.90
+and 256 on one LoRA from 4.68-4.87 to 4.53-4.66. An order without that trip (the buffer, the old
+outputs, then B, which ptxas kept) was no better at 256/16 (6.86-6.90) and lost on one LoRA
+(5.12-5.14); the same builds with each ``mma`` replaced by four additions were not faster (256/16
+7.26-7.60): memory, not the tensor cores, set their pace then (the ``h200_v28_candidates.json``
+trials, below, measured what the products add after the loads). Compiled on a CPU machine, ptxas
+13.0 gives these builds 144 registers (138 before; the H200 machine's compile, 160), and every other
+build compiles to the same SASS as before. The same arithmetic, so the same bits
+(``test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first``). B brought into shared
+memory by Hopper's bulk copy instead (``cp.async.bulk``, branch ``next/expand-bulk-copy``) was
+slower in these builds: r=64 256/16 6.84-7.24
 -> 7.39-7.43 µs with one copy a warp, 256 on one LoRA 4.56-4.62 -> 5.04-5.06
-(``h200_v26_candidates.json``). Four more were measured with the dependent launch (session
-26, ``h200_v27_candidates.json``, three rounds, µs at r=64 256/16 against main's 6.34-6.47):
+(``h200_v26_candidates.json``). Four more were measured with the dependent launch
+(``h200_v27_candidates.json``, three rounds, µs at r=64 256/16 against main's 6.34-6.47):
 B's rows prefetched to L2 before the wait (6.46-6.64; with the old outputs 7.54-7.64), a
 warp's columns multiplied and stored in two halves so that the first half's stores could
 overlap the second's loads (6.35-6.50), and B read by ``ld.global.nc.L1::no_allocate``
 (6.53-6.58; 4096/64 32.5-34.3 -> 42.2-44.0, where a slot's tiles share B through L1), or by
-``ld.global.L2::256B`` (6.82-6.99 against 6.21-6.46 in its call). None kept. Session 27
+``ld.global.L2::256B`` (6.82-6.99 against 6.21-6.46 in its call). None kept. The next trials
 (``h200_v28_candidates.json``; benchmarks README, "where the last microsecond goes"): this
 kernel's loads and stores alone, every one in flight, take 5.0-5.1 µs at r=64 256/16 (the op
 6.14-6.18 in the same processes), so what is left is its work after the loads. Multiplying
@@ -154,15 +152,15 @@ took 0.3-0.5 µs off each r=64 decode case (256/16: 5.71-6.03); returning where 
 to be global (6.41-6.61), a warp past its slice leaving first (6.41-6.74), some column
 groups starting 0.4-1.2 µs later so that their products overlap the others' loads
 (6.41-6.85), and the column halves with each half's loads together, the first half's first
-(6.59-6.77 against 6.23-6.35), were no faster. Session 28 (``h200_v29_candidates.json``;
-benchmarks README, "A warp's products wait for all of its loads") read why the products cannot
+(6.59-6.77 against 6.23-6.35), were no faster. The trials of ``h200_v29_candidates.json``
+(benchmarks README, "A warp's products wait for all of its loads") read why the products cannot
 start earlier: in the H200's code every one of a lane's 28 loads of data sets the same
 scoreboard, and the first split waits for it, so a warp multiplies nothing before its last load
 has landed. B brought through shared memory by ``cp.async`` instead, in commit groups waited
 for one at a time so that a group's products run while the next streams, in 26 forms
 (``probes/r64_expand_staged.py``, the same bits): the best two (B in 4 or 2 groups, the old
 outputs and the buffer loaded as here) tie this kernel (6.27-6.66 against 6.17-6.52 µs), every
-other form is slower, by up to 5 µs. Session 29 (``h200_v30_candidates.json``) multiplied the
+other form is slower, by up to 5 µs. The trials of ``h200_v30_candidates.json`` multiplied the
 tile on Hopper's warpgroup instruction ``wgmma`` instead, B's rows as its register operand and
 the split buffer in shared memory (``probes/r64_expand_wgmma.py``; its outputs as accurate as
 these): its two committed forms 0.3-0.8 µs slower than this kernel, and the best form measured,
@@ -246,7 +244,7 @@ three asked for, ``launch_dependents`` said after the loads.) Said first alone t
 as v26 found; the bytes asked for pay for it and more in launches of one slice whose blocks
 each take one column group and find their tokens in the table. Launches of three slices lost
 0.7-3 µs (r=64, r=16), and one slot 0.6-0.8; why was not measured. So only one-slice,
-one-pass table builds ask (:func:`..ops._asks_ahead`), and only up to 256 tokens, the most
+one-pass table builds ask (:func:`..ops.choice.asks_ahead`), and only up to 256 tokens, the most
 measured (more tokens make more blocks, where saying it first lost in v26's trials); the
 others keep the plain wait. Held
 to 128 registers (160 without), so that a whole second launch of r=64's one-warp blocks
@@ -257,7 +255,7 @@ Every column group of a tile reads the same buffer rows, and in v27 all of them 
 of 4096 columns) asked L2 for them.
 Since v28 one group in :data:`BUFFER_ASKERS` does (``h200_v32_candidates.json``, three rounds):
 r=16 256/16 3.79-3.81 -> 3.34-3.46 µs, 64/8 2.35 -> 2.20-2.21; r=64 tied (256/16 5.75-6.09
-against 5.84-5.87); none asking, r=64 64/8 lost 0.3. In the same session a block asking also
+against 5.84-5.87); none asking, r=64 64/8 lost 0.3. In the same trials a block asking also
 for the tile of the block half a grid later lost (r=64 256/16 6.24-6.52 against 5.84-6.10), and
 the column group along the grid's x, so that blocks are placed tile by tile with the table's
 empty rows last, lost 0.4-1.3 µs. In the benchmark at 46f9381 (v28): r=16 256/16 3.38 µs, 64/8
@@ -274,8 +272,8 @@ kernels, and the package's others, let the next start only as they end). The one
 asked of a caller: a call's weights and metadata are not the output of a call still in
 flight, nor of a kernel of the caller's own, just ahead, that says ``launch_dependents``
 early. After the wait the block reads its table row again, as every kernel
-does, and loads B again should the slot differ. On the H200 (session 33,
-``h200_v34_candidates.json``, two calls of three rounds, one process per form and round, µs,
+does, and loads B again should the slot differ. On the H200
+(``h200_v34_candidates.json``, two calls of three rounds, one process per form and round, µs,
 main in the same call): B before the wait, r=64 256/16 5.78-5.89 and 5.60-5.61 against
 5.83-6.02 and 5.76-5.86, 64/8 3.30-3.47 against 3.72-3.79, r=16 256/16 3.23-3.39 against
 3.45-3.57, 64/8 1.97-2.04 against 2.20-2.28; with the empty tiles leaving before the wait
@@ -359,6 +357,7 @@ def build_mma_expand_kernel(
     one_pass: bool = False,
     one_slot: bool = False,
     ask_ahead: bool = False,
+    b_before_the_wait: bool = False,
 ):
     """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
     warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
@@ -388,8 +387,12 @@ def build_mma_expand_kernel(
       is then ``token_lora_mapping`` (``tile_rows`` is not read), and the grid has a
       block per ``16 * m_tiles`` tokens.
     * ``ask_ahead``: say ``griddepcontrol.launch_dependents`` first, and before the wait
-      ask L2 for the lines the block will load ("Asking ahead"), load B into registers
-      and, with no tile, leave ("B before the wait"); not with ``one_slot``.
+      ask L2 for the lines the block will load ("Asking ahead"); not with ``one_slot``.
+    * ``b_before_the_wait``: with ``ask_ahead``, also load B into registers before the
+      wait and, with no tile, leave there ("B before the wait"): the caller's promise
+      that no kernel still running can be writing B or the tile table, because the
+      launch just ahead of this one on the stream is one of this package's kernels that
+      waits before it ends and writes neither (the wrapper's own shrink).
       The same loads, products and stores: the same bits.
 
     The rank itself is read at run time, so that a test drawing many ranks compiles a
@@ -417,6 +420,8 @@ def build_mma_expand_kernel(
     WIDE_X = wide_x
     if ask_ahead and one_slot:
         raise ValueError("asking ahead reads the tile table, which one_slot builds have not")
+    if b_before_the_wait and not ask_ahead:
+        raise ValueError("B is loaded before the wait only by builds that ask ahead")
     if wide_b and not (whole and k_steps % 2 == 0):
         raise ValueError("16-byte loads of B take an even number of whole rank steps")
     B_STEP = 2 if wide_b else 1  # rank steps whose words of B a lane loads at once
@@ -616,8 +621,11 @@ def build_mma_expand_kernel(
                         ask_line(x_row, q)
                     ask_line(x_row, x_row.shape[0] - 1)
 
-    # B before the wait ("B before the wait"): builds that ask ahead and hold B early.
-    B_BEFORE_THE_WAIT = ASK_AHEAD and EARLY
+    # B before the wait ("B before the wait"): builds that ask ahead, hold B early and
+    # follow the package's own shrink.
+    B_BEFORE_THE_WAIT = ASK_AHEAD and EARLY and b_before_the_wait
+    # ... and a block with no tile leaves there, in every build that may read before it.
+    LEAVE_BEFORE_THE_WAIT = ASK_AHEAD and b_before_the_wait
 
     @cuda.jit(device=True, inline="always")
     def load_b_before_the_wait(early_b, w0, w1, w2, col0, col1, col2, tiles):
@@ -649,7 +657,9 @@ def build_mma_expand_kernel(
             let_next()
             ask_for_the_tile(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, tile_rows)
             early_slot = load_b_before_the_wait(early_b, w0, w1, w2, col0, col1, col2, tiles)
-            if early_slot == -1 and read_tile(tiles, cuda.blockIdx.x)[0] == -1:
+            if LEAVE_BEFORE_THE_WAIT and (
+                early_slot == -1 and read_tile(tiles, cuda.blockIdx.x)[0] == -1
+            ):
                 return  # no tile: nothing to wait for ("B before the wait")
         begin()  # wait for the kernels before this one (dependent_launch)
         tid = cuda.threadIdx.x
