@@ -99,7 +99,7 @@ class Stack(NamedTuple):
     cols: int  # K: the reduced dimension (hidden size for LoRA-A, the rank for LoRA-B)
     dtype: torch.dtype
     device: torch.device
-    # What the ops work out once about passing it to a kernel (ops._weight_forms), and the
+    # What the ops work out once about passing it to a kernel (ops.operands.weight_forms), and the
     # wrapper's record of the last call it led (wrapper._shrink_then_expand).
     launch: dict
 

@@ -18,6 +18,11 @@ of slot ``active_lora_ids[i]`` in their original order. The field names, shapes 
 dtypes are vLLM's (../shared/SPEC.md §3); unlike vLLM's, every buffer is
 initialised, bad slots and oversize batches raise ``ValueError``, and the largest
 slot in use is kept on the host so that later checks need no device sync.
+
+``meta_args`` speaks both of vLLM's conventions: ``meta_args(T)`` gives the six values
+of vLLM v0.8-v0.9; ``meta_args(T, specialize_active_lora)`` the seven of vLLM 0.33, whose
+last, ``num_active_loras``, says how many leading entries of ``active_lora_ids`` the
+kernels must look at (vLLM sizes its grid's LoRA axis by it).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import check_device, check_int
+from ._checks import check_bool, check_device, check_int
 from .kernels.segments import (
     TABLE_FIELDS,
     clear_tile_table,
@@ -53,10 +58,11 @@ class HostFacts:
     num_tokens: int = 0  # tokens in the last prepared mapping
     max_slot_in_use: int = -1  # the largest slot in it, -1 if none
     active_slots: int = 0  # distinct slots other than -1 in it
+    segments: int = 0  # entries of active_lora_ids in use: active_slots, +1 if a token has -1
     tile_tables: dict = field(default_factory=dict)  # tile_m -> [bound, 4] int32 (device)
     tile_tokens: dict = field(default_factory=dict)  # launch.tile_token_sizes() -> [bound, tile_m]
     # the kernels' metadata arguments (the table and the sorted or tile tokens), described
-    # once, by tile_m or (tile_m, "rows") (see ops._kernel_metadata)
+    # once, by tile_m or (tile_m, "rows") (see ops.launching.kernel_metadata)
     kernel_metadata: dict = field(default_factory=dict)
 
 
@@ -84,6 +90,10 @@ class LoRAKernelMeta:
         num_tokens_per_lora: ``[L+1]`` int32, tokens of ``active_lora_ids[i]``; unused 0.
         lora_token_start_loc: ``[L+2]`` int32, ``[0, cumsum(counts)]``; unused 0.
         no_lora_flag_cpu: ``[1]`` bool on the CPU, True iff no token has a LoRA.
+        num_active_loras_cpu: ``[1]`` int32 on the CPU, the entries of ``active_lora_ids``
+            in use (vLLM 0.33's ``num_active_loras`` under ``specialize_active_lora``).
+        all_loras_cpu: ``[1]`` int32 on the CPU holding L+1, every entry (vLLM 0.33's
+            ``num_active_loras`` without ``specialize_active_lora``).
         max_loras: L, the number of slots.
         max_num_tokens: M_max, the most tokens a mapping may hold.
         host: what the host knows of the last prepared mapping (:class:`HostFacts`).
@@ -95,6 +105,8 @@ class LoRAKernelMeta:
     num_tokens_per_lora: torch.Tensor
     lora_token_start_loc: torch.Tensor
     no_lora_flag_cpu: torch.Tensor
+    num_active_loras_cpu: torch.Tensor
+    all_loras_cpu: torch.Tensor
     max_loras: int
     max_num_tokens: int
     host: HostFacts = field(default_factory=HostFacts)
@@ -115,6 +127,8 @@ class LoRAKernelMeta:
             num_tokens_per_lora=torch.zeros(max_loras + 1, **i32),
             lora_token_start_loc=torch.zeros(max_loras + 2, **i32),
             no_lora_flag_cpu=torch.ones(1, dtype=torch.bool, device="cpu"),
+            num_active_loras_cpu=torch.zeros(1, dtype=torch.int32, device="cpu"),
+            all_loras_cpu=torch.full((1,), max_loras + 1, dtype=torch.int32, device="cpu"),
             max_loras=max_loras,
             max_num_tokens=max_num_tokens,
             _positions=positions,
@@ -147,9 +161,11 @@ class LoRAKernelMeta:
         self.num_tokens_per_lora.fill_(0)
         self.lora_token_start_loc.fill_(0)
         self.no_lora_flag_cpu.fill_(True)
+        self.num_active_loras_cpu.fill_(0)
         self.host.num_tokens = num_tokens
         self.host.max_slot_in_use = -1
         self.host.active_slots = 0
+        self.host.segments = 0
         for table in self.host.tile_tables.values():
             clear_tile_table(table)
         for tokens in self.host.tile_tokens.values():
@@ -206,12 +222,14 @@ class LoRAKernelMeta:
                     f"in [-1, max_loras={self.max_loras})"
                 )
         else:
-            highest, used_slots = -1, 0
+            lowest, highest, used_slots = -1, -1, 0
 
         self._reset(n)
         self.token_lora_mapping[:n].copy_(mapping)
         self.host.max_slot_in_use = highest
         self.host.active_slots = used_slots
+        self.host.segments = used_slots + int(n > 0 and lowest == -1)
+        self.num_active_loras_cpu.fill_(self.host.segments)
         if highest == -1:  # no token has a LoRA: every segment stays empty
             return
         self.no_lora_flag_cpu.fill_(False)
@@ -240,8 +258,20 @@ class LoRAKernelMeta:
             if tokens is not None:
                 tile_tokens(table, self.token_indices_sorted_by_lora_ids, tile_m, out=tokens)
 
-    def meta_args(self, token_nums: int):
-        """The six metadata arguments of ``lora_shrink`` / ``lora_expand``, for ``token_nums`` rows.
+    def meta_args(self, token_nums: int, specialize_active_lora: bool | None = None) -> tuple:
+        """The metadata arguments of ``lora_shrink`` / ``lora_expand``, for ``token_nums`` rows.
+
+        ``meta_args(T)`` gives the six values of vLLM v0.8-v0.9::
+
+            (token_lora_mapping[:T], token_indices_sorted_by_lora_ids[:T],
+             num_tokens_per_lora, lora_token_start_loc, active_lora_ids, no_lora_flag_cpu)
+
+        ``meta_args(T, specialize_active_lora)``, with a bool, gives vLLM 0.33's seven: the
+        same six, then ``num_active_loras``, a one-element int32 CPU tensor: the entries of
+        ``active_lora_ids`` in use when ``specialize_active_lora`` (the distinct slots of
+        the mapping, -1 counted when a token has none), else all ``max_loras + 1`` of them.
+        Both tensors are this metadata's own: the first is refilled by every
+        ``prepare_tensors``, so a value read later is the later mapping's.
 
         ``token_nums`` is the row count of the activation, which may exceed the prepared
         token count (CUDA-graph padding); rows past the prepared tokens are in no segment.
@@ -253,7 +283,7 @@ class LoRAKernelMeta:
                 f"token_nums={token_nums} exceeds this metadata's max_num_tokens="
                 f"{self.max_num_tokens}"
             )
-        return (
+        six = (
             self.token_lora_mapping[:token_nums],
             self.token_indices_sorted_by_lora_ids[:token_nums],
             self.num_tokens_per_lora,
@@ -261,6 +291,10 @@ class LoRAKernelMeta:
             self.active_lora_ids,
             self.no_lora_flag_cpu,
         )
+        if specialize_active_lora is None:  # vLLM v0.8-v0.9
+            return six
+        specialize_active_lora = check_bool("specialize_active_lora", specialize_active_lora)
+        return (*six, self.num_active_loras_cpu if specialize_active_lora else self.all_loras_cpu)
 
     # -- reading it back, for people ------------------------------------------------
 

@@ -20,6 +20,7 @@ Differences from vLLM v0.8–0.9 (../shared/SPEC.md §7), each on purpose:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -40,7 +41,7 @@ from ._cuda import LaunchRecord, eager_stream
 from .launch import forced_launch_configs
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta, host_facts_of
-from .ops import _expand_launch, _shrink_launch
+from .ops.launching import expand_launch, shrink_launch
 
 __all__ = ["PunicaWrapperNumba"]
 
@@ -207,7 +208,7 @@ class PunicaWrapperNumba:
     #
     # Each method checks every argument once, in one pass, with the wrapper's own
     # argument names, and only then launches: the checked launch halves of the ops
-    # (``_shrink_launch`` / ``_expand_launch``) take the checked values as they are,
+    # (``shrink_launch`` / ``expand_launch``) take the checked values as they are,
     # and the metadata is this wrapper's own, so none of it is checked twice.
 
     def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked, scale: float, **kwargs):
@@ -224,20 +225,15 @@ class PunicaWrapperNumba:
         scale = check_real("scale", scale)
         meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_a_stacked", a))
         if meta is not None and rank:
-            _shrink_launch(x2, a, y, meta, scale)()
+            shrink_launch(x2, a, y, meta, scale)()
 
-    def add_expand(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        lora_b_stacked,
-        lora_bias_stacked,
-        output_slices: Sequence[int],
-        offset_start: int = 0,
-        add_inputs: bool = True,
-        **kwargs,
-    ) -> None:
+    def add_expand(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked, *args, **kwargs) -> None:
         """Slice by slice, ``x[s] @ B_s[slot]^T`` (and the slot's bias) into ``y``'s columns.
+
+        Takes vLLM 0.33's call, ``add_expand(y, x, lora_b_stacked, output_slices,
+        offset_start=0, add_inputs=True)``, and vLLM v0.8-v0.9's, with
+        ``lora_bias_stacked`` (None, or a bias per slice) before ``output_slices``; the
+        value after ``lora_b_stacked`` tells them apart (ints are output slices).
 
         Semantics:
             x: [S, T, r]; y: [..., W] (viewed as [T, W]); B_s: [L, (1,) N_s, r];
@@ -247,6 +243,7 @@ class PunicaWrapperNumba:
                                     + x[s, t] @ B_s[l].T + bias_s[l]
             Rows without a LoRA and columns outside the slices are untouched.
         """
+        lora_bias_stacked, output_slices, offset_start, add_inputs = _expand_call(args, kwargs)
         y2 = self._rows(y)
         check_kernel_tensor("x", x, self._kernel_device)
         if x.ndim != 3:
@@ -261,7 +258,7 @@ class PunicaWrapperNumba:
         bias = self._check_bias(lora_bias_stacked, widths)
         meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_b_stacked", b))
         if meta is not None and sum(widths):
-            _expand_launch(x, b, y2, meta, offset_start, add_inputs)()
+            expand_launch(x, b, y2, meta, offset_start, add_inputs)()
         self._add_bias(y2, bias, widths, offset_start)
 
     def add_lora_embedding(
@@ -291,7 +288,7 @@ class PunicaWrapperNumba:
         widths = self._check_columns(y2, 0, b)
         meta = self._meta_args(self.token_mapping_meta, rows, "x", ("lora_b_stacked", b))
         if meta is not None and widths[0]:
-            _expand_launch(x3, b, y2, meta, 0, add_inputs)()
+            expand_launch(x3, b, y2, meta, 0, add_inputs)()
 
     def add_lora_linear(
         self,
@@ -299,14 +296,17 @@ class PunicaWrapperNumba:
         x: torch.Tensor,
         lora_a_stacked,
         lora_b_stacked,
-        lora_bias_stacked,
-        scale: float,
-        output_slices: Sequence[int],
-        *,
+        *args,
         buffer: torch.Tensor | None = None,
         **kwargs,
     ) -> None:
         """A LoRA linear layer: shrink into an fp32 buffer, then expand (plus bias) into ``y``.
+
+        Takes vLLM 0.33's call, ``add_lora_linear(y, x, lora_a_stacked, lora_b_stacked,
+        scale, output_slices, *, buffer=None)``, and vLLM v0.8-v0.9's, with
+        ``lora_bias_stacked`` (None, or a bias per slice) before ``scale``; the value after
+        ``lora_b_stacked`` tells them apart (a number is the scale). Either may come by
+        keyword.
 
         Semantics:
             x: [..., H] -> [T, H]; y: [..., sum N_s] -> [T, sum N_s]
@@ -316,6 +316,7 @@ class PunicaWrapperNumba:
             for t with l = slot(t) != -1, each slice s:
                 y[t, c_s:c_s+N_s] += bias_s[l] + (buffer[s, t] + scale * x[t] @ A_s[l].T) @ B_s[l].T
         """
+        lora_bias_stacked, scale, output_slices = _linear_call(args, kwargs)
         y2 = self._rows(y)
         x2 = self._flat(x)
         rows = x2.shape[0]
@@ -683,9 +684,11 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
         key = None  # (it read the kept buffer, not this one)
     launches = []
     if a[0].rows:
-        launches.append(_shrink_launch(x2, a, buffer, meta, scale, accumulate))
+        launches.append(shrink_launch(x2, a, buffer, meta, scale, accumulate))
     if any(s.rows for s in b):
-        launches.append(_expand_launch(buffer, b, y2, meta, 0, True))
+        # Just behind this call's own shrink (when there is one), the expand may load B
+        # before its wait (ops.choice.choose_expand).
+        launches.append(expand_launch(buffer, b, y2, meta, 0, True, bool(launches)))
     if known is None:  # seen for the first time
         for launch in launches:
             launch()
@@ -722,6 +725,81 @@ def _replay_key(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> t
         accumulate,  # (a given buffer may sit where the wrapper's own was)
         forced_launch_configs(),
     )
+
+
+#: The two calls of ``add_lora_linear`` and ``add_expand``: the names of what follows
+#: ``lora_b_stacked``, in order, in vLLM 0.33 and in vLLM v0.8-v0.9 (with the bias).
+_LINEAR_CALLS = (("scale", "output_slices"), ("lora_bias_stacked", "scale", "output_slices"))
+_EXPAND_CALLS = (
+    ("output_slices", "offset_start", "add_inputs"),
+    ("lora_bias_stacked", "output_slices", "offset_start", "add_inputs"),
+)
+
+
+def _linear_call(args: tuple, kwargs: dict) -> tuple:
+    """``(lora_bias_stacked, scale, output_slices)`` of an ``add_lora_linear`` call in
+    either convention: vLLM 0.33's when the first value after ``lora_b_stacked`` is a
+    number (the scale) or, with nothing there, when no bias is named. A bias named by
+    keyword is taken in both."""
+    with_bias = (not _is_number(args[0])) if args else "lora_bias_stacked" in kwargs
+    named = _bind("add_lora_linear", _LINEAR_CALLS[with_bias], args, kwargs, {})
+    bias = named.get("lora_bias_stacked", kwargs.get("lora_bias_stacked"))
+    return bias, named["scale"], named["output_slices"]
+
+
+def _expand_call(args: tuple, kwargs: dict) -> tuple:
+    """``(lora_bias_stacked, output_slices, offset_start, add_inputs)`` of an ``add_expand``
+    call in either convention: vLLM 0.33's when the first value after ``lora_b_stacked``
+    is a sequence of ints (the output slices) or, with nothing there, when no bias is
+    named."""
+    if args:
+        first = args[0]
+        with_bias = not (
+            isinstance(first, (list, tuple)) and first and all(_is_int(n) for n in first)
+        )
+    else:
+        with_bias = "lora_bias_stacked" in kwargs
+    defaults = {"offset_start": 0, "add_inputs": True}
+    named = _bind("add_expand", _EXPAND_CALLS[with_bias], args, kwargs, defaults)
+    return (
+        named.get("lora_bias_stacked", kwargs.get("lora_bias_stacked")),
+        named["output_slices"],
+        named["offset_start"],
+        named["add_inputs"],
+    )
+
+
+def _bind(method: str, names: tuple, args: tuple, kwargs: dict, defaults: dict) -> dict:
+    """``names`` bound to the positional ``args`` then to ``kwargs`` (which may hold other
+    keywords too, ignored as vLLM's wrapper ignores them), with ``defaults`` for the rest;
+    TypeError for too many values, one given twice or one missing."""
+    if len(args) > len(names):
+        raise TypeError(
+            f"{method} takes {len(names)} values after lora_b_stacked ({', '.join(names)}), "
+            f"got {len(args)}"
+        )
+    named = dict(zip(names, args))
+    for name in names[len(args) :]:
+        if name in kwargs:
+            named[name] = kwargs[name]
+        elif name in defaults:
+            named[name] = defaults[name]
+        else:
+            raise TypeError(f"{method} is missing its argument {name}")
+    for name in names[: len(args)]:
+        if name in kwargs:
+            raise TypeError(f"{method} got {name} twice: by position and as a keyword")
+    return named
+
+
+def _is_number(value) -> bool:
+    """A real number that is not a bool: a scale."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    """An int that is not a bool: an output slice's width."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _indexed(name: str, index: int | None) -> str:

@@ -71,12 +71,12 @@ def problems(draw, limits=KERNEL_LIMITS) -> Problem:
 
 
 def record_mma_expand_builds(monkeypatch, change=None) -> list[tuple]:
-    """Have ``ops`` build its tensor-core expands through a recorder, for this test: each
+    """Have the ops build their tensor-core expands through a recorder, for this test: each
     build's positional arguments (first passed through ``change``, which may turn a flag
     off) go into the list returned, with the kernel built from them: ``(args, kernel)``."""
-    from punica_numba import ops
+    from punica_numba.ops import choice
 
-    build = ops.build_mma_expand_kernel
+    build = choice.build_mma_expand_kernel
     built = []
 
     def build_recorded(*args):
@@ -85,7 +85,7 @@ def record_mma_expand_builds(monkeypatch, change=None) -> list[tuple]:
         built.append((args, build(*args)))
         return built[-1][1]
 
-    monkeypatch.setattr(ops, "build_mma_expand_kernel", build_recorded)
+    monkeypatch.setattr(choice, "build_mma_expand_kernel", build_recorded)
     return built
 
 
@@ -196,7 +196,7 @@ def serving_expand_case(
 @st.composite
 def expand_cases(draw, limits=KERNEL_LIMITS, tensor_cores: bool = False) -> ExpandCase:
     """Any expand the op takes; with ``tensor_cores``, only those the tensor-core expand
-    takes (``ops._mma_expand_operands``: bf16 B and output, an even rank, slices of
+    takes (``ops.operands.mma_expand_operands``: bf16 B and output, an even rank, slices of
     whole 4-column words), which a free draw rarely makes."""
     problem = draw(problems(limits))
     word = 4 if tensor_cores else 1  # columns

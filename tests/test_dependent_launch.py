@@ -38,6 +38,7 @@ import torch
 from punica_numba import _cuda, kernels, ops
 from punica_numba.kernels import dependent_launch as prologue_module
 from punica_numba.launch import force_launch_config, launch_configs
+from punica_numba.ops import launching
 
 from .op_cases import Problem, ShrinkCase, check_expand, check_shrink, serving_expand_case
 
@@ -251,17 +252,17 @@ def test_the_ptx_check_sees_a_load_before_the_wait():
 def recorded_launchers():
     """Within it, every launcher that ``ops`` takes for a kernel is noted in the list it
     gives (a launcher's ``kernels`` are what its launches ran)."""
-    made, real = [], ops._launcher
+    made, real = [], launching.launcher_of
 
     def recorded(kernel):
         made.append(real(kernel))
         return made[-1]
 
-    ops._launcher = recorded
+    launching.launcher_of = recorded
     try:
         yield made
     finally:
-        ops._launcher = real
+        launching.launcher_of = real
 
 
 def _one_of_each_kernel() -> None:

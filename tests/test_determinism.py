@@ -28,10 +28,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from punica_numba import launch, ops
+from punica_numba import launch
 from punica_numba.kernels import build_mma_expand_kernel
 from punica_numba.launch import LaunchConfig, force_launch_config, launch_configs
-from punica_numba.ops import prepare_expand, prepare_shrink
+from punica_numba.ops import choice, launching, prepare_expand, prepare_shrink
 
 from .op_cases import (
     Problem,
@@ -60,7 +60,7 @@ def _run_under(op: str, config, case, rank_at_run_time: bool = False) -> tuple:
     configuration that ran is the one its launch names, not always ``config``."""
     prepare, check = OPS[op]
     ran = []
-    no_rank_compiled_in = mock.patch.object(ops, "COMPILED_WORDS", -1)
+    no_rank_compiled_in = mock.patch.object(choice, "COMPILED_WORDS", -1)
 
     def forced(*args, **kwargs):
         with force_launch_config(op, config):
@@ -193,16 +193,17 @@ def test_asking_ahead_does_not_change_the_bits(monkeypatch):
 @pytest.mark.skipif(not launch.SIMULATOR, reason="the GPU runs this code in every asking call")
 def test_the_code_before_the_wait_on_the_simulator(monkeypatch):
     """What an asking build does before its wait (``expand_mma``, "B before the wait": its
-    words of B loaded into registers, a block with no tile leaving) runs on the GPU only,
-    where there is a dependent launch. Told there is one, the simulator runs it too (its
-    wait, the next launch and the asks do nothing there), and on a grid of the tile table's
+    words of B loaded into registers, a block with no tile leaving; built so only behind
+    the wrapper's own shrink) runs on the GPU only, where there is a dependent launch. Told
+    there is one, and built with B before the wait, the simulator runs it too (its wait,
+    the next launch and the asks do nothing there), and on a grid of the tile table's
     bound, with rows past the tiles as on the GPU, the call is right and gives the plain
     build's bits."""
     from punica_numba.kernels import expand_mma
 
     config = LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=1e9)
     _add_configs(monkeypatch, "expand", config)
-    exact_tiles = ops._tiles
+    exact_tiles = launching.tiles
     rows = []
 
     def bound_grid(*args):  # the GPU's grid: every row of the table, empty ones too
@@ -210,8 +211,8 @@ def test_the_code_before_the_wait_on_the_simulator(monkeypatch):
         rows.append((table.shape[0], blocks))
         return table, tokens, table.shape[0]
 
-    monkeypatch.setattr(ops, "_tiles", bound_grid)
-    built = record_mma_expand_builds(monkeypatch)
+    monkeypatch.setattr(launching, "tiles", bound_grid)
+    built = record_mma_expand_builds(monkeypatch, change=lambda args: (*args[:13], args[12]))
     case = serving_expand_case(Problem([0] * 12 + [1] * 8, 20, 2, seed=3), 64, [128])
     build_mma_expand_kernel.cache_clear()  # (builds made without a dependent launch)
     try:
@@ -221,18 +222,55 @@ def test_the_code_before_the_wait_on_the_simulator(monkeypatch):
         build_mma_expand_kernel.cache_clear()  # (so no later test takes these builds)
     record_mma_expand_builds(monkeypatch, change=lambda args: (*args[:12], False))
     _, plain = _run_under("expand", config, case)
-    assert [a[12] for a, _ in built] == [True, False]  # (ask_ahead)
+    assert [a[12:] for a, _ in built] == [(True, True), (False, False)]  # (ask_ahead, B early)
     assert all(table_rows > tiles for table_rows, tiles in rows), rows  # empty rows ran
     assert torch.equal(asked, plain), "the code before the wait changed the bits"
 
 
-def test_only_one_slice_found_in_the_tile_table_asks_ahead(monkeypatch):
-    """Asking ahead was measured to pay only for launches of one slice in one pass whose
-    blocks read the tile table, of up to ``ops.ASK_AHEAD_TOKENS`` tokens: three slices (the
-    QKV layer), one slot and more tokens do not ask."""
+def test_only_the_wrappers_expand_loads_b_before_the_wait(monkeypatch):
+    """B is loaded before the wait only where nothing still running can be writing it
+    (``expand_mma``, "B before the wait"): the bare op knows nothing of the kernel ahead
+    of it (a caller's own, saying ``launch_dependents`` early, may be writing the weights)
+    and never does; the wrapper's ``add_lora_linear`` does, its expand just behind its own
+    shrink; its ``add_expand`` alone does not, and gives ``add_lora_linear``'s bits."""
+    from punica_numba import LoRAMapping, PunicaWrapperNumba
+
     config = LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=1e9)
     _add_configs(monkeypatch, "expand", config)
-    monkeypatch.setattr(ops, "ASK_AHEAD_TOKENS", 20)  # (so that 21 tokens are more)
+    built = record_mma_expand_builds(monkeypatch)
+    slots = [0] * 12 + [1] * 8
+    case = serving_expand_case(Problem(slots, 20, 2, seed=3), 64, [128])
+    _, bare = _run_under("expand", config, case)
+    gen = torch.Generator().manual_seed(9)
+    device = bare.device
+    x = torch.randn(20, 64, generator=gen).to(device, torch.bfloat16)
+    a = torch.randn(2, 64, 64, generator=gen).to(device, torch.bfloat16) / 8
+    b = torch.randn(2, 128, 64, generator=gen).to(device, torch.bfloat16) / 8
+    wrapper = PunicaWrapperNumba(32, 4, device, max_loras=2)
+    mapping = LoRAMapping([s + 1 for s in slots], [1, 2])
+    wrapper.update_metadata(mapping, [1, 2], 3, 128, 256)
+    outputs = []
+    with force_launch_config("expand", config):
+        y = torch.zeros(20, 128, dtype=torch.bfloat16, device=device)
+        wrapper.add_lora_linear(y, x, (a,), (b,), 1.0, (128,))
+        outputs.append(y)
+        buffer = torch.zeros(1, 20, 64, device=device)
+        wrapper.add_shrink(buffer, x, (a,), 1.0)
+        y = torch.zeros(20, 128, dtype=torch.bfloat16, device=device)
+        wrapper.add_expand(y, buffer, (b,), (128,), 0, True)
+        outputs.append(y)
+    # (ask_ahead, B before the wait) of each build: the op, add_lora_linear, add_expand
+    assert [args[12:14] for args, _ in built] == [(True, False), (True, True), (True, False)]
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_only_one_slice_found_in_the_tile_table_asks_ahead(monkeypatch):
+    """Asking ahead was measured to pay only for launches of one slice in one pass whose
+    blocks read the tile table, of up to ``ops.choice.ASK_AHEAD_TOKENS`` tokens: three slices
+    (the QKV layer), one slot and more tokens do not ask."""
+    config = LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=1e9)
+    _add_configs(monkeypatch, "expand", config)
+    monkeypatch.setattr(choice, "ASK_AHEAD_TOKENS", 20)  # (so that 21 tokens are more)
     built = record_mma_expand_builds(monkeypatch)
     two_loras = Problem([0] * 12 + [1] * 8, 20, 2, seed=3)
     one_lora = Problem([0] * 20, 20, 1, seed=4)

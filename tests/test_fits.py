@@ -5,7 +5,7 @@ fragment per 8 ranks; the tensor-core expand one per 16), and a block whose thre
 need more than the SM's 65,536 registers does not launch: CUDA reports "out of
 resources" and the call fails. The heuristic keeps such configurations below their
 ``to_rank``; this test forces each configuration (``force_launch_config``) at each
-rank of a ladder up to that bound (up to ``ops.MMA_MAX_RANK`` for the tensor cores,
+rank of a ladder up to that bound (up to ``ops.operands.MMA_MAX_RANK`` for the tensor cores,
 which take no more), with rows at multiples of 16 bytes and at 8 bytes past (the 16-
 and 8-byte loads are compiled apart, and their registers differ), and checks that it
 ran and that its result is right. (v9's table let the 16-warp, 32-token tensor-core
@@ -21,6 +21,7 @@ import torch
 
 from punica_numba import ops
 from punica_numba.launch import config_name, force_launch_config, launch_configs
+from punica_numba.ops import launching, operands
 
 from .op_cases import (
     Problem,
@@ -42,7 +43,7 @@ RANKS = (8, 16, 24, 32, 40, 48, 56, 64, 128)
 def _ranks(config) -> list[int]:
     top = config.to_rank or RANKS[-1]
     if config.kernel == "mma":
-        top = min(top, ops.MMA_MAX_RANK)
+        top = min(top, operands.MMA_MAX_RANK)
     return [rank for rank in RANKS if rank <= top]
 
 
@@ -114,7 +115,7 @@ def test_tensor_core_expand_keeps_to_its_register_ceiling(config, rank, monkeypa
     from punica_numba.meta import LoRAKernelMeta
 
     builds = record_mma_expand_builds(monkeypatch)
-    ops._launcher.cache_clear()  # a fresh launcher: its first launch compiles
+    launching.launcher_of.cache_clear()  # a fresh launcher: its first launch compiles
     problem = _problem()
     gen = torch.Generator().manual_seed(3)
     slots = torch.tensor(problem.slots, device="cuda")
@@ -131,7 +132,7 @@ def test_tensor_core_expand_keeps_to_its_register_ceiling(config, rank, monkeypa
         results.append(out)
     built = [kernel for _, kernel in builds]
     assert len({id(k) for k in built}) == 1, built
-    launcher = ops._launcher(built[0])
+    launcher = launching.launcher_of(built[0])
     [kept] = launcher.kernels.values()  # the kernel its launches run
     compiled = built[0].overloads[tuple(kept.argument_types)]  # Numba's own compilation
     b_words = -(-rank // 16) * config.tile_n // (8 * config.threads // 32)  # a lane's, early

@@ -32,12 +32,13 @@ import pytest
 import torch
 from numba.cuda import types as nt
 
-from punica_numba import _checks, _cuda, launch, ops
+from punica_numba import _checks, _cuda, launch
 from punica_numba import wrapper as wrapper_module
 from punica_numba._checks import check_stack
 from punica_numba._cuda import LaunchRecord, array_params, key_and_params, pack_tensors
 from punica_numba.launch import choose_launch_config, force_launch_config, launch_configs
 from punica_numba.mapping import LoRAMapping
+from punica_numba.ops import api, checks, launching, operands
 from punica_numba.wrapper import PunicaWrapperNumba
 
 from .strategies import DEVICE
@@ -139,13 +140,14 @@ def _linear_args():
 def test_add_lora_linear_does_not_go_through_the_checking_ops(monkeypatch):
     """The public ops check everything; the wrapper has checked already and calls only
     their launch halves."""
-    import punica_numba.ops as ops
 
     def refuse(*args, **kwargs):
         raise AssertionError("the wrapper called a checking op")
 
-    for name in ("prepare_shrink", "prepare_expand", "_check_metadata", "_weights"):
-        monkeypatch.setattr(ops, name, refuse)
+    for name in ("prepare_shrink", "prepare_expand"):
+        monkeypatch.setattr(api, name, refuse)
+    for name in ("check_shrink", "check_expand", "_check_metadata", "check_weights"):
+        monkeypatch.setattr(checks, name, refuse)
     wrapper = _wrapper()
     y, x, a, b = _linear_args()
     y0 = y.clone()
@@ -376,12 +378,12 @@ def gpu_path(monkeypatch):
     computed; the sent launches are yielded). Make the wrapper inside the test: its
     metadata keeps tile tables for the GPU's configurations."""
     sent = _stub_driver(monkeypatch)
-    for module in (ops, launch):
+    for module in (operands, launching, launch):
         monkeypatch.setattr(module, "SIMULATOR", False)
     monkeypatch.setattr(_cuda.KernelLauncher, "_compile_and_launch", _note_scalars)
-    ops._launcher.cache_clear()  # launchers that never compiled for real are not kept
+    launching.launcher_of.cache_clear()  # launchers that never compiled for real are not kept
     yield sent
-    ops._launcher.cache_clear()
+    launching.launcher_of.cache_clear()
 
 
 RT, RH, RR, RN = 16, 16, 4, 8  # tokens (enough for the heuristic to change its mind), H, r, N
@@ -501,8 +503,8 @@ def test_a_replayed_call_sends_what_a_fresh_call_sends(gpu_path, monkeypatch, ch
     for _ in range(3):  # compiles; the same call again (recorded); and again (replayed)
         _run(state)
     prepared = []
-    real = wrapper_module._shrink_launch
-    monkeypatch.setattr(wrapper_module, "_shrink_launch", lambda *a: prepared.append(a) or real(*a))
+    real = wrapper_module.shrink_launch
+    monkeypatch.setattr(wrapper_module, "shrink_launch", lambda *a: prepared.append(a) or real(*a))
     with CHANGES[change](state) or contextlib.nullcontext():
         again = _sent_by(gpu_path, lambda: _run(state))
         _forget_records(state["call"])
@@ -524,9 +526,9 @@ def test_a_call_recorded_again_after_a_change_is_replayed_from_then_on(gpu_path,
         state["call"]["scale"] = 0.25
         _run(state)  # recorded again
         prepared = []
-        real = wrapper_module._shrink_launch
+        real = wrapper_module.shrink_launch
         monkeypatch.setattr(
-            wrapper_module, "_shrink_launch", lambda *a: prepared.append(a) or real(*a)
+            wrapper_module, "shrink_launch", lambda *a: prepared.append(a) or real(*a)
         )
         made.clear()
         again = _sent_by(gpu_path, lambda: _run(state))
@@ -541,8 +543,8 @@ def test_calls_that_come_back_in_turns_are_replayed(gpu_path, monkeypatch):
     for buffer in buffers * 3:  # compiles, then each buffer is seen, recorded
         _run({**state, "call": {**state["call"], "buffer": buffer}})
     prepared = []
-    real = wrapper_module._shrink_launch
-    monkeypatch.setattr(wrapper_module, "_shrink_launch", lambda *a: prepared.append(a) or real(*a))
+    real = wrapper_module.shrink_launch
+    monkeypatch.setattr(wrapper_module, "shrink_launch", lambda *a: prepared.append(a) or real(*a))
     for buffer in buffers * 2:
         _run({**state, "call": {**state["call"], "buffer": buffer}})
     assert prepared == []

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from punica_numba import lora_expand, lora_shrink, ops
 from punica_numba.launch import config_name, force_launch_config, launch_configs
+from punica_numba.meta import host_facts_of
+from punica_numba.ops import choice, launching
 
 from .op_cases import (
     check_expand,
@@ -149,15 +151,17 @@ def test_tile_tokens_are_made_only_for_the_tensor_core_expand(op, monkeypatch):
     from .strategies import DEVICE
 
     made = []
-    make = ops.tile_tokens
-    monkeypatch.setattr(ops, "tile_tokens", lambda *a, **k: made.append(a[2]) or make(*a, **k))
+    make = launching.tile_tokens
+    monkeypatch.setattr(
+        launching, "tile_tokens", lambda *a, **k: made.append(a[2]) or make(*a, **k)
+    )
     gen = torch.Generator().manual_seed(5)
     slots = torch.tensor([1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1])
     T, L, r, widths = len(slots), 2, 16, [32, 32]
     meta = LoRAKernelMeta.make(L, T, DEVICE)
     meta.prepare_tensors(slots.to(DEVICE))
     args = [t.clone() for t in meta.meta_args(T)]  # no host facts: tables made at launch
-    assert ops.host_facts_of(args[4]) is None
+    assert host_facts_of(args[4]) is None
     if op == "shrink":
         x = torch.randn(T, 64, generator=gen).to(DEVICE, torch.bfloat16)
         weights = [torch.randn(L, r, 64, generator=gen).to(DEVICE, torch.bfloat16)] * 2
@@ -190,8 +194,10 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
     from .op_cases import Problem, ShrinkCase
 
     built = []
-    build = ops.build_mma_shrink_kernel
-    monkeypatch.setattr(ops, "build_mma_shrink_kernel", lambda *a: built.append(a[-1]) or build(*a))
+    build = choice.build_mma_shrink_kernel
+    monkeypatch.setattr(
+        choice, "build_mma_shrink_kernel", lambda *a: built.append(a[-1]) or build(*a)
+    )
 
     def shrink(x, weights, out, *rest):
         if not aligned:
@@ -355,7 +361,7 @@ def test_tensor_core_expand_on_metadata_made_elsewhere(config):
     meta, x, weights, old, want = _expand_problem(slots, 3, 16, [64, 32], 13, meta_tokens=T + 5)
     outputs = []
     for args in (meta.meta_args(T), [t.clone() for t in meta.meta_args(T)]):
-        assert (ops.host_facts_of(args[4]) is None) == (len(outputs) == 1)
+        assert (host_facts_of(args[4]) is None) == (len(outputs) == 1)
         out = old.clone()
         with force_launch_config("expand", config):
             lora_expand(x, weights, out, *args, offset_start=0, add_inputs=True)
@@ -376,9 +382,9 @@ def test_lane_split_expand_at_every_lane_count(rank, aligned, monkeypatch):
     from .op_cases import Problem, serving_expand_case
 
     built = []
-    build = ops.build_lanes_expand_kernel
+    build = choice.build_lanes_expand_kernel
     monkeypatch.setattr(
-        ops, "build_lanes_expand_kernel", lambda *a: built.append(a[6:9]) or build(*a)
+        choice, "build_lanes_expand_kernel", lambda *a: built.append(a[6:9]) or build(*a)
     )
 
     def expand(x, weights, out, *rest, **kwargs):
@@ -404,7 +410,7 @@ def test_one_slot_gives_the_tables_bits(kernel, num_loras, monkeypatch):
     the weights before they know the tokens' slots (``kernels.shrink``,
     ``kernels.shrink_token`` and ``kernels.expand_mma``, "One slot"): right, with tokens
     of no LoRA and padded rows past the prepared tokens, over two slices, and the same
-    bits as the table's blocks (``ops._one_slot`` turned off). Stacks of two slots keep
+    bits as the table's blocks (``ops.choice.one_slot`` turned off). Stacks of two slots keep
     the table. The shrink takes the one-token kernel where its rows are packed words (H
     = 64 here) and the row kernel's one-slot blocks where they are not (H = 62). The
     tensor-core expand's tiles of 16 tokens are two here, the second partly past the
@@ -420,13 +426,13 @@ def test_one_slot_gives_the_tables_bits(kernel, num_loras, monkeypatch):
     }[kind]
     built = []  # one_slot of each build; "token" for the one-token shrink
     for name in builds:
-        build = getattr(ops, name)
+        build = getattr(choice, name)
         mark = {  # one_slot: the last argument, but for the tensor-core expand's (11)
             "build_token_shrink_kernel": lambda a: "token",
             "build_mma_expand_kernel": lambda a: a[11],
         }.get(name, lambda a: a[-1])
         monkeypatch.setattr(
-            ops, name, lambda *a, build=build, mark=mark: built.append(mark(a)) or build(*a)
+            choice, name, lambda *a, build=build, mark=mark: built.append(mark(a)) or build(*a)
         )
     pattern = (1, -1, 0, 1, 0) * (4 if kind == "mma" else 1)
     slots = [min(s, num_loras - 1) for s in pattern] + [-1]  # the last: padding
@@ -437,7 +443,7 @@ def test_one_slot_gives_the_tables_bits(kernel, num_loras, monkeypatch):
         for c in launch_configs(op)
         if c.kernel == kernel_kind and (kind == "mma" or c.tile_m == 1)
     )
-    outputs, one_slot = [], ops._one_slot
+    outputs, one_slot = [], choice.one_slot
 
     def recorded(impl):
         def run(*args, **kwargs):
@@ -447,7 +453,7 @@ def test_one_slot_gives_the_tables_bits(kernel, num_loras, monkeypatch):
         return run
 
     for allowed in (True, False):
-        monkeypatch.setattr(ops, "_one_slot", one_slot if allowed else lambda *a: False)
+        monkeypatch.setattr(choice, "one_slot", one_slot if allowed else lambda *a: False)
         with force_launch_config(op, config):
             if op == "shrink":
                 hidden = 64 if kind == "token" else 62  # rows of packed words, or not

@@ -1,0 +1,137 @@
+"""The tensors of a checked call as a kernel takes them.
+
+The kernels read 16-bit elements in packed 8-byte words (four fp16/bf16 elements, or
+two fp32), and 16 bytes at a time where every row starts at a multiple of 16 bytes.
+This module says whether a tensor allows that and gives its views: the int64 words of a
+tensor, whether its rows are aligned, and the tensor-core kernels' operands (or None
+when those kernels cannot take the call, so that :mod:`.choice` picks an FFMA kernel).
+Nothing here copies data: every operand is a view of the caller's memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .._checks import Stack
+from .._cuda import SIMULATOR, pack_tensors
+from ..kernels.mma import MMA_DTYPES
+
+__all__ = [
+    "MMA_MAX_RANK",
+    "mma_expand_operands",
+    "mma_shrink_operands",
+    "rows_start_at",
+    "weight_forms",
+    "weight_words",
+    "words",
+]
+
+#: The largest rank the tensor-core kernels take (their fragments of a whole rank sit in
+#: registers: the shrink's outputs, the expand's buffer rows).
+MMA_MAX_RANK = 64
+
+
+def words(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` viewed as int64 words (8 bytes: four fp16/bf16 or two fp32 elements); None
+    when its rows are not whole, aligned words."""
+    if t.stride(-1) != 1 or (t.shape[-1] * t.element_size()) % 8 or not rows_start_at(t, 8):
+        return None
+    return t.view(torch.int64)
+
+
+def rows_start_at(t: torch.Tensor, multiple: int) -> bool:
+    """Whether every row of ``t`` starts at a multiple of ``multiple`` bytes."""
+    size = t.element_size()
+    return t.data_ptr() % multiple == 0 and all(s * size % multiple == 0 for s in t.stride()[:-1])
+
+
+def weight_forms(weights: Sequence[Stack]) -> list[tuple]:
+    """Each weight as a kernel can take it: ``(words, elements)``, its packed int64 words
+    (None when its rows do not allow them) and its view, each a kernel argument.
+
+    On the GPU both are worked out once per checked weight, described for the launcher
+    once (:func:`~punica_numba._cuda.pack_tensors`) and kept in ``Stack.launch``: a
+    checked view's memory and layout never change, and a serving engine hands the same
+    weights to every call (``check_stack`` returns the same Stack for them).
+    """
+    if SIMULATOR:
+        return [(words(w.view), w.view) for w in weights]
+    forms = []
+    for w in weights:
+        form = w.launch.get("forms")
+        if form is None:
+            packed = words(w.view)
+            form = w.launch["forms"] = (
+                None if packed is None else pack_tensors((packed,)),
+                pack_tensors((w.view,)),
+            )
+        forms.append(form)
+    return forms
+
+
+def weight_words(weights: Sequence[Stack]) -> list | None:
+    """Each weight's int64 words (as :func:`weight_forms` keeps them), or None when one of
+    them has none."""
+    packed = [w for w, _ in weight_forms(weights)]
+    return None if any(w is None for w in packed) else packed
+
+
+def mma_shrink_operands(inputs: torch.Tensor, weights: Sequence[Stack]) -> tuple | None:
+    """The tensor-core shrink's operands ``(x, weights, wide)``: x and A as int64 words
+    of four elements, and whether all their rows start at multiples of 16 bytes (the
+    kernel's 16-byte loads); or None when it cannot take the call: x and A fp16 or bf16,
+    rank <= :data:`MMA_MAX_RANK`, a hidden size that is a multiple of 8, rows of whole,
+    aligned words (:mod:`..kernels.shrink_mma`)."""
+    if inputs.dtype not in MMA_DTYPES or weights[0].rows > MMA_MAX_RANK or inputs.shape[1] % 8:
+        return None
+    x = words(inputs)
+    packed = weight_words(weights) if x is not None else None
+    if packed is None:
+        return None
+    wide = all(rows_start_at(t, 16) for t in (inputs, *(w.view for w in weights)))
+    return x, packed, wide
+
+
+def mma_expand_operands(
+    inputs: torch.Tensor,
+    weights: Sequence[Stack],
+    packed: list | None,
+    output: torch.Tensor,
+    columns: list[int],
+) -> tuple | None:
+    """The tensor-core expand's operands ``(x, words, out, wide, wide_x, wide_b)``, or None
+    when it cannot take the call; ``wide``: the output can be read and written in 16-byte
+    words (its rows start at multiples of 16 bytes, every slice's first column and width
+    are multiples of 8); ``wide_x``: the buffer in 16-byte loads (fp32, a rank that is a
+    multiple of 16, contiguous rows that start at multiples of 16 bytes); ``wide_b``: B
+    in 16-byte loads (a rank that is a multiple of 32, rows at multiples of 16 bytes).
+    It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
+    bf16 (as its int16 bits), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole int64 words
+    (four elements: ``packed``, from :func:`weight_words`, None where there are none), and
+    an output it can read and write in words of four columns: every slice's first column
+    and width a multiple of 4 (:mod:`..kernels.expand_mma`)."""
+    if (
+        weights[0].dtype != torch.bfloat16
+        or output.dtype != torch.bfloat16
+        or inputs.dtype not in (torch.float32, torch.bfloat16)
+        or not 0 < weights[0].cols <= MMA_MAX_RANK
+        or any(c % 4 or w.rows % 4 for c, w in zip(columns, weights))
+    ):
+        return None
+    out = words(output)
+    if packed is None or out is None:
+        return None
+    x = inputs if inputs.dtype == torch.float32 else inputs.view(torch.int16)
+    wide = rows_start_at(output, 16) and all(
+        c % 8 == 0 and w.rows % 8 == 0 for c, w in zip(columns, weights)
+    )
+    wide_x = (
+        inputs.dtype == torch.float32
+        and weights[0].cols % 16 == 0
+        and inputs.stride(-1) == 1
+        and rows_start_at(inputs, 16)
+    )
+    wide_b = weights[0].cols % 32 == 0 and all(rows_start_at(w.view, 16) for w in weights)
+    return x, packed, out, wide, wide_x, wide_b
