@@ -486,7 +486,7 @@ class LaunchRecord:
 
         Outside a stream capture they go as one CUDA graph, made from them the first
         time: one driver call (``cuGraphLaunch``) for them all, where each launch is a
-        ``cuLaunchKernel`` of its own (session 21, on the H200's host, in bursts that
+        ``cuLaunchKernel`` of its own (at 7185bf9, on the H200's host, in bursts that
         the GPU did not hold up: 2.8-4.9 µs of host time for the graph of a shrink and
         an expand, 12.0-14.9 µs for the two launches; ``h200_v23_candidates.json``).
         Inside one (a caller capturing its own graph) they are launched one by one, so

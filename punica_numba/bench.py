@@ -271,7 +271,7 @@ def _check(case: Case, args: dict, meta: LoRAKernelMeta, slots: torch.Tensor) ->
 
 #: Graph captures a process makes before the first graph it times. On the H200 a process's
 #: first three CUDA graphs ran small kernels about 0.35 µs a call faster than every graph
-#: from its fourth capture on, the first graph included (docs/benchmarks/README.md, "The
+#: from its fourth capture on, the first graph included (docs/benchmarks/lab_notes.md, "The
 #: first graphs of a process"); a serving engine, which captures many, runs in the later
 #: state, so every case is timed in it.
 SETTLING_CAPTURES = 8
@@ -389,7 +389,7 @@ def host_overhead_us(dtype=torch.bfloat16, calls: int = 400) -> dict[str, float]
         # What ran before (the benchmark's argument pools) is collected first, so that a
         # collection of its garbage is not charged to these calls. (It is not what decides
         # the figure: v18's runs with and without it, and with the collector off, gave the
-        # same range, and in session 20 one machine took 42.9 µs in the benchmark with it
+        # same range, and in v22's run one machine took 42.9 µs in the benchmark with it
         # and 41.1-47.4 in fresh processes; the machine does.)
         gc.collect()
         start = time.perf_counter()

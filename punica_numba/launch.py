@@ -264,8 +264,8 @@ _GPU_CONFIGS = {
         LaunchConfig("lanes", threads=128, tile_m=1, tile_n=0, vec=4, from_tokens=16, from_rank=33),
         # ... 16 columns a group from T=64. v13 took 8 (h200_v13_candidates.json, two runs
         # each: r=64 T=64 distinct 15.70/15.85 -> 15.28/15.22 µs, T=256 distinct 52.0/52.5
-        # -> 47.1/47.4; at T=16 8 columns lost, 6.20 -> 7.40/7.53); session 22's three
-        # rounds (`h200_v24_candidates.json`) had 8 at 15.17/15.24/15.72 and 16 at
+        # -> 47.1/47.4; at T=16 8 columns lost, 6.20 -> 7.40/7.53); the three
+        # rounds at f738c46 (`h200_v24_candidates.json`) had 8 at 15.17/15.24/15.72 and 16 at
         # 15.18/15.20/15.18 on 64 distinct, 47.66/46.62/47.62 and 47.46/47.33/47.18 on 256.
         # The lanes' sums do not depend on the columns a group takes: the same bits.
         LaunchConfig(
@@ -305,7 +305,7 @@ _GPU_CONFIGS = {
         # (h200_v12_candidates.json, 8-byte words -> 16 within one run: 64/8 4.08 -> 3.69
         # µs, 256/16 5.41 -> 4.92, 4096 on one LoRA with two passes 25.9 -> 24.0; r=64
         # 4096/64 with eight passes 48.8 -> 43.7 with the 128-register ceiling, 59.1
-        # without). With the dependent launch (session 26, h200_v27_candidates.json, three
+        # without). With the dependent launch (v26's kernels, h200_v27_candidates.json, three
         # rounds at r=64 256/16) blocks of 2 or 4 such warps tie (6.37-6.61, 6.42-6.65
         # against 6.24-6.46 µs) and every other shape loses ...
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=8),
@@ -338,7 +338,7 @@ _GPU_CONFIGS = {
             from_rank=33,
         ),
         # Below T=1024, from 128 tokens per slot up to r=16, one warp of 128 columns: half
-        # the blocks, each with twice the columns (session 21, `h200_v23_candidates.json`,
+        # the blocks, each with twice the columns (at 81d009e, `h200_v23_candidates.json`,
         # three rounds: 256 on one LoRA 3.85/3.84/3.76 -> 3.67/3.59/3.58 µs, the QKV
         # layer's 4.62/4.73/4.72 -> 4.52/4.54/4.60; at 64/8 it would lose, 3.30/3.35/3.35
         # -> 3.33/3.37/3.38; at r=64 a lane would hold 64 words of B).
@@ -351,7 +351,7 @@ _GPU_CONFIGS = {
             to_tokens=1023,
             to_rank=16,
         ),
-        # With one slice, four such warps a block (session 22, `h200_v24_candidates.json`,
+        # With one slice, four such warps a block (at f738c46, `h200_v24_candidates.json`,
         # three rounds: 256 on one LoRA 3.71/3.64/3.62 -> 3.61/3.61/3.58 µs). Not with the
         # QKV layer's slices, whose 1024 columns would leave most of its blocks idle
         # (4.48/4.44/4.43 -> 4.92/4.82/4.79).

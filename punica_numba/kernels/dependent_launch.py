@@ -32,7 +32,7 @@ kernel of the caller's own, just ahead of it, that says ``launch_dependents`` ea
 **Why not say ``launch_dependents`` too?** Said first, it lets the next kernel be
 launched as soon as every block of this one has started, so that kernel's blocks are
 placed on the SMs while this one's still run, wherever room is left, and wait there.
-Measured on the H200 (session 25, two rounds, one process per setting, µs; "ends":
+Measured on the H200 (at 44a29fd, two rounds, one process per setting, µs; "ends":
 only the wait, the next kernel launched as this one's blocks end):
 
 | case | ordinary | said first | ends |
@@ -42,31 +42,28 @@ only the wait, the next kernel launched as this one's blocks end):
 | QKV shrink 4096 over 64 LoRAs | 27.2 | 30.9-31.2 | 26.9-28.1 |
 | expand 256 on one LoRA | 3.68-3.71 | 3.58-3.94 | 3.00 |
 
-Said first, it gained 0.1 µs more on the smallest kernels and lost up to 41 % where a
-kernel's blocks are many and short; waiting alone lost nowhere. Said later, by the
-tensor-core expand after its loads, after its products or after its stores (session 29,
-``h200_v30_candidates.json``), it tied on the r=64 expand at 256 tokens over 16 LoRAs and lost
-up to 1.3 µs elsewhere (the QKV layer's expand at 256 over 16 LoRAs: 5.62-5.71 -> 6.16-6.89).
-Nor does a kernel wait later, after reads that do not depend on the kernel ahead (its tile,
-its weights): on the r=64 tensor-core expand that saved less (session 24), and a kernel that
-reads nothing before the wait cannot depend on what ran before it. Nor does it prefetch its
-weights into L2 before the wait: that lost on the r=64 expand at 256 over 16 LoRAs
-(6.34-6.47 -> 6.46-6.64 µs, session 26, ``h200_v27_candidates.json``), as if little
+Said first, it gained 0.1 µs more on the smallest kernels and lost up to 41 % where a kernel's
+blocks are many and short; waiting alone lost nowhere. Said later, by the tensor-core expand after
+its loads, after its products or after its stores (``h200_v30_candidates.json``), it tied on the
+r=64 expand at 256 tokens over 16 LoRAs and lost up to 1.3 µs elsewhere (the QKV layer's expand at
+256 over 16 LoRAs: 5.62-5.71 -> 6.16-6.89). Nor does a kernel wait later, after reads that do not
+depend on the kernel ahead (its tile, its weights): on the r=64 tensor-core expand that saved less
+(``h200_v26_candidates.json``), and a kernel that reads nothing before the wait cannot depend on
+what ran before it. Nor does it prefetch its weights into L2 before the wait: that lost on the r=64
+expand at 256 over 16 LoRAs (6.34-6.47 -> 6.46-6.64 µs, ``h200_v27_candidates.json``), as if little
 time passed between a block's start and the end of its wait.
 
 **Said first, with the tile asked of L2.** The two together pay where neither did alone:
-said first, the next launch's blocks are placed while this one's run, and so have time to
-ask L2 for their tiles before their wait. The tensor-core expand of one slice does both
-(:func:`next_launch`; :mod:`.expand_mma`, "Asking ahead"): on the H200 (session 30,
-``h200_v31_candidates.json``) r=64 at 256 tokens over 16 LoRAs went from 6.14-6.46 to
-5.73-5.93 µs, and 64 over 8 LoRAs from 4.15-4.28 to 3.66-3.79; launches of three slices and
-of one slot lost, and keep the wait alone.
-Since v29 the same expand also loads its rows of B into registers before its wait, and a
-block with no tile leaves there (:mod:`.expand_mma`, "B before the wait"): with the next launch
-placed early, a block now has time before its wait that a load can use (r=64 at 256 over 16
-LoRAs 5.77-6.02 -> 5.35-5.61 µs, session 33). It reads there only what no kernel still running
-can be writing: the kernels that say ``launch_dependents`` are these expands, which write only
-their outputs.
+said first, the next launch's blocks are placed while this one's run, and so have time to ask L2 for
+their tiles before their wait. The tensor-core expand of one slice does both (:func:`next_launch`;
+:mod:`.expand_mma`, "Asking ahead"): on the H200 (``h200_v31_candidates.json``) r=64 at 256 tokens
+over 16 LoRAs went from 6.14-6.46 to 5.73-5.93 µs, and 64 over 8 LoRAs from 4.15-4.28 to 3.66-3.79;
+launches of three slices and of one slot lost, and keep the wait alone. Since v29 the same expand
+also loads its rows of B into registers before its wait, and a block with no tile leaves there
+(:mod:`.expand_mma`, "B before the wait"): with the next launch placed early, a block now has time
+before its wait that a load can use (r=64 at 256 over 16 LoRAs 5.77-6.02 -> 5.35-5.61 µs,
+``h200_v34_candidates.json``). It reads there only what no kernel still running can be writing: the
+kernels that say ``launch_dependents`` are these expands, which write only their outputs.
 
 On the simulator, below sm_90, or with ``PUNICA_NUMBA_DEPENDENT_LAUNCH=0``, ``begin()``
 does nothing (and the launches are ordinary ones).

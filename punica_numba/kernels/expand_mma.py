@@ -143,7 +143,7 @@ warp's columns multiplied and stored in two halves so that the first half's stor
 overlap the second's loads (6.35-6.50), and B read by ``ld.global.nc.L1::no_allocate``
 (6.53-6.58; 4096/64 32.5-34.3 -> 42.2-44.0, where a slot's tiles share B through L1), or by
 ``ld.global.L2::256B`` (6.82-6.99 against 6.21-6.46 in its call). None kept. The next trials
-(``h200_v28_candidates.json``; benchmarks README, "where the last microsecond goes"): this
+(``h200_v28_candidates.json``; lab notes, "where the last microsecond goes"): this
 kernel's loads and stores alone, every one in flight, take 5.0-5.1 µs at r=64 256/16 (the op
 6.14-6.18 in the same processes), so what is left is its work after the loads. Multiplying
 only the buffer's high halves (a diagnostic: half the ``mma``, not this kernel's precision)
@@ -153,7 +153,7 @@ to be global (6.41-6.61), a warp past its slice leaving first (6.41-6.74), some 
 groups starting 0.4-1.2 µs later so that their products overlap the others' loads
 (6.41-6.85), and the column halves with each half's loads together, the first half's first
 (6.59-6.77 against 6.23-6.35), were no faster. The trials of ``h200_v29_candidates.json``
-(benchmarks README, "A warp's products wait for all of its loads") read why the products cannot
+(lab notes, "A warp's products wait for all of its loads") read why the products cannot
 start earlier: in the H200's code every one of a lane's 28 loads of data sets the same
 scoreboard, and the first split waits for it, so a warp multiplies nothing before its last load
 has landed. B brought through shared memory by ``cp.async`` instead, in commit groups waited

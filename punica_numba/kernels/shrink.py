@@ -29,7 +29,7 @@ SASS instructions instead of 744; on the H200 T=1 went from 2.80 to 2.62 µs,
 4 ranks' words: with 8 (36 loads a thread) ptxas then issues only 31 of them before the
 first FMA, and the rest wait a whole trip to memory; a ``while`` loop, which has the
 same effect on the code, took 256 tokens on 256 LoRAs from 13.0 to 15.2 µs on the H200
-(session 13).
+(measured at 4c6b554).
 
 **One slot.** A block of one token waits for two trips to memory: the tile table's
 row, which names the token and its slot, then x and the slot's rows of A. At one token
@@ -183,7 +183,7 @@ def build_shrink_kernel(
             return  # the whole block leaves together, before any barrier
         s_local = cuda.blockIdx.y
         # By hand, not segments.slice_of: with it the H200's large shrinks took 10-32 %
-        # longer (revert of b4147e5, h200_v25_candidates.json; again in session 27,
+        # longer (revert of b4147e5, h200_v25_candidates.json; again in the trials of
         # h200_v28_candidates.json). Compiled on a CPU machine both forms give the same PTX;
         # on the H200 machine they do not (123 registers against 126 at T=256 distinct).
         if s_local == 0:
