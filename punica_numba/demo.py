@@ -12,16 +12,22 @@ ask for its own LoRA adapter (or none). This demo serves such a batch end to end
    slot of the engine, in a shuffled order (``lora_index_to_id``), padding ranks
    and folding each adapter's scaling into B.
 4. **Batch.** Requests with mixed adapters (``0`` = none) go through
-   :class:`~punica_numba.engine.MultiLoRAEngine`: one prefill step, then decode
-   steps, every LoRA layer of the whole batch in one wrapper call. The prefill's
-   token -> LoRA segments are printed.
+   :class:`~punica_numba.engine.MultiLoRAEngine`: one prefill of every prompt, then
+   decode steps of the whole batch over a KV cache (CUDA graphs on a GPU), every
+   LoRA layer of the whole batch in one wrapper call. The prefill's token -> LoRA
+   segments are printed.
 5. **Check.** PEFT's own mixed-batch forward (``adapter_names=[...]``,
    ``"__base__"`` for none) on each request's tokens gives the logits the engine
    must reproduce; the demo prints each request's largest error.
-6. **Throughput.** The same batch through PEFT's mixed-batch ``generate``, through
-   the plain model (no adapters), and through the engine with no adapters.
+6. **Throughput.** The engine on the batch and on the same prompts without adapters
+   (its base path: LoRA's cost inside one engine, per whole ``generate`` and per
+   decode step), PEFT's mixed-batch ``generate`` and the plain model's ``generate``.
+   With ``--plot PATH`` (or ``--sweep``) the engine is also timed with 1, 4, 16 and
+   64 distinct adapters in the batch, and tokens/s is drawn against that number.
+   ``--json PATH`` writes every number measured.
 
-Run it with ``python -m punica_numba demo`` (or ``make demo``). The default sizes
+Run it with ``python -m punica_numba demo`` (or ``make demo``); ``--profile`` times
+the parts of a decode step instead (:mod:`punica_numba.profile`). The default sizes
 are tiny on Numba's CUDA simulator (where every CUDA thread is a Python thread, so
 the throughput there says nothing about a GPU) and realistic on a GPU. Exit code 0
 means every request agreed with PEFT, 1 that one did not.
@@ -32,13 +38,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
+import json
 import math
+import statistics
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -411,6 +420,20 @@ def _parser(defaults: Defaults) -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="seed of the model, adapters and batch")
     add("--rows", type=int, default=16, help="most rows printed per table (0 = all)")
     add("--no-progress", action="store_true", help="no progress bar")
+    add(
+        "--profile",
+        action="store_true",
+        help="instead of the demo, time the parts of the engine's decode step on the demo's "
+        "batch (with adapters and without) and print where the time goes",
+    )
+    add("--json", metavar="PATH", help="write the measured numbers to PATH as JSON")
+    add(
+        "--plot",
+        metavar="PATH",
+        help="also time the engine with 1, 4, 16 and 64 distinct adapters in the batch (up to "
+        "--adapters) and draw tokens/s against them to PATH (a PNG; needs matplotlib)",
+    )
+    add("--sweep", action="store_true", help="time that sweep without drawing it")
     return parser
 
 
@@ -455,20 +478,68 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     with tempfile.TemporaryDirectory(prefix="punica_numba_demo_") as folder:
+        if args.profile:
+            return _profile(args, Path(folder))
         return _run(args, Path(folder))
 
 
-def _run(args: argparse.Namespace, folder: Path) -> int:
-    device, dtype = device_of(), getattr(torch, args.dtype)
-    rows = args.rows
-    gen = torch.Generator().manual_seed(args.seed)  # CPU generator: the same batch everywhere
-    if SIMULATOR:
-        machine = "Numba CUDA simulator (CPU; every CUDA thread is a Python thread)"
-    else:
-        machine = f"CUDA GPU ({torch.cuda.get_device_name(device)})"
-    print(f"punica_numba demo on the {machine}")
+def _profile(args: argparse.Namespace, folder: Path) -> int:
+    """``--profile``: the demo's setup, then :func:`punica_numba.profile.profile_decode`
+    on its batch with adapters and on the same prompts without; 0 when it ran."""
+    from . import profile
 
-    # 1. The model, and the engine built on it (before PEFT wraps its projections).
+    gen = torch.Generator().manual_seed(args.seed)
+    print(f"punica_numba decode-step profile on the {_machine()}")
+    setup = build(args, folder, gen)
+    engine, requests = setup.engine, setup.requests
+    base_requests = [Request(r.prompt, 0) for r in requests]
+    repeats = 1 if SIMULATOR else profile.GPU_REPEATS
+    if not SIMULATOR:  # compile the kernels (and capture what the engine captures) first
+        engine.generate(requests, 3)
+        engine.generate(base_requests, 3)
+    profiles = []
+    for label, batch in (
+        ("engine, mixed adapters", requests),
+        ("engine, no adapters", base_requests),
+    ):
+        profiles.append(
+            profile.profile_decode(engine, batch, args.new_tokens, label=label, repeats=repeats)
+        )
+        profile.print_profile(profiles[-1], args.rows)
+    mixed, base = profiles
+    print(
+        f"\nLoRA's cost in the engine: {mixed.step_ms:.3f} ms/step with adapters, "
+        f"{base.step_ms:.3f} without ({base.step_ms / mixed.step_ms:.2f}x the tokens/s)"
+    )
+    if args.json:
+        profile.write_json(args.json, profiles, _config(args))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> dict:
+    """The demo's arguments and machine, for a JSON file."""
+    keys = ("requests", "adapters", "max_rank", "hidden", "intermediate", "layers", "heads")
+    keys += ("kv_heads", "vocab", "max_prompt", "new_tokens", "dtype", "seed")
+    return {"machine": _machine(), **{k: getattr(args, k) for k in keys}}
+
+
+@dataclass
+class DemoSetup:
+    """What the demo serves: the model, its engine, PEFT's model, the adapters, the batch."""
+
+    model: object
+    engine: MultiLoRAEngine
+    peft_model: object
+    specs: list[AdapterSpec]
+    requests: list[Request]
+    names: list[str]  # each request's PEFT adapter name
+
+
+def build(args: argparse.Namespace, folder: Path, gen: torch.Generator) -> DemoSetup:
+    """Steps 1 to 3 of the demo: the model, the engine on it, PEFT's adapters saved to
+    ``folder`` and loaded into the engine's slots in a shuffled order, and the batch."""
+    device, dtype = device_of(), getattr(torch, args.dtype)
     model = tiny_llama(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -481,14 +552,8 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
         dtype=dtype,
         device=device,
     )
-    print(
-        f"Model: Llama with random weights, {args.layers} layers, hidden {args.hidden}, "
-        f"MLP {args.intermediate}, {args.heads} heads / {args.kv_heads} KV heads, vocabulary "
-        f"{args.vocab}, {args.dtype}"
-    )
     specs = adapter_specs(args.adapters, args.max_rank)
     requests = make_requests(args.requests, specs, args.max_prompt, args.vocab, gen)
-    names = peft_names(requests, specs)
     engine = MultiLoRAEngine(
         model,
         max_loras=args.adapters,
@@ -496,25 +561,51 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
         max_num_batched_tokens=sum(len(r.prompt) for r in requests),
         max_batches=len(requests),
     )
-
-    # 2. PEFT creates the adapters and saves them.
     peft_model = create_peft_adapters(model, specs, folder, args.seed)
-    print(f"{len(specs)} PEFT LoRA adapters saved to {folder}")
-
-    # 3. The engine loads them from disk, into slots in a shuffled order.
     for k in torch.randperm(len(specs), generator=gen).tolist():
         engine.load_adapter(specs[k].adapter_id, folder / specs[k].name)
+    return DemoSetup(model, engine, peft_model, specs, requests, peft_names(requests, specs))
+
+
+def _machine() -> str:
+    if SIMULATOR:
+        return "Numba CUDA simulator (CPU; every CUDA thread is a Python thread)"
+    return f"CUDA GPU ({torch.cuda.get_device_name(device_of())})"
+
+
+def _run(args: argparse.Namespace, folder: Path) -> int:
+    device, dtype = device_of(), getattr(torch, args.dtype)
+    rows = args.rows
+    gen = torch.Generator().manual_seed(args.seed)  # CPU generator: the same batch everywhere
+    print(f"punica_numba demo on the {_machine()}")
+
+    # 1.-3. The model, the engine built on it (before PEFT wraps its projections), the
+    # adapters PEFT creates and saves, loaded by the engine from disk.
+    setup = build(args, folder, gen)
+    engine, peft_model, specs = setup.engine, setup.peft_model, setup.specs
+    requests, names = setup.requests, setup.names
+    base_requests = [Request(r.prompt, 0) for r in requests]
+    print(
+        f"Model: Llama with random weights, {args.layers} layers, hidden {args.hidden}, "
+        f"MLP {args.intermediate}, {args.heads} heads / {args.kv_heads} KV heads, vocabulary "
+        f"{args.vocab}, {args.dtype}"
+    )
+    print(f"{len(specs)} PEFT LoRA adapters saved to {folder}")
     _print_slots(engine, specs, args.max_rank, rows)
     _print_requests(engine, requests, names, rows)
 
     # 4. The batch through the engine; the prefill's segments are printed on the way.
+    starts: dict[int, float] = {}
+
     def show_segments(step: int) -> None:
+        _stamp(starts, step)
         if step == 0:
             _print_segments(engine, rows)
 
-    if not SIMULATOR:  # compile the kernels before anything is timed
+    if not SIMULATOR:  # compile the kernels and capture the decode graphs first
         engine.generate(requests, 2)
-    generations, engine_seconds = _timed(
+        engine.generate(base_requests, 2)
+    generations, checked_seconds = _timed(
         lambda: engine.generate(
             requests,
             args.new_tokens,
@@ -524,14 +615,23 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
         ),
         device,
     )
+    checked_end = time.perf_counter()
 
     # 5. PEFT's own forward, on the same tokens, as the reference.
     checks = check_against_peft(peft_model, requests, generations, names, dtype)
     _print_checks(requests, generations, names, checks, args, rows)
     failed = [i for i, c in enumerate(checks) if not c.agrees]
 
-    # 6. Throughput: the same batch through PEFT generate, the plain model, the engine.
-    base_requests = [Request(r.prompt, 0) for r in requests]
+    # 6. Throughput: the engine with the batch's adapters and without, PEFT's generate,
+    # the plain model's.
+    repeats = 1 if SIMULATOR else ENGINE_REPEATS
+    if SIMULATOR:  # one run with adapters is all the simulator affords: the checked one
+        steps = args.new_tokens - 1
+        step_ms = 1e3 * (checked_end - starts[1]) / steps if steps else None
+        mixed = EngineTiming(checked_seconds, step_ms)
+    else:
+        mixed = time_engine(engine, requests, args.new_tokens, repeats)
+    base = time_engine(engine, base_requests, args.new_tokens, repeats)
     if not SIMULATOR:  # warm up each path once
         hf_generate(peft_model, requests, 2, adapter_names=names)
         with peft_model.disable_adapter():
@@ -541,30 +641,195 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
     )
     with peft_model.disable_adapter():
         _, hf_seconds = _timed(lambda: hf_generate(peft_model, requests, args.new_tokens), device)
-    _, base_seconds = _timed(
-        lambda: engine.generate(base_requests, args.new_tokens, progress=False), device
-    )
     same = sum(g.tokens == t for g, t in zip(generations, peft_tokens))
     print(
         f"\nGreedy tokens identical to PEFT generate's for {same} of {len(requests)} requests "
         "(where logits nearly tie, rounding may flip a choice; the check above decides)."
     )
-    _print_throughput(
-        len(requests),
-        args.new_tokens,
-        [
-            ("punica_numba engine", "mixed", engine_seconds),
-            ("PEFT generate(adapter_names=...)", "mixed", peft_seconds),
-            ("transformers generate", "none", hf_seconds),
-            ("punica_numba engine", "none", base_seconds),
-        ],
-    )
+    runs = [
+        Throughput("punica_numba engine", "mixed", mixed.seconds, mixed.step_ms),
+        Throughput("punica_numba engine", "none", base.seconds, base.step_ms),
+        Throughput("PEFT generate(adapter_names=...)", "mixed", peft_seconds),
+        Throughput("transformers generate", "none", hf_seconds),
+    ]
+    _print_throughput(len(requests), args.new_tokens, runs, repeats)
+
+    # 7. Throughput against the number of distinct adapters in the batch.
+    sweep = []
+    if args.plot or args.sweep:
+        sweep = sweep_adapters(engine, requests, specs, args.new_tokens, repeats)
+        _print_sweep(sweep, len(requests), args.new_tokens)
+    if args.plot:
+        plot_sweep(args.plot, sweep, runs, len(requests), args.new_tokens, _distinct(requests))
+        print(f"\nwrote {args.plot}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(_results(args, requests, names, checks, runs, sweep), file, indent=2)
+        print(f"wrote {args.json}")
 
     if not failed:
         print(f"\nAll {len(requests)} requests agree with PEFT.")
         return 0
     print(f"\nMISMATCH: requests {failed} differ from PEFT by more than their bound.")
     return 1
+
+
+#: Timed runs of each engine path on a GPU (the median is reported); PEFT's and
+#: transformers' ``generate`` run once each (PEFT's takes seconds).
+ENGINE_REPEATS = 5
+
+#: The numbers of distinct adapters in the batch that ``--plot`` / ``--sweep`` time
+#: (those up to ``--adapters``).
+SWEEP_ADAPTERS = (1, 4, 16, 64)
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    """One engine path's measured time: a whole ``generate`` (seconds) and, where
+    measured, a decode step (ms: from the start of decode step 1 to the end)."""
+
+    seconds: float
+    step_ms: float | None
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """One row of the throughput table: a path, its adapters, its measured times."""
+
+    path: str
+    adapters: str
+    seconds: float
+    step_ms: float | None = None
+
+
+def time_engine(engine, requests: Sequence[Request], new_tokens: int, repeats: int):
+    """The median of ``repeats`` timed ``generate`` calls (no logits kept, no bar): the
+    whole call's seconds and, with 2 or more new tokens, the decode steps' ms per step.
+
+    The decode steps start once the decode metadata is ready (``on_step(1)``; its
+    ``update_metadata`` waited for the prefill) and end when the tokens are back.
+    """
+    device = engine.device
+    wholes, steps = [], []
+    for _ in range(repeats):
+        starts: dict[int, float] = {}
+        _sync(device)
+        begin = time.perf_counter()
+        engine.generate(requests, new_tokens, on_step=functools.partial(_stamp, starts))
+        _sync(device)
+        end = time.perf_counter()
+        wholes.append(end - begin)
+        if new_tokens > 1:
+            steps.append(1e3 * (end - starts[1]) / (new_tokens - 1))
+    return EngineTiming(statistics.median(wholes), statistics.median(steps) if steps else None)
+
+
+def _stamp(starts: dict[int, float], step: int) -> None:
+    """``on_step``: the host time at which each step starts."""
+    starts.setdefault(step, time.perf_counter())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _distinct(requests: Sequence[Request]) -> int:
+    """Distinct adapters (other than none) in a batch."""
+    return len({r.adapter_id for r in requests if r.adapter_id})
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """The engine on the batch's prompts with ``distinct`` adapters among its requests."""
+
+    distinct: int
+    seconds: float
+    step_ms: float | None
+
+
+def sweep_adapters(engine, requests, specs, new_tokens: int, repeats: int) -> list[SweepPoint]:
+    """Time the engine on the batch's prompts, every request with an adapter, the
+    adapters cycling over the first D of ``specs``, for each D of :data:`SWEEP_ADAPTERS`
+    up to ``len(specs)``."""
+    points = []
+    for distinct in (d for d in SWEEP_ADAPTERS if d <= len(specs)):
+        batch = [Request(r.prompt, specs[i % distinct].adapter_id) for i, r in enumerate(requests)]
+        if not SIMULATOR:  # its graph is captured in this warm-up
+            engine.generate(batch, 2)
+        timing = time_engine(engine, batch, new_tokens, repeats)
+        points.append(SweepPoint(_distinct(batch), timing.seconds, timing.step_ms))
+    return points
+
+
+def plot_sweep(path, sweep, runs, requests: int, new_tokens: int, batch_distinct: int) -> None:
+    """Tokens/s against the distinct adapters in the batch, with the paths without
+    adapters as lines and PEFT's mixed batch as a point, to ``path`` (Agg backend)."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise SystemExit(f"--plot needs matplotlib ({err}): pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    total = requests * new_tokens
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(
+        [p.distinct for p in sweep],
+        [total / p.seconds for p in sweep],
+        "o-",
+        color="C0",
+        label="punica_numba engine, every request with an adapter",
+    )
+    looks = {  # (path, adapters) -> how it is drawn
+        ("punica_numba engine", "mixed"): dict(marker="*", ms=12, color="C0"),
+        ("punica_numba engine", "none"): dict(ls="--", color="C0"),
+        ("PEFT generate(adapter_names=...)", "mixed"): dict(marker="s", color="C3"),
+        ("transformers generate", "none"): dict(ls="-.", color="C2"),
+    }
+    for run in runs:
+        look = looks.get((run.path, run.adapters), {})
+        if run.adapters == "none":
+            ax.axhline(total / run.seconds, label=f"{run.path}, no adapters", **look)
+        else:
+            label = f"{run.path}, the demo's batch (some requests without)"
+            ax.plot([batch_distinct], [total / run.seconds], ls="none", label=label, **look)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted({p.distinct for p in sweep} | {batch_distinct})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel("distinct adapters in the batch")
+    ax.set_ylabel("tokens/s (whole generate)")
+    ax.set_title(f"{requests} requests x {new_tokens} new tokens, {_machine()}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _results(args, requests, names, checks, runs, sweep) -> dict:
+    """Every number the demo measured, for ``--json``."""
+    total = len(requests) * args.new_tokens
+    mixed, base = runs[0], runs[1]
+    lora = {"tokens_per_s_with_over_without": base.seconds / mixed.seconds}
+    if mixed.step_ms is not None and base.step_ms is not None:
+        lora["decode_step_share"] = 1 - base.step_ms / mixed.step_ms
+    return {
+        "config": _config(args),
+        "agreement": {
+            "all_agree": all(c.agrees for c in checks),
+            "requests": [
+                {"request": i, "adapter_id": r.adapter_id, "peft_name": n, **asdict(c)}
+                | {"bound": c.bound, "agrees": c.agrees}
+                for i, (r, n, c) in enumerate(zip(requests, names, checks))
+            ],
+        },
+        "throughput": [
+            {**asdict(run), "tokens": total, "tokens_per_s": total / run.seconds} for run in runs
+        ],
+        "lora": lora,
+        "sweep": [{**asdict(p), "tokens": total, "tokens_per_s": total / p.seconds} for p in sweep],
+    }
 
 
 def check_against_peft(
@@ -662,18 +927,54 @@ def _print_checks(requests, generations, names, checks, args, rows: int) -> None
         print(f"  requests that differ: {failed}")
 
 
-def _print_throughput(requests: int, new_tokens: int, runs) -> None:
-    """``runs``: (path, adapters, seconds); the first is the one the others are compared to."""
+def _print_throughput(requests: int, new_tokens: int, runs: Sequence[Throughput], repeats: int):
+    """The throughput table; the first run is the one the others are compared to."""
     total = requests * new_tokens
     print(f"\nThroughput: {requests} requests x {new_tokens} new tokens = {total} tokens")
-    first = runs[0][2]
+    first = runs[0].seconds
     table = [
-        (path, adapters, f"{seconds:.2f}", f"{total / seconds:.1f}", f"{seconds / first:.2f}")
-        for path, adapters, seconds in runs
+        (
+            run.path,
+            run.adapters,
+            f"{run.seconds:.4f}",
+            f"{total / run.seconds:.1f}",
+            "" if run.step_ms is None else f"{run.step_ms:.3f}",
+            f"{run.seconds / first:.2f}",
+        )
+        for run in runs
     ]
-    _print_table(["path", "adapters", "seconds", "tokens/s", "time vs. engine"], table)
+    headers = ["path", "adapters", "seconds", "tokens/s", "decode ms/step", "time vs. engine"]
+    _print_table(headers, table)
+    if repeats > 1:
+        print(f"  (engine rows: the median of {repeats} runs; the others: one run each)")
+    mixed, base = runs[0], runs[1]
+    if mixed.step_ms is not None and base.step_ms is not None:
+        print(
+            f"  LoRA's share of the engine's decode step: "
+            f"{100 * (1 - base.step_ms / mixed.step_ms):.1f}% "
+            f"({mixed.step_ms:.3f} ms with the batch's adapters, {base.step_ms:.3f} without)"
+        )
+    print(
+        f"  The engine with the batch's adapters serves {base.seconds / mixed.seconds:.2f}x the "
+        "tokens/s it serves without them"
+    )
     if SIMULATOR:
         print(
             "  (on the simulator every CUDA thread is a Python thread: the engine's numbers "
-            "say nothing about a GPU)"
+            "say nothing about a GPU; its row with adapters is the checked run, logits kept)"
         )
+
+
+def _print_sweep(sweep: Sequence[SweepPoint], requests: int, new_tokens: int) -> None:
+    total = requests * new_tokens
+    print("\nThe engine against the distinct adapters in the batch (every request has one)")
+    table = [
+        (
+            p.distinct,
+            f"{p.seconds:.4f}",
+            f"{total / p.seconds:.1f}",
+            "" if p.step_ms is None else f"{p.step_ms:.3f}",
+        )
+        for p in sweep
+    ]
+    _print_table(["distinct adapters", "seconds", "tokens/s", "decode ms/step"], table)

@@ -18,6 +18,8 @@
 #                       racecheck one test of test_ops takes several seconds on an H200)
 #   SANITIZE_TESTS      the pytest targets (default below; the >2**31-element tests are
 #                       left out: 6 GiB tensors under memcheck take too long)
+#   SANITIZE_PYTEST_ARGS  more pytest arguments (e.g. "-n 3" to spread the tests over
+#                       pytest-xdist workers; --target-processes all watches every one)
 #   SANITIZE_KERNELS    memcheck, racecheck and synccheck check only kernels whose names
 #                       contain one of these words (default "shrink expand": the library's
 #                       kernels are shrink, expand and expand_tiled); "all" checks every
@@ -107,7 +109,7 @@ for tool in "${TOOLS[@]}"; do
     [ "$tool" = initcheck ] && only=()
     "$SANITIZER" --tool "$tool" --target-processes all --report-api-errors no "${extra[@]}" "${only[@]}" \
         --log-file "$log" \
-        "$PYTHON" -m pytest -q -x -p no:cacheprovider "${TESTS[@]}" \
+        "$PYTHON" -m pytest -q -x -p no:cacheprovider ${SANITIZE_PYTEST_ARGS:-} "${TESTS[@]}" \
         -k 'not offsets_past and not cuda_graph' \
         >"$LOGS/$tool.pytest.txt" 2>&1
     pytest_rc=$?

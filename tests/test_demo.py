@@ -1,4 +1,14 @@
-"""The demo and the command line: the demo runs, prints its tables, agrees with PEFT, and can fail.
+"""The demo, its engine and the command line.
+
+* the demo runs, prints its tables, agrees with PEFT, and can fail; ``--json``,
+  ``--plot`` and ``--profile`` write what they say;
+* the engine's serving loop (the KV cache, the one-pass prefill, the batched decode
+  steps, the buckets, stopping) computes what the Hugging Face model computes, and
+  never lets one request see another's tokens (the base path: no adapter, so these
+  run fast on the simulator; the adapters' agreement with PEFT is checked by the demo
+  here and in tests/test_peft.py);
+* on a GPU, decode steps replayed from CUDA graphs equal the eager ones;
+* the profiler's clocks count each part's own time.
 
 The demo is run in-process at a tiny size (it launches the real kernels, on the
 simulator without a GPU); ``python -m punica_numba --help`` runs in a subprocess.
@@ -6,15 +16,20 @@ simulator without a GPU); ``python -m punica_numba --help`` runs in a subprocess
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from punica_numba import demo
+from punica_numba import demo, engine, profile
+from punica_numba._cuda import SIMULATOR, device_of
+from punica_numba.engine import MultiLoRAEngine, Request, tiny_llama
+from punica_numba.kv_cache import KVCache
 from punica_numba.wrapper import PunicaWrapperNumba
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +53,8 @@ def _result_rows(out: str) -> dict[int, tuple[str, str]]:
     return rows
 
 
-def test_demo_agrees_with_peft_and_prints_every_table(capsys):
-    code = demo.main(TINY)
+def test_demo_agrees_with_peft_and_prints_every_table(capsys, tmp_path):
+    code = demo.main([*TINY, "--json", str(tmp_path / "demo.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert re.search(r"slot\s+adapter id\s+PEFT name\s+rank\s+alpha\s+scaling\s+targets", out)
@@ -57,7 +72,59 @@ def test_demo_agrees_with_peft_and_prints_every_table(capsys):
         "transformers generate",
     ):
         assert re.search(rf"{re.escape(path)}\s+\S+\s+[\d.]+\s+[\d.]+", out), path
+    assert re.search(r"punica_numba engine\s+none\s+[\d.]+\s+[\d.]+\s+[\d.]+", out), (
+        "the engine's base path, with its decode ms/step"
+    )
     assert "All 4 requests agree with PEFT." in out
+    numbers = json.loads((tmp_path / "demo.json").read_text())
+    assert numbers["agreement"]["all_agree"] is True
+    assert [r["agrees"] for r in numbers["agreement"]["requests"]] == [True] * 4
+    paths = [(t["path"], t["adapters"]) for t in numbers["throughput"]]
+    assert paths == [
+        ("punica_numba engine", "mixed"),
+        ("punica_numba engine", "none"),
+        ("PEFT generate(adapter_names=...)", "mixed"),
+        ("transformers generate", "none"),
+    ]
+    assert all(t["tokens_per_s"] > 0 and t["tokens"] == 8 for t in numbers["throughput"])
+    assert numbers["sweep"] == [], "no sweep without --plot or --sweep"
+
+
+def test_demo_plots_throughput_against_distinct_adapters(capsys, tmp_path):
+    argv = [*TINY, "--adapters", "4", "--plot", str(tmp_path / "sweep.png")]
+    code = demo.main([*argv, "--json", str(tmp_path / "demo.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep = json.loads((tmp_path / "demo.json").read_text())["sweep"]
+    assert [p["distinct"] for p in sweep] == [1, 4], "the sweep's points up to --adapters"
+    assert all(p["tokens_per_s"] > 0 and p["step_ms"] > 0 for p in sweep)
+    assert re.search(r"distinct adapters\s+seconds\s+tokens/s\s+decode ms/step", out)
+
+
+def test_demo_profile_times_every_part_of_a_decode_step(capsys, tmp_path):
+    argv = [*TINY, "--new-tokens", "3", "--profile", "--json", str(tmp_path / "profile.json")]
+    assert demo.main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"part\s+host ms/step\s+host share", out), out
+    numbers = json.loads((tmp_path / "profile.json").read_text())
+    mixed, base = numbers["profiles"]
+    assert mixed["label"] == "engine, mixed adapters" and base["label"] == "engine, no adapters"
+    for p in (mixed, base):
+        assert p["steps"] == 1 and p["batch"] == 4 and p["step_ms"] > 0 and p["before_ms"] > 0
+        shares = {row["part"]: row["host_share"] for row in p["parts"]}
+        assert sum(shares.values()) == pytest.approx(1.0, abs=1e-6)
+        for part in ("attention", "base GEMMs", "norms", "LM head", profile.LOOP):
+            assert part in shares, (part, shares)
+        assert "update_metadata" not in shares, "the decode steps' metadata is prepared once"
+    lora = {p["label"]: _part(p, "LoRA (add_lora_linear)")["host_ms"] for p in (mixed, base)}
+    # On the simulator the LoRA kernels (Python threads) dwarf the rest; without adapters
+    # the wrapper launches nothing.
+    assert lora["engine, mixed adapters"] > 10 * lora["engine, no adapters"], lora
+
+
+def _part(p: dict, name: str) -> dict:
+    return next(row for row in p["parts"] if row["part"] == name)
 
 
 def test_demo_reports_a_wrong_lora(capsys, monkeypatch):
@@ -151,3 +218,237 @@ def test_cli_usage_errors(argv, code, capsys):
 
     assert main(argv) == code
     assert "usage: python -m punica_numba" in capsys.readouterr().err
+
+
+# -- the engine's serving loop, on the base path (no adapter) ---------------------------------
+
+DEVICE = device_of()
+
+# Awkward on purpose: 3 query heads per KV head, head_dim 4, an odd vocabulary.
+SIZES = dict(
+    vocab_size=53,
+    hidden_size=24,
+    intermediate_size=40,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    max_positions=24,
+)
+MAX_BATCHES = 6  # buckets 1, 2, 4, 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(**SIZES, seed=3)
+
+
+def _engine(model, **kwargs) -> MultiLoRAEngine:
+    kwargs = dict(max_num_batched_tokens=40, max_batches=MAX_BATCHES) | kwargs
+    return MultiLoRAEngine(model, max_loras=1, max_lora_rank=2, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def base_engine(model):
+    return _engine(model)
+
+
+def _requests(lengths, seed: int) -> list[Request]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        Request(torch.randint(1, SIZES["vocab_size"], (n,), generator=gen).tolist())
+        for n in lengths
+    ]
+
+
+@torch.no_grad()
+def _model_logits(model, request: Request, tokens: list[int]) -> torch.Tensor:
+    """The model's own forward over the prompt and the tokens but the last: the
+    ``[len(tokens), V]`` rows that predicted each token (no cache, no batch)."""
+    sequence = torch.tensor([[*request.prompt, *tokens[:-1]]], device=DEVICE)
+    logits = model(sequence).logits[0]  # [S, V]
+    start = len(request.prompt) - 1
+    return logits[start : start + len(tokens)].float()
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = 1e-5):
+    err = (got - want).abs()
+    scale = want.abs().max().item()
+    if err.max().item() > rel * scale:
+        step, token = divmod(int(err.argmax()), err.shape[1])
+        raise AssertionError(
+            f"{what}: max |engine - reference| = {err.max().item():.3g} > {rel:g} x {scale:.3g} "
+            f"at step {step}, token {token}: {got[step, token].item()!r} vs "
+            f"{want[step, token].item()!r}"
+        )
+
+
+@pytest.mark.parametrize("lengths", [(4,), (5, 1, 3), (2, 6, 1, 4, 3)], ids=["1", "3", "5"])
+def test_prefill_and_decode_equal_the_models_forward(model, base_engine, lengths):
+    """One prefill of every prompt, then batched decode steps over the KV cache, in a
+    bucket with padding rows (3 -> 4, 5 -> 6): each request's logits are the model's
+    own forward over its sequence, and its tokens the greedy choices."""
+    requests = _requests(lengths, seed=len(lengths))
+    generations = base_engine.generate(requests, 5, keep_logits=True)
+    for i, (r, g) in enumerate(zip(requests, generations)):
+        assert len(g.tokens) == 5 and g.logits.shape == (5, SIZES["vocab_size"])
+        want = _model_logits(model, r, g.tokens)
+        _assert_close(g.logits, want, f"request {i} of {len(requests)}")
+        assert g.tokens == g.logits.argmax(-1).tolist(), "greedy"
+
+
+def test_buckets_cover_every_batch_size(base_engine):
+    assert base_engine.buckets == (1, 2, 4, MAX_BATCHES)
+    assert [base_engine._bucket(b) for b in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+
+
+def test_requests_never_see_each_others_tokens(base_engine):
+    """Changing one request's prompt leaves every other request's logits as they were:
+    the prefill's mask is block-diagonal and each decode row reads its own cache slot."""
+    requests = _requests((3, 4, 2), seed=11)
+    changed = list(requests)
+    changed[1] = Request([(t + 7) % SIZES["vocab_size"] or 1 for t in requests[1].prompt])
+    before = base_engine.generate(requests, 4, keep_logits=True)
+    after = base_engine.generate(changed, 4, keep_logits=True)
+    assert (before[1].logits - after[1].logits).abs().max() > 1e-2, "the change must matter"
+    for i in (0, 2):
+        _assert_close(after[i].logits, before[i].logits, f"request {i}", rel=1e-6)
+
+
+def test_a_reused_cache_holds_nothing_stale(model, base_engine):
+    """Short prompts after long ones: what the long ones left in the slots is never read."""
+    base_engine.generate(_requests((6, 6, 6, 6), seed=2), 8)
+    short = _requests((1, 2, 1), seed=3)
+    got = base_engine.generate(short, 3, keep_logits=True)
+    fresh = _engine(model).generate(short, 3, keep_logits=True)
+    for i, (g, f) in enumerate(zip(got, fresh)):
+        assert g.tokens == f.tokens
+        _assert_close(g.logits, f.logits, f"request {i}", rel=1e-6)
+
+
+def test_a_stop_token_ends_its_request_and_no_other(base_engine):
+    requests = _requests((3, 1, 5), seed=7)
+    full = base_engine.generate(requests, 6, keep_logits=True)
+    tokens = full[0].tokens
+    k = next(k for k in range(1, 6) if tokens[k] not in tokens[:k])  # a first occurrence
+    stop = tokens[k]
+    stopped = base_engine.generate(requests, 6, keep_logits=True, stop_token=stop)
+    for i, (f, s) in enumerate(zip(full, stopped)):
+        want = f.tokens[: f.tokens.index(stop) + 1] if stop in f.tokens else f.tokens
+        assert s.tokens == want, i
+        assert torch.equal(s.logits, f.logits[: len(want)]), i
+    assert stopped[0].tokens[-1] == stop and len(stopped[0].tokens) == k + 1
+
+
+def test_the_batch_ends_once_every_request_has_stopped(base_engine, monkeypatch):
+    monkeypatch.setattr(engine, "STOP_CHECK_EVERY", 1)
+    request = _requests((2,), seed=5)
+    first = base_engine.generate(request, 3)[0].tokens
+    steps = []
+    got = base_engine.generate(request, 10, stop_token=first[1], on_step=steps.append)
+    assert got[0].tokens == first[:2]
+    assert steps == [0, 1], "no decode step after the one that finished the batch"
+
+
+def test_the_engine_rejects_what_it_cannot_serve(model, base_engine):
+    vocab = SIZES["vocab_size"]
+    with pytest.raises(ValueError, match=f"token {vocab}, outside the vocabulary"):
+        base_engine.generate([Request([1, vocab])], 2)
+    with pytest.raises(ValueError, match="stop_token must be None or a token id"):
+        base_engine.generate([Request([1])], 2, stop_token=vocab)
+    with pytest.raises(ValueError, match=f"need 1 to {MAX_BATCHES} requests, got 7"):
+        base_engine.generate([Request([1])] * 7, 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        base_engine.generate([Request([1])], 0)
+    with pytest.raises(ValueError, match="max_seq_len must lie in"):
+        _engine(model, max_seq_len=0)
+    with pytest.raises(ValueError, match="max_batches must be an int >= 1"):
+        _engine(model, max_batches=0)
+    with pytest.raises(ValueError, match="more than max_seq_len=8"):
+        _engine(model, max_seq_len=8).generate([Request([1, 2, 3])], 6)
+    if SIMULATOR:
+        with pytest.raises(ValueError, match="use_cuda_graphs=True needs a GPU"):
+            _engine(model, use_cuda_graphs=True)
+
+
+def test_kv_cache_writes_each_token_at_its_slot_and_position():
+    cache = KVCache(2, 3, 2, 4, 5, dtype=torch.float32, device=DEVICE)
+    k = torch.arange(3 * 2 * 4, dtype=torch.float32, device=DEVICE).view(3, 2, 4)
+    slots = torch.tensor([2, 0, 2], device=DEVICE)
+    positions = torch.tensor([1, 4, 3], device=DEVICE)
+    cache.write(1, slots, positions, k, -k)
+    for t in range(3):
+        assert torch.equal(cache.k[1, slots[t], :, positions[t]], k[t])
+        assert torch.equal(cache.v[1, slots[t], :, positions[t]], -k[t])
+    assert not cache.k[0].any(), "another layer is untouched"
+    assert int((cache.k[1] != 0).any(-1).sum()) == 3 * 2, "nothing else written"
+    assert cache.keys(1, 2).shape == (2, 2, 5, 4) and cache.nbytes == 2 * 4 * 2 * 3 * 2 * 5 * 4
+    bias = cache.decode_bias(torch.tensor([0, 3, 4], device=DEVICE))
+    assert bias.shape == (3, 1, 1, 5)
+    visible = bias[:, 0, 0] == 0
+    assert visible.tolist() == [[p <= q for p in range(5)] for q in (0, 3, 4)]
+    assert bool((bias[:, 0, 0][~visible] == float("-inf")).all())
+
+
+@pytest.mark.gpu
+def test_decode_graphs_replay_what_the_eager_steps_compute(model, tmp_path):
+    """Graphs captured per (bucket, distinct adapters), replayed for later batches with
+    other adapters, sizes and prompts: the same tokens and logits as the eager steps."""
+    specs = demo.adapter_specs(3, max_rank=4)
+    engines = {
+        graphs: _engine(model, use_cuda_graphs=graphs) for graphs in (True, False)
+    }  # built before PEFT wraps the model's projections
+    demo.create_peft_adapters(model, specs, tmp_path, seed=0)
+    for e in engines.values():
+        for s in specs:
+            e.load_adapter(s.adapter_id, tmp_path / s.name)
+    ids = [s.adapter_id for s in specs]
+    batches = [
+        [Request(r.prompt, i) for r, i in zip(_requests((3, 1, 4), 1), (ids[0], 0, ids[1]))],
+        [Request(r.prompt, i) for r, i in zip(_requests((2, 5, 1), 2), (ids[2], ids[1], 0))],
+        [Request(r.prompt, i) for r, i in zip(_requests((1, 2), 3), (0, 0))],  # no adapter
+        [Request(r.prompt, ids[0]) for r in _requests((2, 2, 3, 1, 2), 4)],
+    ]
+    for n, batch in enumerate(batches):
+        want = engines[False].generate(batch, 6, keep_logits=True)
+        got = engines[True].generate(batch, 6, keep_logits=True)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.tokens == w.tokens, (n, i)
+            _assert_close(g.logits, w.logits, f"batch {n}, request {i}")
+    assert set(engines[True]._graphs) == {(4, 2), (2, 0), (6, 1)}
+
+
+def test_probe_counts_each_part_without_the_parts_nested_in_it():
+    probe = profile.Probe()
+    probe.active = True
+    inner = probe.wrap("inner", lambda: time.sleep(0.05))
+
+    def outer_body():
+        time.sleep(0.02)
+        inner()
+
+    probe.wrap("outer", outer_body)()
+    assert 0.02 <= probe.host["outer"] < 0.045, dict(probe.host)
+    assert probe.host["inner"] >= 0.05 and probe.calls == {"outer": 1, "inner": 1}
+    probe.active = False
+    inner()
+    assert probe.calls["inner"] == 1, "nothing is counted while the probe is off"
+
+
+def test_exclusive_times_subtract_the_ranges_nested_in_a_range():
+    """The attribution ``--profile`` makes of the device's time, on the host's clock."""
+    from torch.profiler import ProfilerActivity
+
+    probe = profile.Probe(ranges=True)
+    inner = probe.wrap("inner", lambda: time.sleep(0.05))
+
+    def outer_body():
+        time.sleep(0.02)
+        inner()
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+        probe.active = True
+        probe.wrap("outer", outer_body)()
+        probe.active = False
+    times = profile.exclusive_times(prof.events(), attr="cpu_time_total")
+    assert 20e3 <= times["outer"][0] < 45e3, times  # µs
+    assert times["inner"][0] >= 50e3, times
