@@ -268,7 +268,7 @@ print(f"after {launches} calls the buffer holds {launches}× the reference shrin
 # parameters, about 70 per launch here, and `cuda.core.launch` converts each of them on
 # every call; a `ReadyLaunch` keeps them laid out in memory as the driver reads them
 # (an array of pointers), so a launch is one `cuLaunchKernel`. On the H200's host
-# (`docs/benchmarks/h200_v13_candidates.json`, run R1) replaying the shrink and the
+# (the runs behind v13, af0d6fb, run R1) replaying the shrink and the
 # expand took 10.2 µs that way against 58.1 µs through `cuda.core.launch`, and the whole
 # eager call 25 µs, of which 13 µs are the checks and the replay key. Since v23 the
 # replay goes as one CUDA graph of those ready launches (below, after the benchmark).
@@ -429,11 +429,11 @@ else:
 #   end (`kernels.expand_mma`, "Whole column groups": 808 -> 576 instructions).
 #
 # Each was measured against the version before it on the same machine
-# (`docs/benchmarks/h200_v14_candidates.json` to `h200_v16_candidates.json`); none
+# (the runs behind v14 to v16, 917c232 to ed605b5); none
 # changes a sum, so the results are the same bits.
 #
 # How short can the chain get? Probe kernels of 256 threads timed the same way
-# (`h200_v17_candidates.json`, "replay_floor"): an empty kernel takes 0.5-0.7 µs, one
+# (the runs behind v17, 7968263, "replay_floor"): an empty kernel takes 0.5-0.7 µs, one
 # entry of a table and then one word a thread 1.6-1.7 µs, 8 words a thread (8 KB a block)
 # 2.1-2.2 µs, and summing them over the block 2.2-2.3 µs. A one-token shrink follows
 # that chain with three times those bytes and takes 2.7-3.2 µs.
@@ -441,7 +441,7 @@ else:
 # A shorter chain is not always a faster kernel. At r=64 with 16 tokens per LoRA the
 # tensor-core expand loads B a trip late (its 32 words a lane do not fit beside the
 # rest), and two ways of moving B forward both lost on the H200
-# (`h200_v18_candidates.json`): two warps each taking half the rank, so that each could
+# (the runs behind v18, 15f8e08): two warps each taking half the rank, so that each could
 # load its half of B at once, ran 2.4 times the instructions (each warp still finds its
 # rows, forms its buffer fragments and rounds its outputs) and took 9.9 µs against 7.7;
 # asking L2 for B's rows right after the table took 8.7-8.9 µs. Nsight Compute says what
@@ -452,14 +452,14 @@ else:
 # its k come, only that both operands agree, so each lane takes four neighbouring rank
 # elements per step, and the buffer and B come 16 bytes at a time: at r=64 a lane's 64
 # loads become 24. At r=64 that took 256 tokens over 16 LoRAs from 7.7 to 7.3 µs and
-# 4096 over 64 from 40.5 to 33.0 (`h200_v19_candidates.json`; `kernels.expand_mma`, "The
+# 4096 over 64 from 40.5 to 33.0 (v19, aea8fd8; `kernels.expand_mma`, "The
 # rank in a lane's order"); copying B to shared memory with `cp.async`, which holds no
 # register, had lost (8.1 µs).
 #
 # One more thing to know when timing small kernels: in a process, the first three CUDA
 # graphs ran them about 0.35 µs per call faster than every graph from the fourth capture
-# on, the first graph included, and torch's own kernels alike (`h200_v19_candidates.json`,
-# "graph_state_note"; `h200_v20_candidates.json`, "graph_state_probe"; the cause is not
+# on, the first graph included, and torch's own kernels alike (v19 and v20,
+# `docs/benchmarks/lab_notes.md`, "The first graphs of a process"; the cause is not
 # known). A serving process captures many graphs, so since v20 the benchmark makes eight
 # captures of its own before it times anything (`bench.settle_graphs`). Its first two
 # cases, the one-token shrink and expand at r=16, which earlier runs timed in the fast
@@ -475,11 +475,11 @@ else:
 # stores (`kernels.shrink`, "One slot"). Where the test sits matters as much as the
 # idea: as an early exit, the compilers made every load wait for it (the SASS says so
 # before any GPU time is spent). In v21's run the one-token shrink took 2.80 µs and the
-# expand 2.20 (`h200_v21_candidates.json`).
+# expand 2.20 (at 05bd69a).
 #
 # One trip, and the shrink still took 0.6 µs more than the expand of the same bytes. A
 # probe that loaded the same rows with a handful of instructions took 2.08 µs
-# (`h200_v22_candidates.json`): the row kernel, built for tiles, rank groups and rows of
+# (the runs behind v22, f2fd963): the row kernel, built for tiles, rank groups and rows of
 # any length, ran about 200 instructions of index work before its first load, in each of
 # a block's 8 warps. The one-token shrink (`kernels.shrink_token`) does only what one
 # token of one slot needs, with the row's length compiled in: 48 instructions before its
@@ -492,7 +492,7 @@ else:
 # Not every miss is a chain of trips, and fewer trips are not always faster. The r=64
 # expand at 16 tokens per LoRA loaded B (8 KB a warp, from DRAM) first and the buffer's
 # rows (mostly in L2) after it, all in one trip; since v25 it asks for the buffer first,
-# and the kernel went from about 7.2 µs to 6.8 (`h200_v25_candidates.json`): loads that
+# and the kernel went from about 7.2 µs to 6.8 (v25, 8c9aed9): loads that
 # would hit L2 no longer queue behind loads from DRAM. With additions in place of its
 # tensor-core products it was no faster, and probes that made only its loads and stores
 # took 5.7 µs at best, the 5.7 wanted. The roofline's floor counts bytes; how the bytes are
@@ -500,7 +500,7 @@ else:
 #
 # Hopper's copy engine (`cp.async.bulk`) brings bytes into shared memory without holding a
 # register for them; in such a probe B came that way, at 5.7 µs. In the kernel it lost,
-# 7.4 µs with one copy a warp (session 24, `h200_v26_candidates.json`): the probe had beaten
+# 7.4 µs with one copy a warp (at 73063e8, before v26): the probe had beaten
 # a chain of its own making, while the kernel's loads were already in flight together, and
 # the copy engine waits longer for B than the lanes' loads do. What is left is the chain
 # itself. With almost no bytes an expand at r=64 took about 2.5 µs (one token), so the 5.7
@@ -519,8 +519,8 @@ else:
 # up to 41 %. The cell below reads the committed A/B (one process per setting, two rounds).
 
 # %%
-ab_path = root / "docs" / "benchmarks" / "h200_v26_candidates.json"
-ab = json.loads(ab_path.read_text())["session25_call3_launch_dependents_or_wait_only"]
+ab_path = root / "docs" / "benchmarks" / "h200_dependent_launch_ab.json"
+ab = json.loads(ab_path.read_text())
 settings = {"ordinary": "ordinary", "trigger-first": "said first", "wait-only": "wait only"}
 by_setting = {}
 for run in ab["rounds"]:
@@ -539,7 +539,7 @@ print(
 # With the launch shorter, what keeps that r=64 expand at 6.1 µs? A probe that makes exactly
 # its loads and stores, every one of a lane's in flight before the first is used, in its
 # grid and with the dependent launch (`docs/benchmarks/probes/r64_expand_traffic.py`), takes
-# 5.0-5.1 µs (session 27, `h200_v28_candidates.json`): the memory fits under the 5.7 wanted.
+# 5.0-5.1 µs (at ab28dfa, v26's kernels): the memory fits under the 5.7 wanted.
 # (The probes of v24-v25 had let the compiler fold each word as it arrived, so that only a
 # few were in flight: they timed a chain of their own.) What is left is the work after the
 # last load: the tensor-core products (two `mma` a tile, to keep 16 bits of each fp32
@@ -550,21 +550,21 @@ print(
 # the stream. The machine code says why: each instruction carries in its last bits which of
 # six scoreboards its result sets and which ones it waits for, and in the H200's code all 28
 # of a warp's loads set the same one, which its first split waits for, so no product starts
-# before the warp's last load has landed (session 28, `h200_v29_candidates.json`).
+# before the warp's last load has landed (after v26; `docs/benchmarks/lab_notes.md`).
 # `cp.async` copies to shared memory complete in groups that a warp can wait for one at a
 # time; with B staged that way, the best of 26 forms tied the kernel: the route through
 # shared memory cost about what the earlier start saved
 # (`docs/benchmarks/probes/r64_expand_staged.py`). Faster products did not help either:
 # Hopper's warpgroup instruction `wgmma`, with B's rows as its register operand and the split
 # buffer in shared memory, gave outputs as accurate as the kernel's but took 0.1-0.3 µs longer
-# in the best form measured (session 29, `docs/benchmarks/probes/r64_expand_wgmma.py`). One
+# in the best form measured (after v26, `docs/benchmarks/probes/r64_expand_wgmma.py`). One
 # more lesson for reading compiled code: the H200 machine compiled this kernel to other PTX
 # than a CPU machine did from the same source (all loads first, 160 registers, against a split
 # of the buffer between them, 144), so a kernel's schedule is read from the cubin the GPU's
 # machine made.
 #
-# What did help was to overlap the calls instead of the work inside one (v27, session 30,
-# `h200_v31_candidates.json`). While one call's last blocks multiply and store, DRAM idles,
+# What did help was to overlap the calls instead of the work inside one (v27,
+# e40f18a). While one call's last blocks multiply and store, DRAM idles,
 # because the next call's loads leave only after its wait. So the tensor-core expand *asks
 # ahead*: it says `launch_dependents` first, so the next call's blocks are placed beside its
 # own while they run, and before their wait those blocks ask L2 for the lines they will load
@@ -575,17 +575,17 @@ print(
 # the same lost, so only launches of one slice read from the tile table, of up to 256
 # tokens (the most measured), ask ahead. What each block asks for matters too: every column
 # group of a tile reads the same buffer rows, and when all 64 asked for them the r=16 expand
-# was slower than when one group in eight does (v28, session 31: 256 over 16 LoRAs 3.84 ->
+# was slower than when one group in eight does (v28, 46f9381: 256 over 16 LoRAs 3.84 ->
 # 3.38 µs in the benchmark); this row tied (5.84).
 #
-# The last step used the time that asking ahead had made (v29, session 33,
-# `h200_v34_candidates.json`). A block placed early now waits for microseconds before its
+# The last step used the time that asking ahead had made (v29,
+# dab1d2e). A block placed early now waits for microseconds before its
 # wait returns, and it already knew its slot there: so it loads its rows of B into the
 # registers that hold them anyway, and a block whose table row has no tile leaves without
 # waiting at all. That is safe only because nothing still running can be writing B or the
 # table: of this package's kernels, only these expands say `launch_dependents`, and they
 # write only their outputs (a caller's own kernel just ahead that said it early, and wrote
-# the weights, would break that: the module's note says so). Session 24 had tried loads
+# the weights, would break that: the module's note says so). A trial before v26 had tried loads
 # before the wait and found they saved little, when a block had almost no time before its
 # wait; the same idea paid once the launches overlapped. The row went to 5.35-5.61 µs in
 # A/B runs (5.77-6.02 before) and 5.58 in v29's benchmark, under the 5.7 wanted; the r=64

@@ -1,13 +1,14 @@
 """Where the blocks of the tensor-core expand's grid land on the H200's SMs.
 
-A probe for the H200 (session 32, ``h200_v33_candidates.json``, ``call6_where_blocks_land``).
-The expand at r=64, 256 tokens over 16 LoRAs, launches a grid of 33 x 1 x 64 one-warp blocks:
-along x the tile table's bound (16 tiles of 16 tokens, and 17 rows more, one for each segment a
-step may have, 16 LoRAs and none, which stay empty here), along z 64 groups of 64 columns. In
-session 32 the same launch with exactly its 16 tiles along x was slower (6.36-6.61 µs against
-5.73-6.05), and so were 50 and 66 rows. One guess was that the 33-row grid happens to put the
-blocks of one tile on one SM, where they would share the tile's buffer rows in L1 (132 SMs, four
-times 33). This probe looks.
+A probe for the H200, from the trials after v28 (f4b51fd's package; its runs are
+``h200_v33_candidates.json``, ``call6_where_blocks_land``, in git history: ``git show
+9807a63:docs/benchmarks/h200_v33_candidates.json``). The expand at r=64, 256 tokens over 16
+LoRAs, launches a grid of 33 x 1 x 64 one-warp blocks: along x the tile table's bound (16 tiles
+of 16 tokens, and 17 rows more, one for each segment a step may have, 16 LoRAs and none, which
+stay empty here), along z 64 groups of 64 columns. In those trials the same launch with exactly
+its 16 tiles along x was slower (6.36-6.61 µs against 5.73-6.05), and so were 50 and 66 rows.
+One guess was that the 33-row grid happens to put the blocks of one tile on one SM, where they
+would share the tile's buffer rows in L1 (132 SMs, four times 33). This probe looks.
 
 Each block of a ``(axis, 1, 64)`` grid of one warp records its SM (``%smid``) and its start
 (``%globaltimer``, ns). Blocks in rows below :data:`TILES` ("with a tile") spin for
@@ -24,8 +25,8 @@ another. With 33 rows an SM got 0-12 blocks with a tile and 0-7 tiles (mostly 3 
 rows 7 or 8 blocks and 3-5 tiles. So the bound's grid neither keeps a tile to one SM nor spreads
 the work as evenly as the exact grid, and yet it is the faster of the two. (A launch alone on an
 idle GPU; with the dependent launch, blocks are placed while the launch ahead still runs, which
-this does not reproduce.) The timelines of consecutive launches in the benchmarks README
-(session 32, ``call7``) suggest that what differs is when blocks are placed.
+this does not reproduce.) The timelines of consecutive launches in the lab notes
+(``docs/benchmarks/lab_notes.md``, ``call7``) suggest that what differs is when blocks are placed.
 
 Run on a GPU from the repository root: ``python docs/benchmarks/probes/block_placement.py``.
 Prints one JSON line: for each variant, per SM the blocks with a tile and the distinct tiles,

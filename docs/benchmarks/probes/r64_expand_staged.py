@@ -1,11 +1,12 @@
 """The r=64 expand at 256 tokens over 16 LoRAs with B staged in shared memory by ``cp.async``.
 
-A probe for the H200 (session 28, ``h200_v29_candidates.json``). The tensor-core expand's pick
-for this case (one warp of 64 columns a block, :mod:`punica_numba.kernels.expand_mma`) loads
-everything into registers and on the H200 waits for all of a warp's loads before its first
-product: ptxas puts every one of them on one scoreboard (benchmarks README, "A warp's
-products wait for all of its loads"). ``cp.async`` copies to shared memory hold no registers
-and complete in commit groups that a warp can wait for one at a time, so a warp could start
+A probe for the H200, from the trials after v26 (``h200_v29_candidates.json`` in git
+history). The tensor-core expand's pick for this case (one warp of 64 columns a block,
+:mod:`punica_numba.kernels.expand_mma`) loads everything into registers and on the H200 waits
+for all of a warp's loads before its first product: ptxas puts every one of them on one
+scoreboard (``docs/benchmarks/lab_notes.md``, "A warp's products wait for all of its loads").
+``cp.async`` copies to shared memory hold no registers and complete in commit groups that a
+warp can wait for one at a time, so a warp could start
 multiplying what has landed while the rest streams. Each kernel here does the op's products in
 the op's order, so it gives the op's bits (``main`` checks them against the op on the same
 arguments), and differs only in how B, the old outputs and the buffer reach the products.

@@ -1,6 +1,6 @@
 """The memory traffic of the r=64 expand at 256 tokens over 16 LoRAs, without its products.
 
-A probe for the H200 (session 27, ``h200_v28_candidates.json``, ``call1_memory_probe``): how
+A probe for the H200 (``h200_v28_candidates.json`` in git history, ``call1_memory_probe``): how
 long the loads and stores of the tensor-core expand's pick for that case take alone, timed as
 the benchmark times the op (``bench.time_calls``: CUDA-graph replay over a pool of argument
 sets together larger than twice the L2), launched through the package's launcher, so with
@@ -11,8 +11,9 @@ groups of 64 output columns. A lane loads all its 16-byte words into registers, 
 meets at a barrier, and only then are the words folded together, inside a branch the
 compiler cannot resolve (``flag``, always 0): without it ptxas folds each word as it
 arrives and keeps at most a few loads of a lane in flight (the flaw of the probes of
-v24-v25, README "What that probe measured"); with it the variants below hold 70-96 registers,
-every load in flight at once (the same on the H200 and compiled here). Variants (``VARIANTS``):
+v24-v25, ``docs/benchmarks/lab_notes.md``, "where the last microsecond goes"); with it the
+variants below hold 70-96 registers, every load in flight at once (the same on the H200 and
+compiled here). Variants (``VARIANTS``):
 
 * B, the warp's 8 KB of a slot's weights: ``1`` as 16 pieces of 512 contiguous bytes (each
   instruction one whole piece), ``2`` in the kernel's pattern (lane ``g, t`` reads rows
@@ -26,7 +27,7 @@ Run on a GPU from the repository root:
 ``ROUND=k python docs/benchmarks/probes/r64_expand_traffic.py`` (``ROUND`` rotates the order
 of the variants). Prints one JSON line: µs per call of each variant, and of the op itself
 (``bench.run_case``, run halfway through and again at the end, the second kept) in the same
-process. Session 27 ran it at ab28dfa's package (the kernels of v26).
+process. It was run at ab28dfa's package (the kernels of v26).
 """
 
 import json

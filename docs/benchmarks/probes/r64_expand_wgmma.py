@@ -1,10 +1,11 @@
 """The r=64 expand at 256 tokens over 16 LoRAs on Hopper's warpgroup products (``wgmma``).
 
-A probe for the H200 (session 29, ``h200_v30_candidates.json``). The tensor-core expand's pick
-for this case (one warp of 64 columns a block, :mod:`punica_numba.kernels.expand_mma`)
-multiplies with ``mma.sync``, 64 of them a warp after its last load has landed; halving them (a
-diagnostic, session 27) took 0.3-0.5 µs off the case. ``wgmma.mma_async`` multiplies for four
-warps at once (a *warpgroup*) and may run the tensor cores faster than ``mma.sync`` does.
+A probe for the H200, from the trials after v26 (``h200_v30_candidates.json`` in git
+history). The tensor-core expand's pick for this case (one warp of 64 columns a block,
+:mod:`punica_numba.kernels.expand_mma`) multiplies with ``mma.sync``, 64 of them a warp after
+its last load has landed; halving them (a diagnostic, in the trials at ab28dfa) took 0.3-0.5 µs
+off the case. ``wgmma.mma_async`` multiplies for four warps at once (a *warpgroup*) and may run
+the tensor cores faster than ``mma.sync`` does.
 Here a block is one warpgroup (128 threads) and the product is taken the other way round:
 
 * ``D[column, token] = B[column, :] . x[token, :]``: rows of B are the wgmma's A operand, 64
