@@ -74,8 +74,10 @@ WRITER_THREADS = 256
 #: written, even in an eager call, where the host takes a while between the writer's launch
 #: and the op's. (Timed by ``%globaltimer``, not by ``clock64``: the SM clock runs from
 #: about 0.35 to 1.98 GHz on an H200, so cycles are no fixed time. A first version spun
-#: 200,000 cycles, about 0.1 ms at full clock: in eager calls the op's launch then often
-#: came after the writer had written B, and the r=16 expand never went wrong.)
+#: 200,000 cycles, about 0.1 ms at full clock: against an expand that loaded B before its
+#: wait, 12 of 60 eager iterations went wrong at r=64 and none at r=16, where graph replays,
+#: which launch the op at once, went wrong in nearly all; spinning 2 ms, every eager one
+#: did too. The eager op's launch often came after the writer had written B.)
 SPIN_NS = 2_000_000
 
 

@@ -390,9 +390,10 @@ def test_kv_cache_writes_each_token_at_its_slot_and_position():
 
 
 @pytest.mark.gpu
-def test_decode_graphs_replay_what_the_eager_steps_compute(model, tmp_path):
+def test_decode_graphs_replay_what_the_eager_steps_compute(tmp_path):
     """Graphs captured per (bucket, distinct adapters), replayed for later batches with
     other adapters, sizes and prompts: the same tokens and logits as the eager steps."""
+    model = tiny_llama(**SIZES, seed=3)  # its own: PEFT wraps it below
     specs = demo.adapter_specs(3, max_rank=4)
     engines = {
         graphs: _engine(model, use_cuda_graphs=graphs) for graphs in (True, False)
