@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# What a change to the kernels or the wrapper must pass on a GPU, in one command:
+#
+#   tests/gpu_check.sh [STEP ...]     # steps: bench suite sanitize demo (default: all four)
+#
+# * bench     python -m punica_numba bench, alone on the GPU (its times are the point)
+# * demo      python -m punica_numba demo with --json and --plot, alone on the GPU
+# * suite     the whole pytest suite under HYPOTHESIS_PROFILE=gpu
+# * sanitize  tests/sanitize.sh, its four tools side by side
+#
+# Timed steps run first and one at a time; the two correctness steps then run side by side
+# (they share the GPU; their results do not depend on its speed). Everything goes to
+# $GPU_CHECK_OUT (default: a fresh temporary folder, printed at the end), one log a step,
+# and the last line of each log is printed.
+#
+# Environment (all optional):
+#   PYTHON          the interpreter (default: python3); PYTHONPATH is kept as given
+#   GPU_CHECK_OUT   where logs, JSON and plots go
+#   COMMIT          the commit the benchmark records (default: git HEAD, if there is one)
+#   SUITE_WORKERS   pytest-xdist workers for the suite (default 4; 0: one process)
+#   SAN_WORKERS     pytest-xdist workers for each sanitizer tool (default 2)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+PYTHON="${PYTHON:-python3}"
+OUT="${GPU_CHECK_OUT:-$(mktemp -d -t gpu_check.XXXXXX)}"
+mkdir -p "$OUT"
+COMMIT="${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+if [ "$#" -gt 0 ]; then STEPS=" $* "; else STEPS=" bench demo suite sanitize "; fi
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+status=0
+start=$(date +%s)
+note() { echo "[+$(( $(date +%s) - start )) s] $*"; }
+
+if want bench; then
+    "$PYTHON" -m punica_numba bench --commit "$COMMIT" --json "$OUT/bench.json" \
+        --plot "$OUT/roofline.png" >"$OUT/bench.log" 2>&1 || status=1
+    note "bench: $(tail -n 1 "$OUT/bench.log")"
+fi
+if want demo; then
+    "$PYTHON" -m punica_numba demo --no-progress --json "$OUT/demo.json" \
+        --plot "$OUT/demo.png" >"$OUT/demo.log" 2>&1 || status=1
+    note "demo: $(tail -n 1 "$OUT/demo.log")"
+fi
+pids=()
+if want suite; then
+    workers=()
+    [ "${SUITE_WORKERS:-4}" != 0 ] && workers=(-n "${SUITE_WORKERS:-4}")
+    HYPOTHESIS_PROFILE=gpu "$PYTHON" -m pytest -q -p no:cacheprovider "${workers[@]}" tests \
+        >"$OUT/suite.log" 2>&1 &
+    pids+=($!)
+fi
+if want sanitize; then
+    for tool in memcheck racecheck initcheck synccheck; do
+        SANITIZE_LOGS="$OUT/sanitize_$tool" SANITIZE_PYTEST_ARGS="-n ${SAN_WORKERS:-2}" \
+            bash tests/sanitize.sh "$tool" >"$OUT/sanitize_$tool.txt" 2>&1 &
+        pids+=($!)
+    done
+fi
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+if want suite; then note "suite: $(grep -E ' in [0-9.]+s' "$OUT/suite.log" | tail -n 1)"; fi
+if want sanitize; then
+    for tool in memcheck racecheck initcheck synccheck; do
+        note "$(grep -E '^[a-z]+check: ' "$OUT/sanitize_$tool.txt" | tail -n 1)"
+    done
+fi
+echo "logs: $OUT"
+exit "$status"
