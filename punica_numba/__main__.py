@@ -3,6 +3,7 @@
 Commands:
     demo   serve a mixed batch over PEFT adapters, check it against PEFT (punica_numba.demo)
     bench  time shrink and expand against the copy-bandwidth limit (punica_numba.bench)
+    tune   time every launch configuration, write this GPU's table (punica_numba.tuning.sweep)
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ COMMANDS = {
     "against PEFT and time it",
     "bench": "time shrink and expand (CUDA-graph replay) against the copy-bandwidth limit "
     "and torch baselines",
+    "tune": "check and time every launch configuration over a grid of problems; write this "
+    "GPU's tuned table (JSON)",
 }
 
 USAGE = "usage: python -m punica_numba COMMAND [ARGS]  (COMMAND --help for its options)"
@@ -46,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import bench
 
         return bench.main(rest)
+    if command == "tune":
+        from .tuning import sweep
+
+        return sweep.main(rest)
     print(
         f"{USAGE}\nerror: unknown command {command!r}; choose from {sorted(COMMANDS)}",
         file=sys.stderr,

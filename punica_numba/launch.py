@@ -9,7 +9,9 @@ they give bit-identical results.
 
 The heuristic reads only host-side facts (the activation's row count and what
 ``LoRAKernelMeta`` learned while it prepared the mapping), never the device, so
-choosing costs no sync and a launch can be captured in a CUDA graph.
+choosing costs no sync and a launch can be captured in a CUDA graph. Where this GPU has a
+tuned table (:mod:`punica_numba.tuning`, ``python -m punica_numba tune``), its measured
+choice comes before the heuristic's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from ._cuda import SIMULATOR
 from .kernels.expand_lanes import lanes_columns
+from .tuning.table import tuned_config
 
 __all__ = [
     "LaunchConfig",
@@ -408,6 +411,10 @@ def choose_launch_config(
     tensor_cores: bool = False,
     slices: int = 1,
     lane_split: bool = False,
+    *,
+    dtype=None,
+    K: int | None = None,
+    N: int | None = None,
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count, the rank and
     the number of slices (host-side facts only): the last tensor-core one whose
@@ -421,12 +428,23 @@ def choose_launch_config(
     every token is then taken to have its own slot. ``rank`` 0 (not given) reaches
     no ``from_rank``. A configuration forced with :func:`force_launch_config` wins,
     except one of a kernel the call cannot use and one past its ``to_rank``.
+
+    Next, where the caller gives the weights' ``dtype`` and the product's sizes ``K`` and
+    ``N`` (shrink: hidden and rank; expand: rank and the widest slice), this GPU's tuned
+    table (:func:`punica_numba.tuning.tuned_config`, read once per process): its
+    configuration for the nearest tuned problem, under the same rule (a kernel the call
+    can use, within its ``to_rank``). Without them, or where the table has nothing near
+    or nothing the call can use, the heuristic above.
     """
     configs = launch_configs(op)
-    usable = {"mma": tensor_cores, "lanes": lane_split}
     forced = _forced.get(op)
-    if forced is not None and usable.get(forced.kernel, True) and _fits(forced.to_rank, rank):
+    if forced is not None and _can_take(forced, tensor_cores, lane_split, rank):
         return forced
+    if dtype is not None and K is not None and N is not None:
+        tuned = tuned_config(op, dtype, slices, K, N, rank, num_tokens, active_slots)
+        if tuned is not None and _can_take(tuned, tensor_cores, lane_split, rank):
+            return tuned
+    usable = {"mma": tensor_cores, "lanes": lane_split}
     per_slot = num_tokens / active_slots if active_slots else 1.0
     chosen = {False: configs[0], True: None}  # the last reached of each kind
     for config in configs[1:]:
@@ -442,6 +460,17 @@ def choose_launch_config(
         ):
             chosen[config.kernel == "mma"] = config
     return chosen[True] or chosen[False]
+
+
+def _can_take(config: LaunchConfig, tensor_cores: bool, lane_split: bool, rank: int) -> bool:
+    """Whether a call can run ``config`` at all (a forced or tuned one; the heuristic's
+    thresholds aside): the tensor cores only when ``tensor_cores``, the lane-split expand
+    only when ``lane_split``, and no configuration past its ``to_rank``."""
+    if config.kernel == "mma" and not tensor_cores:
+        return False
+    if config.kernel == "lanes" and not lane_split:
+        return False
+    return _fits(config.to_rank, rank)
 
 
 def _fits(limit: int | None, value: int) -> bool:

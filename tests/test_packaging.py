@@ -263,3 +263,20 @@ def test_parser_reads_the_formats_we_use():
     }
     with pytest.raises(ValueError):
         parse_environment_yml("dependencies:\n  numpy\n")
+
+
+def test_the_wheel_ships_the_tuner_and_its_tables(tmp_path):
+    """The wheel holds every file under the package (hatchling's default): the tuner, the
+    folder of tuned tables and every table in it, which the launcher reads at run time."""
+    pytest.importorskip("hatchling")
+    import subprocess
+    import zipfile
+
+    command = [sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    wanted = {"punica_numba/configs/README.md", "punica_numba/tuning/table.py"}
+    wanted |= {f"punica_numba/configs/{t.name}" for t in (ROOT / "punica_numba/configs").glob("*")}
+    assert wanted <= names, sorted(wanted - names)

@@ -88,12 +88,13 @@ def choose_shrink(
     num_tokens, rank = inputs.shape[0], weights[0].rows
     active = facts and facts.active_slots
     slices = len(weights)
-    config = choose_launch_config("shrink", num_tokens, active, rank, True, slices)
+    key = dict(dtype=weights[0].dtype, K=inputs.shape[1], N=rank)  # the tuned tables' key
+    config = choose_launch_config("shrink", num_tokens, active, rank, True, slices, **key)
     mma = None
     if config.kernel == "mma":
         mma = operands.mma_shrink_operands(inputs, weights)
         if mma is None:  # the tensor cores cannot take this call
-            config = choose_launch_config("shrink", num_tokens, active, rank, False, slices)
+            config = choose_launch_config("shrink", num_tokens, active, rank, False, slices, **key)
     if mma is not None:
         x, packed, wide = mma
         # One block per group of tile_n ranks (0: every rank), along grid.y.
@@ -168,7 +169,16 @@ def choose_expand(
     packed = w_words is not None
     words = rank // packing(dtype, packed)  # of one row of B
     choose = functools.partial(
-        choose_launch_config, "expand", num_tokens, active, rank, lane_split=splits(words)
+        choose_launch_config,
+        "expand",
+        num_tokens,
+        active,
+        rank,
+        slices=len(widths),  # (a configuration may stop at a slice count: ``to_slices``)
+        lane_split=splits(words),
+        dtype=dtype,  # the tuned tables' key: the weights' dtype, K = rank, N = widest slice
+        K=rank,
+        N=max(widths),
     )
     config = choose(tensor_cores=True)
     mma = None

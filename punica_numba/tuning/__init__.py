@@ -1,0 +1,34 @@
+"""Tuned launch configurations: measured per GPU, consulted before the heuristic.
+
+=========  ==================================================================
+``table``  the JSON table of one GPU: its format, where it is found, how it is
+           checked, and the nearest-entry lookup the launcher consults
+``sweep``  ``python -m punica_numba tune``: check and time every configuration
+           over a grid of problems, and write this GPU's table
+=========  ==================================================================
+
+The launcher (:func:`punica_numba.launch.choose_launch_config`) takes a forced
+configuration first, then the tuned table's (where the call can use it), then its
+hand-written heuristic. Only :mod:`.table` is imported here: :mod:`.sweep` runs the ops
+and is loaded by the command line alone.
+"""
+
+from .table import (
+    CONFIG_DIR_VARIABLE,
+    TunedTableError,
+    read_table,
+    reload_tuned_tables,
+    tuned_config,
+    tuned_table_path,
+    write_table,
+)
+
+__all__ = [
+    "CONFIG_DIR_VARIABLE",
+    "TunedTableError",
+    "read_table",
+    "reload_tuned_tables",
+    "tuned_config",
+    "tuned_table_path",
+    "write_table",
+]

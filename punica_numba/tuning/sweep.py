@@ -1,0 +1,383 @@
+"""``python -m punica_numba tune``: check and time every launch configuration, write the table.
+
+For each problem of a grid (op, dtype, slice widths, K, rank, T, LoRAs) the tuner builds
+one pool of argument sets, as the benchmark does (:mod:`punica_numba.bench`: together
+twice the L2, so every call reads its weights from HBM), and then, for every
+configuration of :func:`~punica_numba.launch.launch_configs`:
+
+1. forces it (:func:`~punica_numba.launch.force_launch_config`); one the problem cannot
+   use (the tensor cores or the lane split where its operands do not allow them, a rank
+   past the configuration's ``to_rank``) is *skipped*;
+2. checks its result against the float64 reference (the benchmark's check); one that
+   fails, or raises, is recorded as *failed*, is never chosen, and the sweep goes on;
+3. times it: every call of the pool captured into one CUDA graph, the median device µs
+   per call over ``--repeats`` replays (the benchmark's :func:`~punica_numba.bench.time_calls`).
+
+The fastest is the problem's entry (:mod:`.table`), with the runner-up, what the
+hand-written heuristic picks there and every time measured. The table is written after
+each problem, so an interrupted run keeps its work, and ``--resume`` skips the problems
+already in it.
+
+Grids (:func:`quick_grid`, :func:`full_grid`): ``--quick`` is ranks 16 and 64, hidden
+4096, one slice and a QKV layer's three (4096/1024/1024), 1 to 4096 tokens on 1,
+ceil(sqrt(T)) or T (at most 256) LoRAs, bf16: 128 problems. The full grid is the real
+layers (QKV with GQA, gate_up, o, down) of four models (hidden 2560, 4096, 5120, 8192),
+ranks 8 to 256, 1 to 8192 tokens, bf16 and fp16: 5928 problems; ``--part I/N`` takes its I-th of N
+contiguous parts (neighbouring problems share their compiled kernels), ``--budget-s``
+stops before a problem that could end past a time limit. On the CUDA simulator it runs a
+smoke grid of three tiny problems whatever is asked: its times are host wall-clock and
+mean nothing for speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import __version__, bench
+from .._cuda import SIMULATOR, device_of
+from ..launch import choose_launch_config, config_name, force_launch_config, launch_configs
+from ..meta import LoRAKernelMeta
+from .table import (
+    CONFIG_DIR_VARIABLE,
+    KEY_FIELDS,
+    entry_key,
+    gpu_name,
+    new_table,
+    read_table,
+    table_file_name,
+    tokens_per_lora,
+    write_table,
+)
+
+__all__ = ["Layer", "SweepCase", "case_key", "full_grid", "main", "quick_grid", "tune_case"]
+
+#: The most LoRAs a problem's tokens are spread over ("T LoRAs" stops here): the largest
+#: batch of distinct adapters the benchmark measures.
+MAX_LORAS = 256
+#: Replays timed per configuration (each replays the whole pool).
+REPEATS = 10
+#: The longest reason kept for a failed configuration.
+REASON_CHARS = 300
+
+
+@dataclass
+class SweepCase(bench.Case):
+    """A benchmark case whose tokens use ``loras`` LoRAs (not a count by ``lora_mode``)."""
+
+    loras: int = 1
+
+    @property
+    def num_loras(self) -> int:
+        return self.loras
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A linear layer with LoRA: the shrink's input width ``K`` and the expand's slices."""
+
+    name: str
+    K: int
+    widths: tuple[int, ...]
+
+
+#: (hidden, q width, k and v width, MLP width) of Qwen3-4B, Llama-3-8B, Qwen2.5-14B and
+#: Llama-3-70B (head dim 128, 8 KV heads).
+MODELS = (
+    (2560, 4096, 1024, 9728),
+    (4096, 4096, 1024, 14336),
+    (5120, 5120, 1024, 13824),
+    (8192, 8192, 1024, 28672),
+)
+QUICK_LAYERS = (Layer("o", 4096, (4096,)), Layer("qkv", 4096, (4096, 1024, 1024)))
+QUICK_RANKS = (16, 64)
+QUICK_TOKENS = (1, 16, 64, 256, 1024, 4096)
+FULL_RANKS = (8, 16, 32, 64, 128, 256)
+FULL_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+
+
+def model_layers(models=MODELS) -> tuple[Layer, ...]:
+    """Each model's QKV (three slices, GQA widths), gate_up (two), o and down (one)."""
+    layers = []
+    for hidden, q, kv, mlp in models:
+        layers += [
+            Layer(f"{hidden}.qkv", hidden, (q, kv, kv)),
+            Layer(f"{hidden}.o", q, (hidden,)),
+            Layer(f"{hidden}.gate_up", hidden, (mlp, mlp)),
+            Layer(f"{hidden}.down", mlp, (hidden,)),
+        ]
+    return tuple(layers)
+
+
+def case_key(case: bench.Case) -> tuple:
+    """The table key of ``case`` (:data:`.table.KEY_FIELDS`): K and N are the shrink's
+    hidden and rank, the expand's rank and widest slice."""
+    K, N = (case.hidden, case.rank) if case.op == "shrink" else (case.rank, max(case.slices))
+    per_lora = tokens_per_lora(case.T, case.num_loras)
+    return (case.op, case.dtype, len(case.slices), K, N, case.rank, case.T, per_lora)
+
+
+def lora_counts(num_tokens: int) -> list[int]:
+    """1, ceil(sqrt(T)) and T (at most :data:`MAX_LORAS`) LoRAs, each once."""
+    root = math.ceil(math.sqrt(num_tokens))
+    return sorted({1, root, min(num_tokens, MAX_LORAS)})
+
+
+def grid(layers, ranks, tokens, dtypes, ops=("shrink", "expand")) -> list[SweepCase]:
+    """Every problem of the product, ordered dtype, rank, layer, op, T, LoRAs; a key met
+    twice (the same K, N and slices in two layers, or LoRA counts of one bucket) once."""
+    cases, seen = [], set()
+    for dtype in dtypes:
+        for rank in ranks:
+            for layer in layers:
+                for op in ops:
+                    for T in tokens:
+                        for loras in lora_counts(T):
+                            case = SweepCase(
+                                op, T, "given", layer.K, rank, dtype, list(layer.widths), loras
+                            )
+                            if case_key(case) not in seen:
+                                seen.add(case_key(case))
+                                cases.append(case)
+    return cases
+
+
+def quick_grid(ranks=QUICK_RANKS, dtypes=("bf16",)) -> list[SweepCase]:
+    """The ``--quick`` grid: hidden 4096, one slice or QKV's three, T 1-4096."""
+    return grid(QUICK_LAYERS, ranks, QUICK_TOKENS, dtypes)
+
+
+def full_grid(ranks=FULL_RANKS, dtypes=("bf16", "fp16")) -> list[SweepCase]:
+    """The full grid: the layers of :data:`MODELS`, T 1-8192."""
+    return grid(model_layers(), ranks, FULL_TOKENS, dtypes)
+
+
+def smoke_grid() -> list[SweepCase]:
+    """Three tiny problems for the simulator: a shrink of one token; one of two slices on
+    one LoRA; an fp32 expand of four tokens on two LoRAs (which the tensor cores cannot
+    take: their configuration is skipped)."""
+    return [
+        SweepCase("shrink", 1, "given", 8, 4, "bf16", [8], loras=1),
+        SweepCase("shrink", 4, "given", 8, 4, "bf16", [8, 4], loras=1),
+        SweepCase("expand", 4, "given", 8, 4, "fp32", [8], loras=2),
+    ]
+
+
+def _measure(case, config, pool, meta, slots, repeats: int):
+    """``("skipped", None)``, ``("failed", why)`` or ``("timed", µs)`` for one forced
+    configuration."""
+    if config.to_rank is not None and case.rank > config.to_rank:
+        return "skipped", None
+    with force_launch_config(case.op, config):
+        try:
+            taken = bench._prepared_op(case, pool[0], meta).config
+            # Refused (the heuristic's instead): a kernel the call cannot use. (A one-LoRA
+            # row shrink may run as the one-token row kernel: still "rows".)
+            if taken.kernel != config.kernel:
+                return "skipped", None
+            bench._check(case, pool[0], meta, slots)
+            # Each set's launch prepared once (the benchmark prepares it at every call: the
+            # graph holds the same kernels, and the host's work is halved).
+            calls = [bench._prepared_op(case, a, meta) for a in pool]
+            return "timed", max(round(bench.time_calls(calls, repeats), 3), 0.001)
+        except Exception as error:  # a wrong result, or a kernel that does not run
+            if not isinstance(error, AssertionError):
+                _stop_if_the_context_is_lost(case, config)
+            return "failed", f"{type(error).__name__}: {error}"[:REASON_CHARS]
+
+
+def _stop_if_the_context_is_lost(case, config) -> None:
+    """After a kernel raised: go on if the GPU still works (a launch refused for its
+    resources leaves it working); stop the run if not (a fault loses the CUDA context, and
+    every later measurement would fail). The problem is not written, so ``--resume``
+    starts from it in a new process."""
+    if SIMULATOR:
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as error:
+        raise RuntimeError(
+            f"the CUDA context was lost after {config_name(config)} on {case}: {error}"
+        ) from error
+
+
+def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
+    """Check and time every configuration on ``case``; return its table entry (with no
+    ``config`` where none passed: an *unresolved* key)."""
+    start = time.perf_counter()
+    device = device_of()
+    gen = torch.Generator().manual_seed(seed)
+    slots = bench._slots(case, gen).to(device)
+    # The values are drawn on the GPU (gigabytes in milliseconds there).
+    fill = gen if SIMULATOR else torch.Generator(device=device).manual_seed(seed)
+    meta = LoRAKernelMeta.make(case.num_loras, case.T, device)
+    meta.prepare_tensors(slots)
+    size = bench.pool_size(case.floor_bytes())
+    pool = [bench._argument_set(case, fill, device) for _ in range(size)]
+    configs = launch_configs(case.op)
+    times, failed, skipped, usable = {}, {}, [], {}
+    for config in configs:
+        name = config_name(config)
+        outcome, value = _measure(case, config, pool, meta, slots, repeats)
+        if outcome == "skipped":
+            skipped.append(name)
+        elif outcome == "failed":
+            failed[name] = value
+        else:
+            times[name] = value
+            usable[config.kernel] = True  # (the heuristic's pick is among those timed)
+    del pool
+    entry = dict(zip(KEY_FIELDS, case_key(case)), loras=case.num_loras, widths=case.slices)
+    order = {config_name(c): i for i, c in enumerate(configs)}
+    ranked = sorted(times, key=lambda name: (times[name], order[name]))
+    if ranked:
+        runner_up = ranked[1] if len(ranked) > 1 else None
+        heuristic = config_name(
+            choose_launch_config(
+                case.op,
+                case.T,
+                case.num_loras,
+                case.rank,
+                usable.get("mma", False),
+                len(case.slices),
+                usable.get("lanes", False),
+            )
+        )
+        entry.update(
+            config=ranked[0],
+            us=times[ranked[0]],
+            runner_up=runner_up,
+            runner_up_us=times.get(runner_up),
+            heuristic=heuristic,
+            heuristic_us=times.get(heuristic),
+            times_us=times,
+        )
+    seconds = round(max(time.perf_counter() - start, 1e-3), 3)
+    entry.update(failed=failed, skipped=skipped, tuned_s=seconds)
+    return entry
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part: expected I/N, got {text!r}") from None
+    if not 1 <= index <= count:
+        raise argparse.ArgumentTypeError(f"--part: expected 1 <= I <= N, got {text!r}")
+    return index, count
+
+
+def _numbers(kind):
+    return lambda text: [kind(v) for v in text.split(",")]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m punica_numba tune",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help=f"where this GPU's table goes (default: ${CONFIG_DIR_VARIABLE})",
+    )
+    parser.add_argument("--quick", action="store_true", help="the quick grid (128 problems)")
+    parser.add_argument("--resume", action="store_true", help="add to the table; skip its keys")
+    parser.add_argument("--part", type=_part, metavar="I/N", help="the I-th of N parts")
+    parser.add_argument(
+        "--budget-s", type=float, metavar="S", help="stop before a problem could end past S s"
+    )
+    parser.add_argument("--ranks", type=_numbers(int), help="only these ranks (e.g. 16,64)")
+    parser.add_argument("--dtypes", type=_numbers(str), help="only these dtypes (bf16,fp16)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="replays timed (median)")
+    parser.add_argument("--commit", default=None, help="the commit tuned (default: git HEAD)")
+    parser.add_argument("--dry-run", action="store_true", help="count the problems; run none")
+    return parser
+
+
+def _grid(args) -> list[SweepCase]:
+    """The problems asked for: the grid (the smoke grid on the simulator), its part."""
+    if SIMULATOR:
+        cases = smoke_grid()
+    else:
+        build = quick_grid if args.quick else full_grid
+        options = {k: v for k, v in (("ranks", args.ranks), ("dtypes", args.dtypes)) if v}
+        cases = build(**options)
+    if args.part:
+        index, count = args.part
+        cases = cases[(index - 1) * len(cases) // count : index * len(cases) // count]
+    return cases
+
+
+def _summary(entries: list[dict]) -> str:
+    """How often the tuned choice differs from the heuristic's, and by how much it is faster."""
+    both = [e for e in entries if e.get("heuristic_us")]
+    if not both:
+        return "tune: nothing measured against the heuristic"
+    other = [e for e in both if e["config"] != e["heuristic"]]
+    gain = math.exp(sum(math.log(e["heuristic_us"] / e["us"]) for e in both) / len(both))
+    return (
+        f"tune: the tuned configuration differs from the heuristic's on {len(other)} of "
+        f"{len(both)} problems; the heuristic's time over the tuned one: {gain:.3f}x "
+        "(geometric mean)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep; return 0, or 2 for a usage error."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    folder = args.out or os.environ.get(CONFIG_DIR_VARIABLE)
+    if not folder:
+        parser.error(f"give --out DIR or set {CONFIG_DIR_VARIABLE}")
+    cases = _grid(args)
+    gpu = gpu_name()
+    path = Path(folder) / table_file_name(gpu)
+    if args.dry_run:
+        print(f"tune: {len(cases)} problems for {path}")
+        return 0
+    if path.exists() and not args.resume:
+        print(f"tune: {path} exists; pass --resume to add to it, or remove it", file=sys.stderr)
+        return 2
+    commit = args.commit or bench._commit()
+    if path.exists():
+        doc = read_table(path)
+        if doc["package"]["commit"] != commit:
+            print(f"tune: adding to a table tuned at {doc['package']['commit']}, now at {commit}")
+    else:
+        doc = new_table(gpu, __version__, commit)
+    done = {entry_key(e) for e in doc["entries"] + doc.get("unresolved", [])}
+    doc.setdefault("unresolved", [])
+    todo = [case for case in cases if case_key(case) not in done]
+    print(f"tune: {len(todo)} of {len(cases)} problems to measure into {path}")
+    from tqdm import tqdm
+
+    started, longest, left = time.monotonic(), 0.0, len(todo)
+    with tqdm(todo, desc="tune", unit="problem", file=sys.stderr) as bar:
+        for case in bar:
+            if args.budget_s and time.monotonic() - started + longest > args.budget_s:
+                break
+            begun = time.monotonic()
+            entry = tune_case(case, repeats=args.repeats)
+            doc["entries" if "config" in entry else "unresolved"].append(entry)
+            write_table(path, doc)
+            longest, left = max(longest, time.monotonic() - begun), left - 1
+            bar.set_postfix_str(f"{entry.get('config', 'unresolved')} {entry.get('us', '')}")
+            if not SIMULATOR:
+                torch.cuda.empty_cache()
+    if left:
+        print(f"tune: stopped by --budget-s with {left} problems left; run again with --resume")
+    print(_summary(doc["entries"]))
+    if doc["unresolved"]:
+        print(f"tune: {len(doc['unresolved'])} problems where no configuration passed")
+    if SIMULATOR:
+        print("tune: simulator smoke grid: times are host wall-clock µs and mean nothing for speed")
+    return 0

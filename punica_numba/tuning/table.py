@@ -1,0 +1,478 @@
+"""The tuned table: per GPU, the launch configuration measured fastest on each problem.
+
+:func:`tuned_config` answers the launcher (:func:`punica_numba.launch.choose_launch_config`)
+with the configuration of the nearest problem that ``python -m punica_numba tune``
+(:mod:`.sweep`) measured on this GPU, or None, and the launcher falls back to its
+hand-written heuristic.
+
+Where a table is found: one JSON file per GPU, named after
+``torch.cuda.get_device_name()`` with spaces (and any character other than letters,
+digits, ``.``, ``-`` and ``_``) as ``_``, e.g. ``NVIDIA_H200.json``; looked for in the
+folder named by the environment variable ``PUNICA_NUMBA_CONFIG_DIR`` first, then in the
+package's own ``punica_numba/configs/``. The first file found is the table; the two are
+not merged. On the CUDA simulator there is never a table.
+
+When: once per process, at the first lookup. What a call chose under the table never
+changes after that, so nothing that records a call's launches (the wrapper's replays,
+keyed on :func:`~punica_numba.launch.forced_launch_configs`) needs the table in its key.
+:func:`reload_tuned_tables` forgets it (for tests; records made before stay as they were).
+
+The format (:data:`FORMAT` 1)::
+
+    {"format": 1, "gpu": "NVIDIA H200",
+     "package": {"version": "0.1.0", "commit": "6a5f2e2..."},
+     "entries": [{"op": "shrink", "dtype": "bf16", "slices": 1, "K": 4096, "N": 16,
+                  "rank": 16, "T": 256, "tokens_per_lora": 16,
+                  "config": "mma_t512_m16_n0", "us": 7.52,
+                  "runner_up": "rows_t256_m4_n4", "runner_up_us": 8.47, ...}],
+     "unresolved": []}
+
+An entry's key is ``op, dtype, slices, K, N, rank, T, tokens_per_lora`` (:data:`KEY_FIELDS`):
+K and N are the product's inner and outer sizes (shrink: hidden and rank; expand: rank
+and the widest slice), ``tokens_per_lora`` the bucket of :func:`tokens_per_lora`. It
+names the fastest configuration by :func:`~punica_numba.launch.config_name` with its
+device µs per call, and the runner-up's; what else the tuner recorded
+(:data:`OPTIONAL_FIELDS`) is checked too. ``unresolved`` holds the keys on which every
+configuration failed its check or could not run (the tuner does not try them again).
+
+Nearest: an entry matches a call only on the same op, dtype and slice count; among those
+the nearest is the one of least :func:`distance`, the sum of the absolute differences of
+log2 K, log2 N, log2 rank, log2 T and log2 tokens_per_lora (so a factor 2 in one of them
+costs 1; the rank is counted twice, once as itself and once as shrink's N or expand's K,
+since it moves the choice most). Ties go to the smaller problem: the least
+``(T, tokens_per_lora, rank, K, N)``. Past :data:`MAX_DISTANCE` nothing is near.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from .._cuda import SIMULATOR, device_of
+
+__all__ = [
+    "CONFIG_DIR_VARIABLE",
+    "FORMAT",
+    "KEY_FIELDS",
+    "MAX_DISTANCE",
+    "TunedTableError",
+    "distance",
+    "entry_key",
+    "find_table",
+    "gpu_name",
+    "new_table",
+    "read_table",
+    "reload_tuned_tables",
+    "table_file_name",
+    "tokens_per_lora",
+    "tuned_config",
+    "tuned_table_path",
+    "validate_table",
+    "write_table",
+]
+
+#: The version of the file format this module reads and writes.
+FORMAT = 1
+#: The environment variable naming a folder of the user's own tables (searched first).
+CONFIG_DIR_VARIABLE = "PUNICA_NUMBA_CONFIG_DIR"
+#: The tables shipped with the package.
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
+#: The fields of an entry's key, in the order of :func:`entry_key`.
+KEY_FIELDS = ("op", "dtype", "slices", "K", "N", "rank", "T", "tokens_per_lora")
+#: The key's sizes that :func:`distance` measures, in log2.
+SIZE_FIELDS = ("K", "N", "rank", "T", "tokens_per_lora")
+#: Beyond this :func:`distance` no entry is near: a factor 8 in T alone, or a factor 2 in
+#: the rank (which counts twice) and in T.
+MAX_DISTANCE = 3.0
+#: Lookups remembered at once (a serving process sees a few shapes, but every row count).
+MAX_CACHED = 1 << 16
+
+OPS = ("shrink", "expand")
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+#: What the tuner may record beside the key and the winner, and the type of each.
+OPTIONAL_FIELDS = {
+    "loras": int,  # LoRAs the tuned problem's tokens were spread over
+    "widths": list,  # the expand's slice widths (shrink: the layer's, for the record)
+    "heuristic": str,  # what the hand-written heuristic picks there ...
+    "heuristic_us": float,  # ... and its µs (None where it failed its check)
+    "times_us": dict,  # every configuration timed: name -> µs
+    "failed": dict,  # name -> why (its check failed, or it did not run)
+    "skipped": list,  # names the problem cannot use (tensor cores, lanes, to_rank)
+    "tuned_s": float,  # wall seconds the tuner spent on this key
+}
+_ENTRY_FIELDS = {
+    "config": str,
+    "us": float,
+    "runner_up": str,
+    "runner_up_us": float,
+}
+_NULLABLE = {"runner_up", "runner_up_us", "heuristic", "heuristic_us"}
+_UNRESOLVED_FIELDS = ("loras", "widths", "failed", "skipped", "tuned_s")
+
+
+class TunedTableError(ValueError):
+    """A tuned table that cannot be read: the message names the file and the bad field."""
+
+
+def table_file_name(gpu: str) -> str:
+    """``"NVIDIA H200"`` -> ``"NVIDIA_H200.json"``: spaces, and any character other
+    than letters, digits, ``.``, ``-`` and ``_``, become ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", gpu) + ".json"
+
+
+def gpu_name() -> str:
+    """The name whose table this process reads: ``torch.cuda.get_device_name()`` of the
+    current device (``"simulator"`` on the simulator)."""
+    return "simulator" if SIMULATOR else torch.cuda.get_device_name(device_of())
+
+
+def tokens_per_lora(num_tokens: int, active_slots: int | None) -> int:
+    """The tokens-per-LoRA bucket of a call: ``T / active_slots`` rounded to the nearest
+    power of two in log2 (halves up), at least 1. ``active_slots`` None or 0 (metadata not
+    built by ``LoRAKernelMeta``) counts as a token per slot, as the heuristic takes it."""
+    per_slot = num_tokens / active_slots if active_slots else 1.0
+    return 1 << max(0, math.floor(math.log2(max(per_slot, 1.0)) + 0.5))
+
+
+def distance(a: dict, b: dict) -> float:
+    """The distance between two keys (dicts with the :data:`SIZE_FIELDS`): the sum over
+    K, N, rank, T and tokens_per_lora of ``|log2 a - log2 b|``, rounded to 6 decimals so
+    that equal sums tie exactly."""
+    return round(sum(abs(math.log2(a[f]) - math.log2(b[f])) for f in SIZE_FIELDS), 6)
+
+
+def entry_key(entry: dict) -> tuple:
+    """An entry's key: its :data:`KEY_FIELDS` values, in order."""
+    return tuple(entry[f] for f in KEY_FIELDS)
+
+
+def new_table(gpu: str, version: str, commit: str) -> dict:
+    """An empty table for ``gpu``, tuned at package ``version`` and ``commit``."""
+    return {
+        "format": FORMAT,
+        "gpu": gpu,
+        "package": {"version": version, "commit": commit},
+        "entries": [],
+        "unresolved": [],
+    }
+
+
+# --------------------------------------------------------------------------- #
+# Validation
+# --------------------------------------------------------------------------- #
+def _configs_by_name() -> dict:
+    """``op -> {config_name: LaunchConfig}`` of this machine's configurations."""
+    # Imported here: launch imports this module to consult the table.
+    from ..launch import config_name, launch_configs
+
+    return {op: {config_name(c): c for c in launch_configs(op)} for op in OPS}
+
+
+def _fail(source, where: str, why: str):
+    raise TunedTableError(f"{source}: {where}: {why}")
+
+
+def _typed(source, where: str, value, kind, nullable: bool = False):
+    """``value`` if it is of ``kind`` (an int is a float; a bool is neither), else fail."""
+    if value is None and nullable:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+        _fail(source, where, f"expected {kind.__name__}, got {value!r}")
+    if kind is float and not (math.isfinite(value) and value > 0):
+        _fail(source, where, f"expected a finite time > 0, got {value!r}")
+    return value
+
+
+def _known(source, where: str, name, names: dict, op: str) -> None:
+    if name not in names:
+        _fail(source, where, f"unknown configuration {name!r} of {op!r} (known: {sorted(names)})")
+
+
+def _check_key(source, where: str, entry: dict, names_by_op: dict) -> None:
+    if not isinstance(entry, dict):
+        _fail(source, where, f"expected an object, got {entry!r}")
+    for field in KEY_FIELDS:
+        if field not in entry:
+            _fail(source, f"{where}.{field}", "missing")
+    op, dtype = entry["op"], entry["dtype"]
+    if not isinstance(op, str) or op not in names_by_op:
+        _fail(source, f"{where}.op", f"expected one of {OPS}, got {op!r}")
+    if dtype not in DTYPE_NAMES.values():
+        _fail(
+            source,
+            f"{where}.dtype",
+            f"expected one of {sorted(DTYPE_NAMES.values())}, got {dtype!r}",
+        )
+    for field in KEY_FIELDS[2:]:
+        value = _typed(source, f"{where}.{field}", entry[field], int)
+        if value < 1:
+            _fail(source, f"{where}.{field}", f"expected an integer >= 1, got {value}")
+    if entry["tokens_per_lora"] & (entry["tokens_per_lora"] - 1):
+        _fail(
+            source,
+            f"{where}.tokens_per_lora",
+            f"expected a power of two, got {entry['tokens_per_lora']}",
+        )
+    ranked = "N" if op == "shrink" else "K"  # shrink: N is the rank; expand: K is
+    if entry[ranked] != entry["rank"]:
+        _fail(
+            source,
+            f"{where}.{ranked}",
+            f"{op}'s {ranked} is its rank {entry['rank']}, got {entry[ranked]}",
+        )
+
+
+def _check_optional(source, where: str, entry: dict, names: dict, op: str) -> None:
+    for field, kind in OPTIONAL_FIELDS.items():
+        if field not in entry:
+            continue
+        value = _typed(source, f"{where}.{field}", entry[field], kind, field in _NULLABLE)
+        if field == "heuristic" and value is not None:
+            _known(source, f"{where}.heuristic", value, names, op)
+        if field in ("widths", "skipped"):
+            for i, item in enumerate(value):
+                _typed(source, f"{where}.{field}[{i}]", item, int if field == "widths" else str)
+        if field in ("times_us", "failed", "skipped"):
+            for name in value:
+                _known(source, f"{where}.{field}", name, names, op)
+        if field == "times_us":
+            for name, us in value.items():
+                _typed(source, f"{where}.times_us.{name}", us, float)
+        if field == "failed":
+            for name, why in value.items():
+                _typed(source, f"{where}.failed.{name}", why, str)
+
+
+def _check_entry(source, where: str, entry: dict, names_by_op: dict, unresolved: bool) -> None:
+    _check_key(source, where, entry, names_by_op)
+    op = entry["op"]
+    names = names_by_op[op]
+    allowed = set(KEY_FIELDS) | (set(_UNRESOLVED_FIELDS) if unresolved else set(OPTIONAL_FIELDS))
+    if not unresolved:
+        allowed |= set(_ENTRY_FIELDS)
+        for field, kind in _ENTRY_FIELDS.items():
+            if field not in entry:
+                _fail(source, f"{where}.{field}", "missing")
+            _typed(source, f"{where}.{field}", entry[field], kind, field in _NULLABLE)
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        _fail(source, where, f"unknown fields {unknown}")
+    _check_optional(source, where, entry, names, op)
+    if unresolved:
+        return
+    config, runner_up = entry["config"], entry["runner_up"]
+    _known(source, f"{where}.config", config, names, op)
+    if config in entry.get("failed", {}) or config in entry.get("skipped", []):
+        _fail(source, f"{where}.config", f"{config!r} failed its check or was skipped there")
+    if (runner_up is None) != (entry["runner_up_us"] is None):
+        _fail(source, f"{where}.runner_up_us", "given without runner_up, or missing with it")
+    if runner_up is not None:
+        _known(source, f"{where}.runner_up", runner_up, names, op)
+        if runner_up == config:
+            _fail(source, f"{where}.runner_up", f"the winner {config!r} itself")
+        if entry["runner_up_us"] < entry["us"]:
+            _fail(
+                source,
+                f"{where}.runner_up_us",
+                f"{entry['runner_up_us']} µs is faster than the winner's {entry['us']}",
+            )
+    if "times_us" in entry and entry["times_us"].get(config) != entry["us"]:
+        _fail(source, f"{where}.us", f"{entry['us']} is not times_us[{config!r}]")
+    reach = names[config].to_rank
+    if reach is not None and entry["rank"] > reach:
+        _fail(
+            source,
+            f"{where}.config",
+            f"{config!r} cannot take rank {entry['rank']} (to_rank {reach})",
+        )
+
+
+def validate_table(doc, source="<table>") -> None:
+    """Check a parsed table against the format; raise :class:`TunedTableError` naming
+    ``source`` (the file) and the first bad field (``entries[3].config: unknown
+    configuration 'x' of 'shrink' ...``). Configuration names are checked against
+    this machine's :func:`~punica_numba.launch.launch_configs`."""
+    if not isinstance(doc, dict):
+        _fail(source, "the file", f"expected a JSON object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - {"format", "gpu", "package", "entries", "unresolved"})
+    if unknown:
+        _fail(source, "the file", f"unknown fields {unknown}")
+    if doc.get("format") != FORMAT:
+        _fail(source, "format", f"expected {FORMAT}, got {doc.get('format')!r}")
+    _typed(source, "gpu", doc.get("gpu"), str)
+    package = doc.get("package")
+    if not isinstance(package, dict) or set(package) != {"version", "commit"}:
+        _fail(source, "package", f"expected {{'version': ..., 'commit': ...}}, got {package!r}")
+    for field in ("version", "commit"):
+        _typed(source, f"package.{field}", package[field], str)
+    names_by_op = _configs_by_name()
+    seen: dict[tuple, str] = {}
+    for part in ("entries", "unresolved"):
+        entries = doc.get(part, [] if part == "unresolved" else None)
+        if not isinstance(entries, list):
+            _fail(source, part, f"expected a list, got {entries!r}")
+        for i, entry in enumerate(entries):
+            where = f"{part}[{i}]"
+            _check_entry(source, where, entry, names_by_op, part == "unresolved")
+            key = entry_key(entry)
+            if key in seen:
+                _fail(source, where, f"the same key as {seen[key]}: {dict(zip(KEY_FIELDS, key))}")
+            seen[key] = where
+
+
+def read_table(path) -> dict:
+    """Read and validate the table at ``path`` (:func:`validate_table`)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise TunedTableError(f"{path}: not JSON: {error}") from None
+    validate_table(doc, path)
+    return doc
+
+
+def write_table(path, doc: dict) -> None:
+    """Validate ``doc`` and write it to ``path`` (entries sorted by key) through a
+    temporary file in the same folder, so that an interrupted write leaves the old file."""
+    path = Path(path)
+    validate_table(doc, path)
+    doc = dict(doc)
+    for part in ("entries", "unresolved"):
+        doc[part] = sorted(doc.get(part, []), key=entry_key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.writing")
+    scratch.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    os.replace(scratch, path)
+
+
+def search_dirs() -> list[Path]:
+    """Where tables are looked for, in order: ``PUNICA_NUMBA_CONFIG_DIR`` (when set),
+    then the package's ``configs/``."""
+    user = os.environ.get(CONFIG_DIR_VARIABLE)
+    return ([Path(user)] if user else []) + [PACKAGE_DIR]
+
+
+def find_table(gpu: str) -> Path | None:
+    """The first table file for ``gpu`` in :func:`search_dirs`, or None."""
+    for folder in search_dirs():
+        path = folder / table_file_name(gpu)
+        if path.is_file():
+            return path
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# Lookup
+# --------------------------------------------------------------------------- #
+_UNSEEN = object()
+#: True once the process knows there is no table (the simulator, or no file for this GPU).
+_nothing = False
+#: (op, dtype name, slices) -> [(key sizes, tie order, LaunchConfig)]; None: not loaded.
+_groups: dict | None = None
+_path: Path | None = None
+#: tuned_config's arguments -> its answer.
+_found: dict = {}
+
+
+def reload_tuned_tables() -> None:
+    """Forget the loaded table and every lookup: the next one reads the files again."""
+    global _nothing, _groups, _path
+    _nothing, _groups, _path = False, None, None
+    _found.clear()
+
+
+def tuned_table_path() -> Path | None:
+    """The file the loaded table came from (loading it now if not yet), or None."""
+    _tables()
+    return _path
+
+
+def _tables() -> dict | None:
+    """The loaded table's entries, grouped for lookup (read once per process)."""
+    global _nothing, _groups, _path
+    if _groups is not None or _nothing:
+        return _groups
+    gpu = None if SIMULATOR else gpu_name()
+    path = None if gpu is None else find_table(gpu)
+    if path is None:
+        _nothing = True
+        return None
+    doc = read_table(path)
+    if doc["gpu"] != gpu:
+        _fail(path, "gpu", f"a table for {doc['gpu']!r}, found for this GPU, {gpu!r}")
+    configs = _configs_by_name()
+    groups: dict = {}
+    for entry in doc["entries"]:
+        sizes = {f: entry[f] for f in SIZE_FIELDS}
+        order = tuple(entry[f] for f in ("T", "tokens_per_lora", "rank", "K", "N"))
+        group = groups.setdefault((entry["op"], entry["dtype"], entry["slices"]), [])
+        group.append((sizes, order, configs[entry["op"]][entry["config"]]))
+    _groups, _path = groups, path
+    return groups
+
+
+def nearest(candidates: Iterable[tuple], sizes: dict):
+    """The configuration of the candidate ``(sizes, order, config)`` nearest ``sizes``
+    (least :func:`distance`, then least ``order``), or None past :data:`MAX_DISTANCE`."""
+    best = min(candidates, key=lambda c: (distance(c[0], sizes), c[1]), default=None)
+    if best is None or distance(best[0], sizes) > MAX_DISTANCE:
+        return None
+    return best[2]
+
+
+def _look_up(key: tuple):
+    op, dtype, slices, K, N, rank, num_tokens, active_slots = key
+    groups = _tables()
+    found = None
+    name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype)
+    candidates = groups.get((op, name, slices)) if groups else None
+    if candidates and min(K, N, rank, num_tokens) > 0:
+        per_lora = tokens_per_lora(num_tokens, active_slots)
+        sizes = dict(K=K, N=N, rank=rank, T=num_tokens, tokens_per_lora=per_lora)
+        found = nearest(candidates, sizes)
+    if len(_found) >= MAX_CACHED:
+        _found.clear()
+    _found[key] = found
+    return found
+
+
+def tuned_config(
+    op: str,
+    dtype,
+    slices: int,
+    K: int,
+    N: int,
+    rank: int,
+    num_tokens: int,
+    active_slots: int | None,
+):
+    """The tuned configuration of the nearest entry for this GPU, or None.
+
+    Semantics:
+        op: "shrink" | "expand"; dtype: the weights' torch dtype (or "bf16" / "fp16" /
+        "fp32"); slices: the call's slice count
+        K, N: shrink: hidden, rank; expand: rank, the widest slice's width
+        rank: r; num_tokens: T; active_slots: slots in use (None: a token per slot)
+        entries with the same op, dtype and slices -> the one of least distance
+            (ties: the smaller problem) -> its LaunchConfig if distance <= MAX_DISTANCE
+        None where this GPU has no table (always on the simulator) or nothing is near.
+
+    Answers are remembered per argument tuple (up to :data:`MAX_CACHED`), so that a
+    repeated call costs one dict lookup; where there is no table, one flag test.
+
+    Raises:
+        TunedTableError: the table found for this GPU is malformed (at the first lookup).
+    """
+    if _nothing:
+        return None
+    key = (op, dtype, slices, K, N, rank, num_tokens, active_slots)
+    found = _found.get(key, _UNSEEN)
+    if found is _UNSEEN:
+        found = _look_up(key)
+    return found

@@ -1,0 +1,548 @@
+"""The tuned table and the tuner: format, lookup, the launcher's use of it, the CLI.
+
+The table tests fake a GPU (a name, the GPU's configuration table, folders in tmp_path);
+the tuner tests run the simulator's smoke grid (three tiny problems), whose times mean
+nothing but whose pipeline is the GPU's: pools, checks, timing, the file.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from punica_numba import __main__ as cli
+from punica_numba import launch
+from punica_numba.launch import (
+    choose_launch_config,
+    config_name,
+    force_launch_config,
+    launch_configs,
+)
+from punica_numba.ops import api
+from punica_numba.tuning import sweep, table
+from punica_numba.tuning.table import (
+    CONFIG_DIR_VARIABLE,
+    MAX_DISTANCE,
+    TunedTableError,
+    distance,
+    entry_key,
+    new_table,
+    read_table,
+    reload_tuned_tables,
+    tokens_per_lora,
+    tuned_config,
+    tuned_table_path,
+    validate_table,
+    write_table,
+)
+
+GPU = "Fake GPU 9000"
+FILE = "Fake_GPU_9000.json"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """A GPU named :data:`GPU` with the GPU's configurations, its package folder empty
+    (returned), no user folder; the loaded table forgotten before and after."""
+    monkeypatch.setattr(table, "SIMULATOR", False)
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    monkeypatch.setattr(table, "gpu_name", lambda: GPU)
+    package = tmp_path / "package"
+    package.mkdir()
+    monkeypatch.setattr(table, "PACKAGE_DIR", package)
+    monkeypatch.delenv(CONFIG_DIR_VARIABLE, raising=False)
+    reload_tuned_tables()
+    yield package
+    reload_tuned_tables()
+
+
+def named(op: str, name: str):
+    """The configuration of ``op`` called ``name`` on this machine's table."""
+    configs = {config_name(c): c for c in launch_configs(op)}
+    assert name in configs, f"test setup: {name} not in {sorted(configs)}"
+    return configs[name]
+
+
+def entry(op="shrink", config="rows_t256_m1_n2", **fields) -> dict:
+    """A valid entry: shrink bf16, one slice, K=4096, r=16, T=256 on 16 LoRAs."""
+    rank = fields.get("rank", 16)
+    base = dict(op=op, dtype="bf16", slices=1, K=4096, N=rank, rank=rank, T=256)
+    if op == "expand":
+        base.update(K=rank, N=4096)
+    base.update(tokens_per_lora=16, config=config, us=5.0, runner_up=None, runner_up_us=None)
+    base.update(fields)
+    return base
+
+
+def save(folder, *entries, gpu=GPU) -> None:
+    doc = new_table(gpu, "0.1.0", "abc123")
+    doc["entries"] = list(entries)
+    write_table(folder / table.table_file_name(gpu), doc)
+
+
+def shrink_call(T=256, active=16, rank=16, K=4096, slices=1, dtype=torch.bfloat16):
+    return tuned_config("shrink", dtype, slices, K, rank, rank, T, active)
+
+
+# --------------------------------------------------------------------------- #
+# The file
+# --------------------------------------------------------------------------- #
+def test_table_round_trips(fake_gpu):
+    doc = new_table(GPU, "0.1.0", "abc123")
+    doc["entries"] = [
+        entry(T=1024, tokens_per_lora=64, runner_up="rows_t256_m1_n4", runner_up_us=6.5),
+        entry(
+            op="expand",
+            config="mma_t32_m16_n64",
+            slices=3,
+            widths=[4096, 1024, 1024],
+            heuristic="rows_t128_m1_n128",
+            heuristic_us=9.0,
+            times_us={"mma_t32_m16_n64": 5.0, "rows_t128_m1_n128": 9.0},
+            failed={"lanes_t64_m1_n0": "AssertionError: relative error 1"},
+            skipped=["lanes_t128_m1_n0_v4"],
+            tuned_s=1.5,
+        ),
+    ]
+    doc["unresolved"] = [
+        {k: v for k, v in entry(T=8).items() if k in table.KEY_FIELDS} | {"failed": {}}
+    ]
+    path = fake_gpu / FILE
+    write_table(path, doc)
+    back = read_table(path)
+    assert back["gpu"] == GPU and back["format"] == table.FORMAT
+    assert back["package"] == {"version": "0.1.0", "commit": "abc123"}
+    assert sorted(back["entries"], key=entry_key) == sorted(doc["entries"], key=entry_key)
+    assert back["unresolved"] == doc["unresolved"]
+    assert json.loads(path.read_text()) == back
+
+
+def _broken(doc, change):
+    doc = copy.deepcopy(doc)
+    change(doc)
+    return doc
+
+
+def _set(**fields):
+    return lambda doc: doc["entries"][0].update(fields)
+
+
+BROKEN = {
+    "format 2": (lambda d: d.update(format=2), "format: expected 1, got 2"),
+    "no gpu": (lambda d: d.pop("gpu"), "gpu: expected str"),
+    "no commit": (lambda d: d["package"].pop("commit"), "package: expected"),
+    "entries not a list": (lambda d: d.update(entries={}), "entries: expected a list"),
+    "unknown top field": (lambda d: d.update(extra=1), "unknown fields ['extra']"),
+    "op": (_set(op="gemm"), "entries[0].op: expected one of"),
+    "op a list": (_set(op=["shrink"]), "entries[0].op: expected one of"),
+    "dtype": (_set(dtype="int8"), "entries[0].dtype: expected one of"),
+    "skipped a number": (_set(skipped=[3]), "entries[0].skipped[0]: expected str, got 3"),
+    "widths": (_set(widths=[4096, "1024"]), "entries[0].widths[1]: expected int"),
+    "K zero": (_set(K=0), "entries[0].K: expected an integer >= 1, got 0"),
+    "T text": (_set(T="256"), "entries[0].T: expected int, got '256'"),
+    "T bool": (_set(T=True), "entries[0].T: expected int, got True"),
+    "bucket": (_set(tokens_per_lora=3), "entries[0].tokens_per_lora: expected a power of two"),
+    "shrink N": (_set(N=32), "entries[0].N: shrink's N is its rank 16, got 32"),
+    "missing config": (
+        lambda d: d["entries"][0].pop("config"),
+        "entries[0].config: missing",
+    ),
+    "unknown config": (
+        _set(config="rows_t7_m1_n1"),
+        "entries[0].config: unknown configuration 'rows_t7_m1_n1' of 'shrink'",
+    ),
+    "expand's config": (_set(config="mma_t32_m16_n64"), "unknown configuration 'mma_t32_m16_n64'"),
+    "unknown runner-up": (
+        _set(runner_up="nope", runner_up_us=6.0),
+        "entries[0].runner_up: unknown configuration 'nope'",
+    ),
+    "runner-up faster": (
+        _set(runner_up="rows_t256_m1_n4", runner_up_us=4.0),
+        "entries[0].runner_up_us: 4.0 µs is faster than the winner's 5.0",
+    ),
+    "runner-up without time": (_set(runner_up="rows_t256_m1_n4"), "entries[0].runner_up_us"),
+    "negative time": (_set(us=-1.0), "entries[0].us: expected a finite time > 0"),
+    "nan time": (_set(us=float("nan")), "entries[0].us: expected a finite time > 0"),
+    "failed winner": (
+        _set(failed={"rows_t256_m1_n2": "wrong"}),
+        "entries[0].config: 'rows_t256_m1_n2' failed its check",
+    ),
+    "typo field": (_set(rnak=16), "entries[0]: unknown fields ['rnak']"),
+    "past to_rank": (
+        _set(config="mma_t512_m16_n0", rank=64, N=64),
+        "entries[0].config: 'mma_t512_m16_n0' cannot take rank 64 (to_rank 32)",
+    ),
+    "times disagree": (_set(times_us={"rows_t256_m1_n2": 7.0}), "entries[0].us: 5.0 is not"),
+    "duplicate key": (
+        lambda d: d["entries"].append(dict(d["entries"][0])),
+        "entries[1]: the same key as entries[0]",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_a_bad_table_names_the_file_and_the_field(fake_gpu, name):
+    change, message = BROKEN[name]
+    good = new_table(GPU, "0.1.0", "abc123")
+    good["entries"] = [entry()]
+    validate_table(good, "good.json")  # (the unbroken table passes)
+    path = fake_gpu / FILE
+    path.write_text(json.dumps(_broken(good, change)))
+    with pytest.raises(TunedTableError) as caught:
+        read_table(path)
+    assert str(caught.value).startswith(f"{path}: "), caught.value
+    assert message in str(caught.value), caught.value
+
+
+def test_bad_json_and_bad_writes_are_refused(fake_gpu):
+    path = fake_gpu / FILE
+    path.write_text('{"format": 1,')
+    with pytest.raises(TunedTableError, match=re.escape(f"{path}: not JSON")):
+        read_table(path)
+    doc = new_table(GPU, "0.1.0", "abc123")
+    doc["entries"] = [entry(config="unknown_config")]
+    other = fake_gpu / "Other.json"
+    with pytest.raises(TunedTableError, match="unknown configuration 'unknown_config'"):
+        write_table(other, doc)
+    assert not other.exists()
+
+
+def test_file_names_and_buckets():
+    assert table.table_file_name("NVIDIA H200") == "NVIDIA_H200.json"
+    assert table.table_file_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
+    assert table.table_file_name("A/B (c)") == "A_B__c_.json"
+    # T / active slots to the nearest power of two in log2, halves up; at least 1
+    buckets = {(256, 16): 16, (8, 3): 2, (12, 4): 4, (1, 1): 1, (4, None): 1, (4, 0): 1}
+    buckets.update({(3, 1): 4, (5, 1): 4, (6, 1): 8, (2, 4): 1})
+    for (T, active), want in buckets.items():
+        assert tokens_per_lora(T, active) == want, (T, active)
+    assert tokens_per_lora(2**1.5, 1) == 4  # exactly half-way: up
+
+
+# --------------------------------------------------------------------------- #
+# Lookup
+# --------------------------------------------------------------------------- #
+def test_lookup_matches_op_dtype_and_slices_exactly(fake_gpu):
+    save(fake_gpu, entry())
+    want = named("shrink", "rows_t256_m1_n2")
+    assert shrink_call() == want
+    assert tuned_config("shrink", "bf16", 1, 4096, 16, 16, 256, 16) == want  # a name for dtype
+    assert shrink_call(dtype=torch.float16) is None
+    assert shrink_call(slices=3) is None
+    assert tuned_config("expand", torch.bfloat16, 1, 16, 4096, 16, 256, 16) is None
+    assert tuned_table_path() == fake_gpu / FILE
+
+
+def test_nearest_is_by_log_distance(fake_gpu):
+    small, large = "rows_t256_m1_n4", "rows_t128_m1_n8"
+    save(
+        fake_gpu,
+        entry(config=small, T=16, tokens_per_lora=1),
+        entry(config=large, T=256, tokens_per_lora=1),
+        entry(config="rows_t128_m4_n4", T=256, tokens_per_lora=1, K=14336),
+    )
+    assert shrink_call(T=32, active=32) == named("shrink", small)  # 1 from 16, 3 from 256
+    assert shrink_call(T=128, active=128) == named("shrink", large)  # 3 from 16, 1 from 256
+    # K=8192 is nearer 14336 than 4096 in log2 (0.81 against 1), not in plain numbers
+    assert shrink_call(T=256, active=256, K=8192) == named("shrink", "rows_t128_m4_n4")
+    sizes = dict(K=4096, N=16, rank=16, T=64, tokens_per_lora=1)
+    assert distance(sizes, dict(sizes, T=16)) == 2.0
+    assert distance(sizes, dict(sizes, rank=32, N=32, tokens_per_lora=4)) == 4.0
+
+
+def test_ties_go_to_the_smaller_problem_in_any_file_order(fake_gpu):
+    small, large = entry(config="rows_t256_m1_n4", T=16), entry(config="rows_t128_m1_n8", T=64)
+    for order in ([small, large], [large, small]):
+        doc = new_table(GPU, "0.1.0", "abc123")
+        doc["entries"] = order
+        (fake_gpu / FILE).write_text(json.dumps(doc))  # in this order (write_table sorts)
+        reload_tuned_tables()
+        assert shrink_call(T=32, active=2) == named("shrink", "rows_t256_m1_n4")  # 1 and 1
+
+
+def test_nothing_is_near_past_the_cut_off(fake_gpu):
+    save(fake_gpu, entry(T=256, tokens_per_lora=1))
+    assert MAX_DISTANCE == 3.0
+    assert shrink_call(T=2048, active=2048) is not None  # a factor 8 in T: 3, the cut-off
+    assert shrink_call(T=4096, active=4096) is None  # 4
+    assert shrink_call(T=256, active=256, rank=32) is not None  # rank 1 and N 1: 2
+    assert shrink_call(T=256, active=256, rank=64) is None  # 2 + 2
+
+
+def test_the_user_folder_comes_first(fake_gpu, tmp_path, monkeypatch):
+    save(fake_gpu, entry(config="rows_t256_m1_n4"))
+    user = tmp_path / "user"
+    save(user, entry(config="rows_t128_m1_n8"))
+    assert shrink_call() == named("shrink", "rows_t256_m1_n4")
+    reload_tuned_tables()
+    monkeypatch.setenv(CONFIG_DIR_VARIABLE, str(user))
+    assert shrink_call() == named("shrink", "rows_t128_m1_n8")
+    assert tuned_table_path() == user / FILE
+    reload_tuned_tables()
+    (user / FILE).unlink()  # a user folder without this GPU's table: the package's
+    assert shrink_call() == named("shrink", "rows_t256_m1_n4")
+
+
+def test_the_table_is_read_once_per_process(fake_gpu):
+    save(fake_gpu, entry())
+    assert shrink_call() is not None
+    (fake_gpu / FILE).unlink()
+    assert shrink_call() is not None  # remembered ...
+    assert shrink_call(T=512, active=32) is not None  # ... for new keys too
+    reload_tuned_tables()
+    assert shrink_call() is None and tuned_table_path() is None
+
+
+def test_a_malformed_table_fails_the_first_lookup(fake_gpu):
+    (fake_gpu / FILE).write_text(json.dumps({"format": 1}))
+    with pytest.raises(TunedTableError, match=re.escape(f"{fake_gpu / FILE}: gpu")):
+        shrink_call()
+    reload_tuned_tables()
+    save(fake_gpu, entry(), gpu="Fake GPU 9000 ")  # another name, the same file name
+    (fake_gpu / "Fake_GPU_9000_.json").rename(fake_gpu / FILE)
+    with pytest.raises(TunedTableError, match="a table for 'Fake GPU 9000 '"):
+        shrink_call()
+
+
+def test_the_simulator_never_has_a_table(monkeypatch, tmp_path):
+    monkeypatch.setattr(table, "SIMULATOR", True)
+    monkeypatch.setattr(table, "PACKAGE_DIR", tmp_path)
+    monkeypatch.setenv(CONFIG_DIR_VARIABLE, str(tmp_path))
+    doc = new_table("simulator", "0.1.0", "abc123")
+    doc["entries"] = [entry(op="expand", config=config_name(launch_configs("expand")[1]))]
+    (tmp_path / "simulator.json").write_text(json.dumps(doc))
+    reload_tuned_tables()
+    try:
+        assert tuned_config("expand", torch.bfloat16, 1, 16, 4096, 16, 256, 16) is None
+        assert tuned_table_path() is None
+    finally:
+        reload_tuned_tables()
+
+
+# --------------------------------------------------------------------------- #
+# The launcher
+# --------------------------------------------------------------------------- #
+def choose(op="shrink", T=256, active=16, rank=16, tensor_cores=True, lanes=True, **key):
+    return choose_launch_config(op, T, active, rank, tensor_cores, 1, lanes, **key)
+
+
+SHRINK_KEY = dict(dtype=torch.bfloat16, K=4096, N=16)
+
+
+def test_the_launcher_takes_a_tuned_configuration(fake_gpu):
+    heuristic = choose()
+    tuned = named("shrink", "rows_t256_m1_n2")
+    assert heuristic != tuned, "test setup: the heuristic must pick something else"
+    save(fake_gpu, entry(config="rows_t256_m1_n2"))
+    assert choose(**SHRINK_KEY) == tuned
+    assert choose() == heuristic  # without dtype, K and N: no lookup
+    assert choose(dtype=torch.bfloat16, K=4096) == heuristic  # (N not given)
+    far = dict(SHRINK_KEY, K=2**20)  # nothing near
+    assert choose(**far) == heuristic
+
+
+def test_the_launcher_falls_back_where_the_call_cannot_use_it(fake_gpu):
+    save(
+        fake_gpu,
+        entry(config="mma_t512_m16_n8"),
+        entry(config="mma_t512_m16_n0", rank=32, N=32),
+        entry(op="expand", config="lanes_t128_m1_n0_v4"),
+    )
+    assert choose(**SHRINK_KEY) == named("shrink", "mma_t512_m16_n8")
+    without = choose(tensor_cores=False)
+    assert without.kernel != "mma"
+    assert choose(tensor_cores=False, **SHRINK_KEY) == without
+    # a rank past the tuned configuration's to_rank (40 is 0.64 from 32: near)
+    key40 = dict(SHRINK_KEY, N=40)
+    assert choose(rank=32, **dict(SHRINK_KEY, N=32)) == named("shrink", "mma_t512_m16_n0")
+    assert choose(rank=40, **key40) == choose(rank=40) != named("shrink", "mma_t512_m16_n0")
+    expand_key = dict(dtype=torch.bfloat16, K=16, N=4096)
+    assert choose("expand", **expand_key) == named("expand", "lanes_t128_m1_n0_v4")
+    no_lanes = choose("expand", lanes=False)
+    assert no_lanes.kernel != "lanes"
+    assert choose("expand", lanes=False, **expand_key) == no_lanes
+
+
+def test_a_forced_configuration_still_wins(fake_gpu):
+    save(fake_gpu, entry(config="rows_t256_m1_n2"))
+    forced = named("shrink", "rows_t128_m4_n4")
+    with force_launch_config("shrink", forced):
+        assert choose(**SHRINK_KEY) == forced
+    assert choose(**SHRINK_KEY) == named("shrink", "rows_t256_m1_n2")
+
+
+# --------------------------------------------------------------------------- #
+# The tuner
+# --------------------------------------------------------------------------- #
+@pytest.fixture
+def smoke(monkeypatch, tmp_path):
+    """The tuner's smoke grid on this machine (the simulator's, also on a GPU); returns
+    the output folder. No table is consulted meanwhile."""
+    monkeypatch.setattr(sweep, "SIMULATOR", True)
+    monkeypatch.setattr(sweep, "gpu_name", lambda: "simulator")
+    monkeypatch.delenv(CONFIG_DIR_VARIABLE, raising=False)
+    reload_tuned_tables()
+    yield tmp_path / "out"
+    reload_tuned_tables()
+
+
+def counted(monkeypatch) -> list:
+    """Record the key of every problem the tuner sweeps."""
+    swept, real = [], sweep.tune_case
+
+    def tune_case(case, *args, **kwargs):
+        swept.append(sweep.case_key(case))
+        return real(case, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "tune_case", tune_case)
+    return swept
+
+
+def test_the_smoke_run_writes_a_valid_table(smoke, capsys):
+    assert cli.main(["tune", "--quick", "--out", str(smoke)]) == 0
+    doc = read_table(smoke / "simulator.json")
+    grid = sweep.smoke_grid()
+    assert [entry_key(e) for e in doc["entries"]] == sorted(sweep.case_key(c) for c in grid)
+    for e in doc["entries"]:
+        times = e["times_us"]
+        assert e["config"] == min(times, key=times.get) and e["us"] == times[e["config"]]
+        assert e["runner_up_us"] == sorted(times.values())[1]
+        assert set(times) | set(e["failed"]) | set(e["skipped"]) == {
+            config_name(c) for c in launch_configs(e["op"])
+        }
+    fp32 = next(e for e in doc["entries"] if e["dtype"] == "fp32")
+    assert [n for n in fp32["skipped"] if n.startswith("mma")], "the tensor cores take no fp32"
+    out = capsys.readouterr().out
+    assert "3 of 3 problems" in out and "mean nothing for speed" in out
+
+
+def test_resume_skips_the_keys_done(smoke, monkeypatch, capsys):
+    swept = counted(monkeypatch)
+    keys = [sweep.case_key(c) for c in sweep.smoke_grid()]
+    assert sweep.main(["--out", str(smoke), "--part", "1/3"]) == 0
+    assert swept == keys[:1]
+    assert sweep.main(["--out", str(smoke)]) == 2  # the file exists: no --resume, no run
+    assert "pass --resume" in capsys.readouterr().err and swept == keys[:1]
+    assert sweep.main(["--out", str(smoke), "--resume"]) == 0
+    assert swept == keys  # the two left
+    assert sweep.main(["--out", str(smoke), "--resume"]) == 0
+    assert swept == keys  # nothing left
+    assert len(read_table(smoke / "simulator.json")["entries"]) == 3
+
+
+def test_an_interrupted_run_keeps_its_work(smoke, monkeypatch):
+    real = sweep.tune_case
+    calls = []
+
+    def interrupted(case, *args, **kwargs):
+        calls.append(case)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(case, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "tune_case", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.main(["--out", str(smoke)])
+    doc = read_table(smoke / "simulator.json")
+    assert [entry_key(e) for e in doc["entries"]] == [sweep.case_key(calls[0])]
+
+
+def _fake_entry(case, *args, **kwargs):
+    """A valid entry for ``case`` without measuring anything (0.2 s of work)."""
+    time.sleep(0.2)
+    name = config_name(launch_configs(case.op)[0])
+    return dict(zip(table.KEY_FIELDS, sweep.case_key(case)), config=name, us=1.0) | {
+        "runner_up": None,
+        "runner_up_us": None,
+    }
+
+
+def test_the_budget_stops_before_a_problem_could_overrun(smoke, monkeypatch, capsys):
+    monkeypatch.setattr(sweep, "tune_case", _fake_entry)
+    assert sweep.main(["--out", str(smoke), "--budget-s", "0.3"]) == 0
+    assert len(read_table(smoke / "simulator.json")["entries"]) == 1  # 0.2 s, then 0.2 + 0.2
+    assert "2 problems left" in capsys.readouterr().out
+    assert sweep.main(["--out", str(smoke), "--resume"]) == 0
+    assert len(read_table(smoke / "simulator.json")["entries"]) == 3
+
+
+def _wrong_when(target_name: str, monkeypatch) -> None:
+    """Make every shrink launched with ``target_name`` (or, with "*", every shrink) do
+    nothing: a wrong kernel, and the fastest there is."""
+    real = api.shrink_launch
+
+    def shrink_launch(*args, **kwargs):
+        launch_ = real(*args, **kwargs)
+        if target_name in ("*", config_name(launch_.config)):
+
+            def wrong() -> None:
+                pass
+
+            wrong.config = launch_.config
+            return wrong
+        return launch_
+
+    monkeypatch.setattr(api, "shrink_launch", shrink_launch)
+
+
+def test_a_configuration_that_fails_its_check_is_never_chosen(smoke, monkeypatch):
+    case = sweep.smoke_grid()[0]
+    target = config_name(launch_configs("shrink")[1])
+    _wrong_when(target, monkeypatch)
+    got = sweep.tune_case(case)
+    assert target in got["failed"] and "relative error" in got["failed"][target]
+    assert got["config"] != target and target not in got["times_us"]
+    doc = new_table("simulator", "0.1.0", "abc123")
+    doc["entries"] = [got]
+    validate_table(doc)
+
+
+def test_a_problem_on_which_every_configuration_fails_is_unresolved(smoke, monkeypatch):
+    _wrong_when("*", monkeypatch)
+    assert sweep.main(["--out", str(smoke), "--part", "1/3"]) == 0
+    doc = read_table(smoke / "simulator.json")
+    assert doc["entries"] == [] and len(doc["unresolved"]) == 1
+    assert set(doc["unresolved"][0]["failed"]) == {config_name(c) for c in launch_configs("shrink")}
+    swept = counted(monkeypatch)
+    assert sweep.main(["--out", str(smoke), "--part", "1/3", "--resume"]) == 0
+    assert swept == []  # not tried again
+
+
+def test_the_tuner_needs_an_output_folder(smoke, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        sweep.main([])
+    assert stopped.value.code == 2 and CONFIG_DIR_VARIABLE in capsys.readouterr().err
+    assert cli.main(["tune", "--dry-run", "--out", str(smoke)]) == 0
+    assert "3 problems" in capsys.readouterr().out
+    assert "tune" in cli.COMMANDS
+
+
+def test_the_grids(monkeypatch):
+    quick = sweep.quick_grid()
+    assert len(quick) == 128
+    assert {c.rank for c in quick} == {16, 64} and {c.dtype for c in quick} == {"bf16"}
+    assert {len(c.slices) for c in quick} == {1, 3} and {c.hidden for c in quick} == {4096}
+    assert {c.T for c in quick} == {1, 16, 64, 256, 1024, 4096}
+    full = sweep.full_grid()
+    keys = [sweep.case_key(c) for c in full]
+    assert len(set(keys)) == len(keys), "each key once"
+    assert {c.dtype for c in full} == {"bf16", "fp16"}
+    assert {c.rank for c in full} == {8, 16, 32, 64, 128, 256}
+    assert {len(c.slices) for c in full} == {1, 2, 3}
+    assert {c.hidden for c in full if c.op == "shrink"} >= {2560, 4096, 5120, 8192, 14336}
+    assert max(c.num_loras for c in full) == sweep.MAX_LORAS
+    assert sweep.model_layers()[4] == sweep.Layer("4096.qkv", 4096, (4096, 1024, 1024))
+    # the parts of a grid cover it once, in order
+    monkeypatch.setattr(sweep, "SIMULATOR", False)
+    args = sweep._parser().parse_args(["--out", "x", "--quick"])
+    parts = []
+    for i in range(1, 8):
+        args.part = (i, 7)
+        parts += sweep._grid(args)
+    args.part = None
+    assert parts == sweep._grid(args) == quick
