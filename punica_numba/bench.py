@@ -14,6 +14,10 @@ slice, bf16, decode and prefill token counts, tokens in random order; then real
 layer shapes (QKV with GQA widths, rank 64). ``--hidden``, ``--rank``, ``--dtype``
 and ``--slices`` change them. On the CUDA simulator it runs a tiny smoke version
 (``--quick``) whose "times" are host wall-clock times and mean nothing for speed.
+
+``--grid`` runs the grid of real model shapes instead (:mod:`punica_numba.bench_grid`:
+ranks 8-256, five hidden sizes, their QKV, MLP-in and MLP-out layers, 1-8192 tokens, three
+LoRA mixes, bf16 and fp16), in parts that each fit a 10-minute device limit.
 """
 
 from __future__ import annotations
@@ -43,6 +47,16 @@ __all__ = ["Case", "default_cases", "main"]
 
 L2_BYTES = 60 * 2**20  # the H200's L2; a pool of argument sets at least twice this
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+#: How many LoRAs the tokens of a case use, by ``lora_mode``, from the token count T. The
+#: tokens take them in equal shares (as equal as T allows), in random token order.
+LORA_MODES: dict[str, Callable[[int], int]] = {
+    "identical": lambda t: 1,  # every token on one LoRA
+    "uniform": lambda t: math.ceil(math.sqrt(t)),  # ceil(sqrt(T)) LoRAs
+    "distinct": lambda t: t,  # every token its own LoRA
+    "eight": lambda t: min(8, t),  # 8 LoRAs (fewer when T < 8)
+    "distinct256": lambda t: min(t, 256),  # every token its own LoRA, up to 256 LoRAs
+}
 
 #: vLLM v0.9.2's Triton kernels on this H200, measured the same way (from the
 #: project's performance issue), keyed by (op, T, num_loras, slices, rank).
@@ -116,17 +130,15 @@ class Case:
 
     op: str
     T: int
-    lora_mode: str  # identical (1 LoRA), uniform (ceil(sqrt(T)) equal shares), distinct
-    hidden: int
+    lora_mode: str  # a key of LORA_MODES: identical, uniform, distinct, eight, distinct256
+    hidden: int  # the shrink's input width (K of x: [T, K])
     rank: int
     dtype: str
     slices: list[int] = field(default_factory=list)
 
     @property
     def num_loras(self) -> int:
-        return {"identical": 1, "distinct": self.T, "uniform": math.ceil(math.sqrt(self.T))}[
-            self.lora_mode
-        ]
+        return LORA_MODES[self.lora_mode](self.T)
 
     def floor_bytes(self) -> int:
         """The fewest bytes the op must move: x once, each active LoRA's weights once,
@@ -199,11 +211,14 @@ def _slots(case: Case, gen: torch.Generator) -> torch.Tensor:
 
 
 def _argument_set(case: Case, gen: torch.Generator, device) -> dict:
+    """One argument set of ``case`` on ``device``, its values drawn by ``gen`` on the
+    generator's own device (a CUDA generator fills gigabytes in milliseconds)."""
     dtype = DTYPES[case.dtype]
     n, r, H, T = case.num_loras, case.rank, case.hidden, case.T
 
     def rand(*shape, dt=dtype):
-        return (torch.randn(*shape, generator=gen) * 0.5).to(dtype=dt, device=device)
+        values = torch.randn(*shape, generator=gen, device=gen.device)
+        return (values * 0.5).to(dtype=dt, device=device)
 
     if case.op == "shrink":
         return dict(
@@ -263,9 +278,16 @@ def _check(case: Case, args: dict, meta: LoRAKernelMeta, slots: torch.Tensor) ->
     else:
         want = reference.lora_expand(x, w, out, slots, 0, True)
         size = reference.lora_expand(x.abs(), [b.abs() for b in w], out.abs(), slots, 0, True)
-    err = float(((copy["out"].double() - want).abs() / size.clamp_min(1e-30)).max())
-    if not err <= (1e-2 if case.dtype != "fp32" else 1e-5):
-        raise AssertionError(f"{case}: relative error {err:.3g} before timing")
+    return checked_error(case, copy["out"], want, size)
+
+
+def checked_error(what, got: torch.Tensor, want: torch.Tensor, size: torch.Tensor) -> float:
+    """The largest error of ``got`` against the float64 ``want``, relative to ``size`` (the
+    reference computed on absolute values); raise if it is over the tolerance of the
+    case's dtype, ``what.dtype`` (1e-2 for bf16 and fp16, 1e-5 for fp32)."""
+    err = float(((got.double() - want).abs() / size.clamp_min(1e-30)).max())
+    if not err <= (1e-5 if what.dtype == "fp32" else 1e-2):
+        raise AssertionError(f"{what}: relative error {err:.3g} before timing")
     return err
 
 
@@ -401,28 +423,40 @@ def host_overhead_us(dtype=torch.bfloat16, calls: int = 400) -> dict[str, float]
     return results
 
 
-def pool_size(set_bytes: int, pool_bytes: int = 2 * L2_BYTES) -> int:
+def pool_size(set_bytes: int, pool_bytes: int = 2 * L2_BYTES, gpu: bool | None = None) -> int:
     """How many independent argument sets of ``set_bytes`` each a timed pool holds: enough
     to fill ``pool_bytes`` (twice the L2 by default, so that no call finds what the call
     before it touched still in L2), 2 to 1024 of them; 1 on the simulator, which is not
-    timed for its memory."""
-    if SIMULATOR:
+    timed for its memory. ``gpu`` asks for the size on a GPU (True) or on the simulator
+    (False) wherever this runs; by default, for the machine it runs on."""
+    if not (gpu if gpu is not None else not SIMULATOR):
         return 1
     return max(2, min(1024, math.ceil(pool_bytes / set_bytes)))
 
 
 def run_case(
-    case: Case, pool_bytes: int = 2 * L2_BYTES, seed: int = 0, all_configs: bool = False
+    case: Case,
+    pool_bytes: int = 2 * L2_BYTES,
+    seed: int = 0,
+    all_configs: bool = False,
+    baseline: bool = True,
+    device_fill: bool = False,
 ) -> dict:
-    """Check, then time the op and the torch baseline on one case; return its record."""
+    """Check, then time the op and (``baseline``) the torch baseline on one case; return its
+    record. ``device_fill`` draws the pool's values on the GPU (seeded, but other values
+    than the default's, which are drawn on the host); the slots are drawn on the host
+    either way."""
     device = device_of()
     gen = torch.Generator().manual_seed(seed)
     slots = _slots(case, gen)
+    fill = gen
+    if device_fill and not SIMULATOR:
+        fill = torch.Generator(device=device).manual_seed(seed)
     meta = LoRAKernelMeta.make(case.num_loras, case.T, device)
     meta.prepare_tensors(slots.to(device))
     slots_d = slots.to(device)
     size = pool_size(case.floor_bytes(), pool_bytes)
-    pool = [_argument_set(case, gen, device) for _ in range(size)]
+    pool = [_argument_set(case, fill, device) for _ in range(size)]
     error = _check(case, pool[0], meta, slots_d)
     ours = time_calls([lambda a=a: _run_op(case, a, meta) for a in pool])
     chosen = getattr(_prepared_op(case, pool[0], meta), "config", None)  # the heuristic's
@@ -432,12 +466,12 @@ def run_case(
             error = max(error, _check(case, pool[0], meta, slots_d))
             calls = [lambda a=a: _run_op(case, a, meta) for a in pool]
             per_config[config_name(config)] = round(time_calls(calls), 3)
-    baseline = time_calls([lambda a=a: _run_gather_bmm(case, a, slots_d) for a in pool])
     record = asdict(case)
+    record.update(num_loras=case.num_loras, us=round(ours, 3))
+    if baseline:
+        torch_us = time_calls([lambda a=a: _run_gather_bmm(case, a, slots_d) for a in pool])
+        record.update(torch_gather_bmm_us=round(torch_us, 3))
     record.update(
-        num_loras=case.num_loras,
-        us=round(ours, 3),
-        torch_gather_bmm_us=round(baseline, 3),
         bytes=case.floor_bytes(),
         relative_error=error,
         pool=size,
@@ -508,6 +542,11 @@ def _commit() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--grid" in argv:  # the grid of real model shapes: a command of its own
+        from . import bench_grid
+
+        return bench_grid.main([a for a in argv if a != "--grid"])
     parser = argparse.ArgumentParser(
         prog="python -m punica_numba bench",
         description=__doc__,
@@ -530,6 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         "--all-configs",
         action="store_true",
         help="also check and time every launch configuration (recorded as config_us)",
+    )
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="run the grid of real model shapes instead: see `bench --grid --help`",
     )
     args = parser.parse_args(argv)
     quick = args.quick or SIMULATOR
