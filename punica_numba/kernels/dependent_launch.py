@@ -22,11 +22,10 @@ torch's, anyone's): the results are those of an ordinary launch. What overlaps i
 launch itself and the placing of the blocks. A kernel launched the ordinary way, or
 with nothing ahead of it, passes the wait at once. (One build does more before its wait:
 the tensor-core expand that asks ahead, below, reads its tile table and tokens there to
-choose lines to prefetch and, since v29, loads its rows of B and, with no tile, leaves. B
-and the table could be in the writing only by a kernel ahead that lets the next start
-early; of this package's kernels only these expands do, and they write only their outputs.
-So that build asks one thing of its caller: its weights and metadata are not written by a
-kernel of the caller's own, just ahead of it, that says ``launch_dependents`` early.
+choose lines to prefetch, which a stale entry cannot make wrong. Only where the wrapper
+launches it just behind its own shrink does it also load its rows of B there and, with no
+tile, leave: a caller's kernel just ahead that says ``launch_dependents`` early and writes
+the weights would otherwise be read half-written, as the H200 showed in v29.
 :mod:`.expand_mma`, "B before the wait".)
 
 **Why not say ``launch_dependents`` too?** Said first, it lets the next kernel be
@@ -62,8 +61,8 @@ launches of three slices and of one slot lost, and keep the wait alone. Since v2
 also loads its rows of B into registers before its wait, and a block with no tile leaves there
 (:mod:`.expand_mma`, "B before the wait"): with the next launch placed early, a block now has time
 before its wait that a load can use (r=64 at 256 over 16 LoRAs 5.77-6.02 -> 5.35-5.61 µs,
-``h200_v34_candidates.json``). It reads there only what no kernel still running can be writing: the
-kernels that say ``launch_dependents`` are these expands, which write only their outputs.
+``h200_v34_candidates.json``). Since v30 it does so only just behind the wrapper's own shrink,
+where nothing still running can be writing B (:mod:`.expand_mma`, "B before the wait").
 
 On the simulator, below sm_90, or with ``PUNICA_NUMBA_DEPENDENT_LAUNCH=0``, ``begin()``
 does nothing (and the launches are ordinary ones).

@@ -204,25 +204,23 @@ columns a warp 576 SASS instructions instead of 808 (r=64: 792 instead of 952; p
 13.0 for sm_90, at the 128-register ceiling).
 
 **Asking ahead** (``ask_ahead``, v27). What the measurements above leave of a decode
-call is a chain, and it does not overlap the next call's: each launch's blocks wait for the
-launch ahead (:mod:`.dependent_launch`), read their tile, wait a trip to DRAM for B, the buffer
-and the old outputs, multiply and store; while one launch's last blocks multiply and store,
-DRAM idles, and the next launch's loads leave only after its wait. A build with
-``ask_ahead`` says ``griddepcontrol.launch_dependents`` as its first act, so the next launch
-may be placed beside this one's blocks once all of them have started, and before its wait
-each warp asks L2 (:mod:`.l2_prefetch`) for what it will load: its rows of B in one bulk
-prefetch (8 KB at r=64), its tokens' old output words and (one column group in eight, below)
-buffer rows a line at a time. The
-next launch's early blocks so fetch their tiles while this launch's last blocks still work,
-and after their wait find them in L2. Before its wait a v27 block read only its table row
-and tokens, and only to choose lines to ask for: had a kernel ahead still been writing them, a
-stale entry would have asked for lines the block does not load (the bounds keep every address
-in its tensor). (Since v29 it also loads B there, and a block with no tile leaves: "B before
-the wait" says why nothing it reads there can be stale.) After the wait it reads them again as
-every kernel does, and ``griddepcontrol.wait`` makes every write of the kernels ahead visible
-to it (PTX's promise). A prefetch puts nothing
-in a register: the same loads, products and stores, so the same bits
-(``test_asking_ahead_does_not_change_the_bits``).
+call is a chain, and it does not overlap the next call's: each launch's blocks wait for the launch
+ahead (:mod:`.dependent_launch`), read their tile, wait a trip to DRAM for B, the buffer and the old
+outputs, multiply and store; while one launch's last blocks multiply and store, DRAM idles, and the
+next launch's loads leave only after its wait. A build with ``ask_ahead`` says
+``griddepcontrol.launch_dependents`` as its first act, so the next launch may be placed beside this
+one's blocks once all of them have started, and before its wait each warp asks L2
+(:mod:`.l2_prefetch`) for what it will load: its rows of B in one bulk prefetch (8 KB at r=64), its
+tokens' old output words and (one column group in eight, below) buffer rows a line at a time. The
+next launch's early blocks so fetch their tiles while this launch's last blocks still work, and
+after their wait find them in L2. Before its wait a v27 block read only its table row and tokens,
+and only to choose lines to ask for: had a kernel ahead still been writing them, a stale entry would
+have asked for lines the block does not load (the bounds keep every address in its tensor). (Behind
+the wrapper's own shrink it also loads B there, and a block with no tile leaves: "B before the wait"
+says when nothing it reads there can be stale.) After the wait it reads them again as every kernel
+does, and ``griddepcontrol.wait`` makes every write of the kernels ahead visible to it (PTX's
+promise). A prefetch puts nothing in a register: the same loads, products and stores, so the same
+bits (``test_asking_ahead_does_not_change_the_bits``).
 
 On the H200 (``h200_v31_candidates.json``, a git-excluded copy with a switch; two calls,
 three rounds each, one process per setting and round; µs; the kernels each case ran are in
@@ -261,18 +259,22 @@ the column group along the grid's x, so that blocks are placed tile by tile with
 empty rows last, lost 0.4-1.3 µs. In the benchmark at 46f9381 (v28): r=16 256/16 3.38 µs, 64/8
 2.21, r=64 256/16 5.84.
 
-**B before the wait** (v29). A block that asks ahead also loads its words of B into
-registers before its wait (``load_b_before_the_wait``, in the builds that hold them all early:
-``EARLY``), and a block whose table row has no tile leaves there, without waiting. Before the
-wait a block may read only what no kernel still running can be writing, and B and the table
-are such: the only kernels that let the next one start before they end
-(``griddepcontrol.launch_dependents``) are this package's asking expands, which write only
-their outputs, and every kernel before the first of them had ended when it started (torch's
-kernels, and the package's others, let the next start only as they end). The one promise
-asked of a caller: a call's weights and metadata are not the output of a call still in
-flight, nor of a kernel of the caller's own, just ahead, that says ``launch_dependents``
-early. After the wait the block reads its table row again, as every kernel
-does, and loads B again should the slot differ. On the H200
+**B before the wait** (v29; since v30 only behind the package's own shrink). A block that
+asks ahead may also load its words of B into registers before its wait
+(``load_b_before_the_wait``, in the builds that hold them all early: ``EARLY``), and a block
+whose table row has no tile may leave there, without waiting. Before the wait a block may read
+only what no kernel still running can be writing. The launch just ahead of it may be running
+(it lets this one start once its blocks have all started, if it says
+``griddepcontrol.launch_dependents`` first, or once they have all ended), and so may anything
+that launch has not yet waited for. v29 took B and the table to be such everywhere; the H200
+showed otherwise (``docs/benchmarks/h200_fresh_weights.txt``): behind a caller's kernel that
+says ``launch_dependents`` first and then writes the weights, the bare op read stale B in most
+calls. Since v30 a build loads B before its wait only where the caller promises what runs
+just ahead (``b_before_the_wait``): the wrapper's ``add_lora_linear``, whose expand follows its
+own shrink, which writes neither B nor the table, says ``launch_dependents`` never, and whose
+blocks end only after their own wait, so every kernel before it has ended by then. The bare
+op's asking builds only ask L2 before the wait, as in v28. After the wait the block reads its
+table row again, as every kernel does, and loads B again should the slot differ. On the H200
 (``h200_v34_candidates.json``, two calls of three rounds, one process per form and round, µs,
 main in the same call): B before the wait, r=64 256/16 5.78-5.89 and 5.60-5.61 against
 5.83-6.02 and 5.76-5.86, 64/8 3.30-3.47 against 3.72-3.79, r=16 256/16 3.23-3.39 against
