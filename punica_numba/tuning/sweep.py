@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__, bench
+from .. import __version__, bench, bench_grid
 from .._cuda import SIMULATOR, device_of
 from ..launch import choose_launch_config, config_name, force_launch_config, launch_configs
 from ..meta import LoRAKernelMeta
@@ -88,14 +88,9 @@ class Layer:
     widths: tuple[int, ...]
 
 
-#: (hidden, q width, k and v width, MLP width) of Qwen3-4B, Llama-3-8B, Qwen2.5-14B and
-#: Llama-3-70B (head dim 128, 8 KV heads).
-MODELS = (
-    (2560, 4096, 1024, 9728),
-    (4096, 4096, 1024, 14336),
-    (5120, 5120, 1024, 13824),
-    (8192, 8192, 1024, 28672),
-)
+#: The hidden sizes whose models (:data:`punica_numba.bench_grid.MODELS`: Qwen3-4B,
+#: Llama-3-8B, Qwen2.5-14B, Llama-3-70B) the full grid tunes: those with a gated MLP.
+MODEL_HIDDENS = (2560, 4096, 5120, 8192)
 QUICK_LAYERS = (Layer("o", 4096, (4096,)), Layer("qkv", 4096, (4096, 1024, 1024)))
 QUICK_RANKS = (16, 64)
 QUICK_TOKENS = (1, 16, 64, 256, 1024, 4096)
@@ -103,15 +98,18 @@ FULL_RANKS = (8, 16, 32, 64, 128, 256)
 FULL_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 
 
-def model_layers(models=MODELS) -> tuple[Layer, ...]:
-    """Each model's QKV (three slices, GQA widths), gate_up (two), o and down (one)."""
+def model_layers(hiddens=MODEL_HIDDENS) -> tuple[Layer, ...]:
+    """Each model's QKV (three slices, GQA widths), gate_up (two), o and down (one), from the
+    benchmark grid's layer shapes (:data:`punica_numba.bench_grid.MODELS`; o maps the q
+    width back to the hidden size)."""
     layers = []
-    for hidden, q, kv, mlp in models:
+    for hidden in hiddens:
+        qkv, mlp_in, mlp_out = bench_grid.MODELS[hidden]
         layers += [
-            Layer(f"{hidden}.qkv", hidden, (q, kv, kv)),
-            Layer(f"{hidden}.o", q, (hidden,)),
-            Layer(f"{hidden}.gate_up", hidden, (mlp, mlp)),
-            Layer(f"{hidden}.down", mlp, (hidden,)),
+            Layer(f"{hidden}.qkv", qkv.in_features, qkv.slices),
+            Layer(f"{hidden}.o", qkv.slices[0], (hidden,)),
+            Layer(f"{hidden}.gate_up", mlp_in.in_features, mlp_in.slices),
+            Layer(f"{hidden}.down", mlp_out.in_features, mlp_out.slices),
         ]
     return tuple(layers)
 
@@ -155,7 +153,7 @@ def quick_grid(ranks=QUICK_RANKS, dtypes=("bf16",)) -> list[SweepCase]:
 
 
 def full_grid(ranks=FULL_RANKS, dtypes=("bf16", "fp16")) -> list[SweepCase]:
-    """The full grid: the layers of :data:`MODELS`, T 1-8192."""
+    """The full grid: the layers of :func:`model_layers`, T 1-8192."""
     return grid(model_layers(), ranks, FULL_TOKENS, dtypes)
 
 
