@@ -30,6 +30,8 @@ __all__ = [
     "check_stack",
     "check_tensor",
     "check_weight",
+    "is_int",
+    "is_real",
     "memory_layout",
 ]
 
@@ -184,7 +186,7 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
     """An int (not a bool), at least ``minimum``."""
     if type(value) is int and (minimum is None or value >= minimum):
         return value  # the common case, without the slower ABC check below
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
@@ -202,9 +204,19 @@ def check_real(name: str, value) -> float:
     """A real number (not a bool), as a float."""
     if type(value) is float:
         return value  # the common case, without the slower ABC check below
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
+
+
+def is_int(value) -> bool:
+    """An int of any kind (numpy's too), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A real number of any kind, but not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_same_device(named_tensors: dict[str, torch.Tensor]) -> None:

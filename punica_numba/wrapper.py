@@ -20,7 +20,6 @@ Differences from vLLM v0.8–0.9 (../shared/SPEC.md §7), each on purpose:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -35,6 +34,8 @@ from ._checks import (
     check_real,
     check_sequence,
     check_stack,
+    is_int,
+    is_real,
     memory_layout,
 )
 from ._cuda import LaunchRecord, eager_stream
@@ -741,7 +742,7 @@ def _linear_call(args: tuple, kwargs: dict) -> tuple:
     either convention: vLLM 0.33's when the first value after ``lora_b_stacked`` is a
     number (the scale) or, with nothing there, when no bias is named. A bias named by
     keyword is taken in both."""
-    with_bias = (not _is_number(args[0])) if args else "lora_bias_stacked" in kwargs
+    with_bias = (not is_real(args[0])) if args else "lora_bias_stacked" in kwargs
     named = _bind("add_lora_linear", _LINEAR_CALLS[with_bias], args, kwargs, {})
     bias = named.get("lora_bias_stacked", kwargs.get("lora_bias_stacked"))
     return bias, named["scale"], named["output_slices"]
@@ -755,7 +756,7 @@ def _expand_call(args: tuple, kwargs: dict) -> tuple:
     if args:
         first = args[0]
         with_bias = not (
-            isinstance(first, (list, tuple)) and first and all(_is_int(n) for n in first)
+            isinstance(first, (list, tuple)) and first and all(is_int(n) for n in first)
         )
     else:
         with_bias = "lora_bias_stacked" in kwargs
@@ -790,16 +791,6 @@ def _bind(method: str, names: tuple, args: tuple, kwargs: dict, defaults: dict) 
         if name in kwargs:
             raise TypeError(f"{method} got {name} twice: by position and as a keyword")
     return named
-
-
-def _is_number(value) -> bool:
-    """A real number that is not a bool: a scale."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value) -> bool:
-    """An int that is not a bool: an output slice's width."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _indexed(name: str, index: int | None) -> str:
