@@ -185,10 +185,17 @@ def check_shrink(
         raise ValueError(
             f"output_tensor must be [S, T={num_tokens}, r={rank}], got {tuple(output_tensor.shape)}"
         )
-    no_lora = _check_devices_and_metadata(
-        inputs, output_tensor, weights, "lora_a_weights", num_tokens, num_loras, metadata
+    no_lora, in_use = _check_devices_and_metadata(
+        inputs,
+        output_tensor,
+        weights,
+        "lora_a_weights",
+        num_tokens,
+        num_loras,
+        metadata,
+        count_entries=num_active_loras is not None,
     )
-    _check_num_active_loras(num_active_loras, metadata, no_lora)
+    _check_num_active_loras(num_active_loras, metadata[4].shape[0], no_lora, in_use)
     idle = no_lora or num_tokens == 0 or rank == 0
     return CheckedShrink(inputs, weights, output_tensor, metadata, scaling, idle)
 
@@ -238,19 +245,35 @@ def check_expand(
             f"output_tensor has {output_tensor.shape[1]} columns, too few for offset_start="
             f"{offset_start} plus slices of widths {widths}"
         )
-    no_lora = _check_devices_and_metadata(
-        inputs, output_tensor, weights, "lora_b_weights", num_tokens, num_loras, metadata
+    no_lora, in_use = _check_devices_and_metadata(
+        inputs,
+        output_tensor,
+        weights,
+        "lora_b_weights",
+        num_tokens,
+        num_loras,
+        metadata,
+        count_entries=num_active_loras is not None,
     )
-    _check_num_active_loras(num_active_loras, metadata, no_lora)
+    _check_num_active_loras(num_active_loras, metadata[4].shape[0], no_lora, in_use)
     idle = no_lora or num_tokens == 0 or sum(widths) == 0
     return CheckedExpand(inputs, weights, output_tensor, metadata, offset_start, add_inputs, idle)
 
 
 def _check_devices_and_metadata(
-    inputs, output_tensor, weights, weights_name: str, num_rows: int, num_loras: int, metadata
-) -> bool:
+    inputs,
+    output_tensor,
+    weights,
+    weights_name: str,
+    num_rows: int,
+    num_loras: int,
+    metadata,
+    *,
+    count_entries: bool = False,
+) -> tuple[bool, int]:
     """The checks shrink and expand share: one device for the tensors, and metadata that
-    fits ``num_rows`` rows and ``num_loras`` slots. True when no token has a LoRA."""
+    fits ``num_rows`` rows and ``num_loras`` slots. Returns :func:`_check_metadata`'s
+    ``(no_lora, in_use)``."""
     check_same_device(
         {
             "inputs": inputs,
@@ -258,7 +281,9 @@ def _check_devices_and_metadata(
             **{f"{weights_name}[{s}]": w.view for s, w in enumerate(weights)},
         }
     )
-    return _check_metadata(num_rows, num_loras, weights_name, inputs.device, *metadata)
+    return _check_metadata(
+        num_rows, num_loras, weights_name, inputs.device, *metadata, count_entries=count_entries
+    )
 
 
 def _check_metadata(
@@ -272,9 +297,13 @@ def _check_metadata(
     lora_token_start_loc,
     lora_ids,
     no_lora_flag_cpu,
-) -> bool:
+    *,
+    count_entries: bool = False,
+) -> tuple[bool, int]:
     """Check the six metadata arguments for ``num_rows`` activation rows and weights of
-    ``num_loras`` slots. Return True when no token has a LoRA (nothing to launch)."""
+    ``num_loras`` slots. Return whether no token has a LoRA (nothing to launch) and, with
+    ``count_entries``, how many leading entries of ``lora_ids`` are in use (up to the last
+    one with tokens; 0 without: metadata built elsewhere then needs no more device work)."""
     named = {
         "token_lora_mapping": token_lora_mapping,
         "token_indices_sorted_by_lora_ids": token_indices_sorted_by_lora_ids,
@@ -311,13 +340,16 @@ def _check_metadata(
     meta = host_facts_of(lora_ids)  # ours: host-side facts, no device sync
     if meta is None:
         # Metadata built some other way: nothing on the host says which slots it uses,
-        # so read its largest slot and its token count back (one sync) rather than
-        # let a kernel read weights or rows that do not exist.
-        largest, counted = (
-            torch.stack([lora_ids.max().to(torch.int64), num_tokens_per_lora.sum()]).tolist()
-            if lora_ids.numel()
-            else (-1, 0)
-        )
+        # so read its largest slot, its token count and the entries in use back (one
+        # sync) rather than let a kernel read weights or rows that do not exist.
+        largest, counted, in_use = -1, 0, 0
+        if lora_ids.numel():
+            read = [lora_ids.max().to(torch.int64), num_tokens_per_lora.sum()]
+            if count_entries:  # the last entry with tokens, 1-based
+                order = torch.arange(1, lora_ids.shape[0] + 1, device=lora_ids.device)
+                read.append(torch.where(num_tokens_per_lora > 0, order, 0).max())
+            largest, counted, *entries = torch.stack(read).tolist()
+            in_use = entries[0] if entries else 0
         if largest >= num_loras:
             raise ValueError(
                 f"lora_ids uses slot {largest}, but {weights_name} hold only {num_loras} slot(s)"
@@ -338,14 +370,15 @@ def _check_metadata(
                 f"the metadata was prepared for {meta.num_tokens} tokens, more than the "
                 f"{num_rows} token rows of the activation"
             )
-    return bool(no_lora_flag_cpu.item())
+        in_use = meta.segments
+    return bool(no_lora_flag_cpu.item()), in_use
 
 
-def _check_num_active_loras(num_active_loras, metadata: tuple, no_lora: bool) -> None:
+def _check_num_active_loras(num_active_loras, entries: int, no_lora: bool, in_use: int) -> None:
     """vLLM 0.33's ``num_active_loras`` (None in the six-value convention): a one-element
-    integer tensor on the CPU, from 0 to ``len(lora_ids)``, and, when some token has a
-    LoRA, at least the entries of ``lora_ids`` the metadata uses (fewer would leave
-    tokens out)."""
+    integer tensor on the CPU, from 0 to ``entries`` (``len(lora_ids)``), and, when some
+    token has a LoRA, at least ``in_use``, the entries of ``lora_ids`` the metadata uses
+    (fewer would leave tokens out)."""
     if num_active_loras is None:
         return
     if not isinstance(num_active_loras, torch.Tensor):
@@ -361,21 +394,10 @@ def _check_num_active_loras(num_active_loras, metadata: tuple, no_lora: bool) ->
             "num_active_loras must be a one-element tensor on the CPU, got "
             f"{num_active_loras.numel()} element(s) on {num_active_loras.device}"
         )
-    lora_ids, counts = metadata[4], metadata[2]
     count = int(num_active_loras.item())
-    if not 0 <= count <= lora_ids.shape[0]:
-        raise ValueError(
-            f"num_active_loras is {count}, outside [0, len(lora_ids)={lora_ids.shape[0]}]"
-        )
-    if no_lora:
-        return
-    facts = host_facts_of(lora_ids)
-    if facts is not None:
-        in_use = facts.segments
-    else:  # metadata built some other way: the last entry with tokens, read back (a sync)
-        order = torch.arange(1, counts.shape[0] + 1, device=counts.device)
-        in_use = int(torch.where(counts > 0, order, 0).max()) if counts.numel() else 0
-    if count < in_use:
+    if not 0 <= count <= entries:
+        raise ValueError(f"num_active_loras is {count}, outside [0, len(lora_ids)={entries}]")
+    if not no_lora and count < in_use:
         raise ValueError(
             f"num_active_loras is {count}, but the metadata uses the first {in_use} entries "
             "of lora_ids: the tokens of the others would be left out"
