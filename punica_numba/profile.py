@@ -32,6 +32,7 @@ On the simulator the tables hold host times only, and say nothing about a GPU.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import time
 from collections import defaultdict
@@ -42,7 +43,15 @@ import torch
 
 from ._cuda import SIMULATOR
 
-__all__ = ["PartTime", "Probe", "StepProfile", "exclusive_times", "instrumented", "profile_decode"]
+__all__ = [
+    "PartTime",
+    "Probe",
+    "StepProfile",
+    "exclusive_times",
+    "instrumented",
+    "one_cycle_profiler",
+    "profile_decode",
+]
 
 #: The parts of a decode step, in the order they are printed. Each is one or more
 #: callables of the engine (see :func:`_targets`).
@@ -449,12 +458,25 @@ def _graph_kernels(engine, requests, new_tokens: int):
     return sum(us for _, us, _ in kernels) / 1e3 / steps, _per_step(kernels, steps)
 
 
+def one_cycle_profiler(activities) -> torch.profiler.profile:
+    """A ``torch.profiler.profile`` over ``activities`` for one start-to-stop cycle.
+
+    It keeps its events across cycles (``acc_events=True``) where this torch can: with
+    one cycle that keeps the same events, and some torch versions (2.11) warn at the
+    first start of a profiler that does not, a warning the test suite treats as an error.
+    """
+    from torch.profiler import profile
+
+    keep = "acc_events" in inspect.signature(profile).parameters
+    return profile(activities=activities, **({"acc_events": True} if keep else {}))
+
+
 def _profiled(engine, requests, new_tokens: int, probe: Probe | None):
     """``torch.profiler``'s events of decode steps ``1 .. n-2`` of one ``generate`` (the
     profiler runs from the window's start to its end; the probe, if any, is active then)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof = one_cycle_profiler([ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
     def window(on: bool) -> None:
         if probe is not None:

@@ -110,17 +110,20 @@ def test_demo_profile_times_every_part_of_a_decode_step(capsys, tmp_path):
     numbers = json.loads((tmp_path / "profile.json").read_text())
     mixed, base = numbers["profiles"]
     assert mixed["label"] == "engine, mixed adapters" and base["label"] == "engine, no adapters"
+    repeats = 1 if SIMULATOR else profile.GPU_REPEATS  # generate calls timed
     for p in (mixed, base):
-        assert p["steps"] == 1 and p["batch"] == 4 and p["step_ms"] > 0 and p["before_ms"] > 0
+        assert p["steps"] == (3 - 2) * repeats and p["batch"] == 4
+        assert p["step_ms"] > 0 and p["before_ms"] > 0
         shares = {row["part"]: row["host_share"] for row in p["parts"]}
         assert sum(shares.values()) == pytest.approx(1.0, abs=1e-6)
         for part in ("attention", "base GEMMs", "norms", "LM head", profile.LOOP):
             assert part in shares, (part, shares)
         assert "update_metadata" not in shares, "the decode steps' metadata is prepared once"
     lora = {p["label"]: _part(p, "LoRA (add_lora_linear)")["host_ms"] for p in (mixed, base)}
-    # On the simulator the LoRA kernels (Python threads) dwarf the rest; without adapters
-    # the wrapper launches nothing.
-    assert lora["engine, mixed adapters"] > 10 * lora["engine, no adapters"], lora
+    # Without adapters the wrapper launches nothing; on the simulator the LoRA kernels
+    # (Python threads) dwarf the rest, on a GPU their launches still cost the host more.
+    ratio = 10 if SIMULATOR else 1
+    assert lora["engine, mixed adapters"] > ratio * lora["engine, no adapters"], lora
 
 
 def _part(p: dict, name: str) -> dict:
@@ -242,9 +245,9 @@ def model():
     return tiny_llama(**SIZES, seed=3)
 
 
-def _engine(model, **kwargs) -> MultiLoRAEngine:
-    kwargs = dict(max_num_batched_tokens=40, max_batches=MAX_BATCHES) | kwargs
-    return MultiLoRAEngine(model, max_loras=1, max_lora_rank=2, **kwargs)
+def _engine(model, **extra) -> MultiLoRAEngine:
+    kwargs = dict(max_num_batched_tokens=40, max_batches=MAX_BATCHES, max_loras=1, max_lora_rank=2)
+    return MultiLoRAEngine(model, **(kwargs | extra))
 
 
 @pytest.fixture(scope="module")
@@ -396,7 +399,8 @@ def test_decode_graphs_replay_what_the_eager_steps_compute(tmp_path):
     model = tiny_llama(**SIZES, seed=3)  # its own: PEFT wraps it below
     specs = demo.adapter_specs(3, max_rank=4)
     engines = {
-        graphs: _engine(model, use_cuda_graphs=graphs) for graphs in (True, False)
+        graphs: _engine(model, use_cuda_graphs=graphs, max_loras=len(specs), max_lora_rank=4)
+        for graphs in (True, False)
     }  # built before PEFT wraps the model's projections
     demo.create_peft_adapters(model, specs, tmp_path, seed=0)
     for e in engines.values():
@@ -446,7 +450,7 @@ def test_exclusive_times_subtract_the_ranges_nested_in_a_range():
         time.sleep(0.02)
         inner()
 
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile.one_cycle_profiler([ProfilerActivity.CPU]) as prof:
         probe.active = True
         probe.wrap("outer", outer_body)()
         probe.active = False

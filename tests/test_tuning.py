@@ -7,6 +7,7 @@ nothing but whose pipeline is the GPU's: pools, checks, timing, the file.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -472,13 +473,30 @@ def test_the_budget_stops_before_a_problem_could_overrun(smoke, monkeypatch, cap
 
 
 def _wrong_when(target_name: str, monkeypatch) -> None:
-    """Make every shrink launched with ``target_name`` (or, with "*", every shrink) do
-    nothing: a wrong kernel, and the fastest there is."""
-    real = api.shrink_launch
+    """Make every shrink the tuner runs under the forced configuration ``target_name``
+    (or, with "*", every shrink) do nothing: a wrong kernel, and the fastest there is.
+
+    The forced configuration's name is what counts, not the launch's: on a GPU the
+    launcher may run a forced configuration in a form of another name (a one-LoRA row
+    shrink as the one-token row kernel), and the tuner files the result under the name
+    it forced.
+    """
+    real_launch, real_force = api.shrink_launch, sweep.force_launch_config
+    forcing: list[str] = []
+
+    @contextlib.contextmanager
+    def force_launch_config(op, config):
+        forcing.append(config_name(config))
+        try:
+            with real_force(op, config):
+                yield
+        finally:
+            forcing.pop()
 
     def shrink_launch(*args, **kwargs):
-        launch_ = real(*args, **kwargs)
-        if target_name in ("*", config_name(launch_.config)):
+        launch_ = real_launch(*args, **kwargs)
+        name = forcing[-1] if forcing else config_name(launch_.config)
+        if target_name in ("*", name):
 
             def wrong() -> None:
                 pass
@@ -487,6 +505,7 @@ def _wrong_when(target_name: str, monkeypatch) -> None:
             return wrong
         return launch_
 
+    monkeypatch.setattr(sweep, "force_launch_config", force_launch_config)
     monkeypatch.setattr(api, "shrink_launch", shrink_launch)
 
 
