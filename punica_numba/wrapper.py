@@ -634,11 +634,21 @@ class _Replay(NamedTuple):
     buffer: torch.Tensor | None = None
 
 
-def _new_buffer(*shape: int, device) -> torch.Tensor:
+def _new_buffer(*shape: int, device, one_slot: bool) -> torch.Tensor:
     """The fp32 buffer of a call that gave none. The shrink stores into it (it reads
-    nothing from it) and the expand reads only the rows the shrink wrote, so it is left
-    unfilled: a fill would be one more launch (about 5 µs of host time on the H200's
-    host, ``torch.zeros`` against ``torch.empty``)."""
+    nothing from it) and the expand uses only the rows the shrink wrote, so it is mostly
+    left unfilled: a fill would be one more launch (about 5 µs of host time on the H200's
+    host, ``torch.zeros`` against ``torch.empty``).
+
+    Where the weight stacks hold one slot (``one_slot``) it is filled with zeros: there
+    the expand's blocks load their tokens' buffer rows before they know the tokens'
+    slots (``kernels.expand_lanes`` and ``kernels.expand_mma``, "One slot"), the rows of
+    tokens without a LoRA too. Those values never reach an output, but they would be
+    reads of memory nothing wrote, which compute-sanitizer's initcheck reports (it did,
+    on the H200 at 5d81db4: the one-slot lane-split expand, 3456 reads over the edge
+    cases' wrapper tests)."""
+    if one_slot:
+        return torch.zeros(*shape, dtype=torch.float32, device=device)
     return torch.empty(*shape, dtype=torch.float32, device=device)
 
 
@@ -659,13 +669,14 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     """
     accumulate = buffer is not None
     own = None  # ("own", stream) when the call uses a buffer its record keeps
+    one_slot = b[0].num_loras == 1  # (the stacks' slots: checked equal)
     if buffer is None:
         shape = (len(b), x2.shape[0], a[0].rows)
         stream = eager_stream()
         if stream is not None and 4 * shape[0] * shape[1] * shape[2] <= KEPT_BUFFER_BYTES:
             own = ("own", stream)
         else:
-            buffer = _new_buffer(*shape, device=x2.device)
+            buffer = _new_buffer(*shape, device=x2.device, one_slot=one_slot)
     # Where the tensors sit tells most calls apart and is cheap to read, so a call whose
     # activations moved costs only this look-up more; recording, which adds about a
     # tenth to a call, waits until the call comes again.
@@ -681,7 +692,7 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
             known.record.replay(capturing=False if own else None)  # (own: eager_stream read it)
             return
     if own:
-        buffer = _new_buffer(*shape, device=x2.device)
+        buffer = _new_buffer(*shape, device=x2.device, one_slot=one_slot)
         key = None  # (it read the kept buffer, not this one)
     launches = []
     if a[0].rows:

@@ -462,7 +462,7 @@ def _the_wrappers_own_buffer_there(state):
     to, at the address where the given one was."""
     buffer = state["call"]["buffer"]
     state["call"]["buffer"] = None
-    return mock.patch.object(wrapper_module, "_new_buffer", lambda *shape, device: buffer)
+    return mock.patch.object(wrapper_module, "_new_buffer", lambda *shape, device, one_slot: buffer)
 
 
 def _force_another_shrink(state):
@@ -560,8 +560,8 @@ def _own_buffer_setup(rows: int = RT):
     made = []
     real = wrapper_module._new_buffer
 
-    def counted(*shape, device):
-        made.append(real(*shape, device=device))
+    def counted(*shape, device, one_slot):
+        made.append(real(*shape, device=device, one_slot=one_slot))
         return made[-1]
 
     return state, made, mock.patch.object(wrapper_module, "_new_buffer", counted)
@@ -580,7 +580,10 @@ def test_a_replayed_call_keeps_its_own_small_buffer(gpu_path):
         again = _sent_by(gpu_path, lambda: _run(state))
         assert made == []
         _forget_records(state["call"])
-        with mock.patch.object(wrapper_module, "_new_buffer", lambda *shape, device: recorded):
+        again_buffer = mock.patch.object(
+            wrapper_module, "_new_buffer", lambda *shape, device, one_slot: recorded
+        )
+        with again_buffer:
             fresh = _sent_by(gpu_path, lambda: _run(state))
     assert len(fresh) == 2 and again == fresh
 

@@ -233,9 +233,11 @@ def layer_widths(draw, layer: str) -> list[int]:
 # -- 1. properties: add_lora_linear -----------------------------------------------------
 
 
-def _poisoned_buffer(*shape: int, device) -> torch.Tensor:
+def _poisoned_buffer(*shape: int, device, one_slot: bool) -> torch.Tensor:
     """The wrapper's own buffer (a call that gives none) filled with NaN, in place of
-    whatever memory held: any element read before the shrink wrote it shows in y."""
+    whatever memory held: any element read before the shrink wrote it shows in y. (Also
+    where the wrapper fills it with zeros, ``one_slot``: the kernels read rows there that
+    the shrink did not write, and must not use them.)"""
     return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
 
 
@@ -1034,6 +1036,57 @@ def test_no_stale_pointer_tables():
             before.abs(), x.abs(), absolute(lora_a), absolute(lora_b), None, 1.0, widths, slots
         )
         assert_close(y, want, magnitude, terms=H + r, what="linear on reused addresses")
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_the_wrappers_own_buffer_is_filled_where_the_expand_reads_every_row(max_loras, monkeypatch):
+    """Where the stacks hold one slot, the expand loads every token's buffer row before it
+    knows the token's slot (``kernels.expand_lanes`` / ``expand_mma``, "One slot"), rows
+    of tokens without a LoRA too: the buffer the wrapper makes for the call must hold no
+    memory nothing wrote (compute-sanitizer's initcheck reported such reads on the H200
+    at 5d81db4). With ``torch.empty`` poisoned with NaN, the buffer the expand is given
+    has no NaN there; with two slots the expand reads only rows the shrink wrote, so the
+    buffer is left unfilled and the poison stays in the rows of tokens without a LoRA."""
+    H, r, widths = 16, 8, (16, 8)
+    ids = list(range(7, 7 + max_loras))
+    wrapper = PunicaWrapperNumba(16, 4, DEVICE, max_loras=max_loras)
+    index_mapping = (ids[0], 0, ids[-1], 0, ids[0])  # tokens 1 and 3: no LoRA
+    wrapper.update_metadata(LoRAMapping(index_mapping, index_mapping), ids, max_loras + 1, 100, 0)
+    x = random_tensor((5, H), torch.bfloat16, 1)
+    a = tuple(random_tensor((max_loras, r, H), torch.bfloat16, 2 + s) for s in range(2))
+    b = tuple(random_tensor((max_loras, n, r), torch.bfloat16, 4 + s) for s, n in enumerate(widths))
+    y = random_tensor((5, sum(widths)), torch.bfloat16, 6)
+    before = y.clone()
+
+    real_empty, real_expand = torch.empty, wrapper_module.expand_launch
+    buffers = []
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def spying_expand(buffer, *args, **kwargs):
+        buffers.append(buffer)
+        return real_expand(buffer, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    monkeypatch.setattr(wrapper_module, "expand_launch", spying_expand)
+    wrapper.add_lora_linear(y, x, a, b, 0.5, widths)
+    monkeypatch.undo()
+
+    slots = wrapper.token_lora_indices
+    assert slots.tolist() == [0, -1, max_loras - 1, -1, 0]
+    want = reference.add_lora_linear(before, x, a, b, None, 0.5, widths, slots)
+    magnitude = reference.add_lora_linear(
+        before.abs(), x.abs(), absolute(a), absolute(b), None, 0.5, widths, slots
+    )
+    assert_close(y, want, magnitude, terms=H + r, what="linear with a poisoned torch.empty")
+    (buffer,) = buffers
+    unmapped = buffer[:, slots == -1]
+    if max_loras == 1:
+        assert not unmapped.isnan().any(), "a row the expand reads was never written"
+    else:
+        assert unmapped.isnan().all(), "the buffer is filled although no kernel reads it"
 
 
 def test_long_lora_indices_have_one_entry_per_token():
