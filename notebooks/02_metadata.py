@@ -167,6 +167,32 @@ print("hand-built metadata == LoRAKernelMeta.prepare_tensors")
 display(meta)  # its table of segments
 
 # %% [markdown]
+# ### Made on the host
+#
+# A serving engine holds each step's slots on the host already: they come from the
+# `LoRAMapping`'s lists. On a GPU, `prepare_tensors` launches a small torch operation
+# for every line of its computation (about 140) and reads two numbers back;
+# `prepare_slots(slots)` runs the very same computation on a host copy of the buffers
+# and sends each buffer with one asynchronous copy (`punica_numba.staging`), no kernel
+# and no sync. The wrapper's `update_metadata` takes this path. The result is the same,
+# field by field; `host_twin=True` asks for the host copy also where the buffers are on
+# the CPU, as they are on the simulator.
+
+# %%
+on_the_host = LoRAKernelMeta.make(L, MAX_TOKENS, DEVICE, host_twin=True)
+on_the_host.prepare_slots(slots.tolist())  # a plain list of ints
+for name in (
+    "token_lora_mapping",
+    "token_indices_sorted_by_lora_ids",
+    "active_lora_ids",
+    "num_tokens_per_lora",
+    "lora_token_start_loc",
+    "no_lora_flag_cpu",
+):
+    assert torch.equal(getattr(on_the_host, name), getattr(meta, name)), name
+print("prepare_slots (made on the host) == prepare_tensors")
+
+# %% [markdown]
 # ## A picture of the segments
 #
 # Each square is a token, coloured by its slot (grey: no adapter). Top: batch order,

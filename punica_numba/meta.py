@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ._checks import check_bool, check_device, check_int
@@ -40,6 +41,7 @@ from .kernels.segments import (
     tile_tokens,
 )
 from .launch import tile_sizes, tile_token_sizes
+from .staging import HostStaging, pinned_for
 
 __all__ = ["HostFacts", "LoRAKernelMeta", "Segment", "host_facts_of"]
 
@@ -111,14 +113,48 @@ class LoRAKernelMeta:
     max_num_tokens: int
     host: HostFacts = field(default_factory=HostFacts)
     _positions: torch.Tensor = field(repr=False, default=None)  # [M_max] int32 arange
+    # prepare_slots: a copy of this metadata on the host that computes it, and the copies
+    # that send its buffers here (None: the buffers are on the host already).
+    _twin: LoRAKernelMeta | None = field(repr=False, default=None)
+    _staging: HostStaging | None = field(repr=False, default=None)
 
     @staticmethod
-    def make(max_loras: int, max_num_tokens: int, device: torch.device | str) -> LoRAKernelMeta:
-        """Allocate and initialise the buffers for L slots and up to M_max tokens."""
+    def make(
+        max_loras: int,
+        max_num_tokens: int,
+        device: torch.device | str,
+        *,
+        host_twin: bool | None = None,
+    ) -> LoRAKernelMeta:
+        """Allocate and initialise the buffers for L slots and up to M_max tokens.
+
+        ``host_twin``: keep a copy of the buffers on the host, where
+        :meth:`prepare_slots` computes the metadata (default: where ``device`` is not
+        the CPU; on the CPU the buffers are their own host copy, and a twin there only
+        serves to test the copying path).
+        """
         max_loras = check_int("max_loras", max_loras, minimum=1)
         max_num_tokens = check_int("max_num_tokens", max_num_tokens, minimum=0)
         device = check_device("device", device)
-        i32 = dict(dtype=torch.int32, device=device)
+        if host_twin is None:
+            host_twin = device.type != "cpu"
+        host_twin = check_bool("host_twin", host_twin)
+        meta = LoRAKernelMeta._allocate(max_loras, max_num_tokens, device)
+        if host_twin:
+            twin = LoRAKernelMeta._allocate(
+                max_loras, max_num_tokens, torch.device("cpu"), pin_memory=pinned_for(device)
+            )
+            meta._twin = twin
+            meta._staging = HostStaging(list(zip(meta._device_buffers(), twin._device_buffers())))
+        return meta
+
+    @staticmethod
+    def _allocate(
+        max_loras: int, max_num_tokens: int, device: torch.device, pin_memory: bool = False
+    ) -> LoRAKernelMeta:
+        """The buffers of :meth:`make`, initialised, on ``device`` (page-locked CPU memory
+        with ``pin_memory``); no twin."""
+        i32 = dict(dtype=torch.int32, device=device, pin_memory=pin_memory)
         positions = torch.arange(max_num_tokens, **i32)  # [M_max]
         meta = LoRAKernelMeta(
             token_lora_mapping=torch.full((max_num_tokens,), -1, **i32),
@@ -143,6 +179,18 @@ class LoRAKernelMeta:
         # Let the ops find the host-side facts from the tensors they are handed.
         meta.active_lora_ids._punica_host_facts = meta.host
         return meta
+
+    def _device_buffers(self) -> list[torch.Tensor]:
+        """Every buffer the kernels read, in one order (prepare_tensors rewrites them all)."""
+        return [
+            self.token_lora_mapping,
+            self.token_indices_sorted_by_lora_ids,
+            self.active_lora_ids,
+            self.num_tokens_per_lora,
+            self.lora_token_start_loc,
+            *(self.host.tile_tables[m] for m in sorted(self.host.tile_tables)),
+            *(self.host.tile_tokens[m] for m in sorted(self.host.tile_tokens)),
+        ]
 
     @property
     def num_tokens(self) -> int:
@@ -257,6 +305,48 @@ class LoRAKernelMeta:
             tokens = self.host.tile_tokens.get(tile_m)
             if tokens is not None:
                 tile_tokens(table, self.token_indices_sorted_by_lora_ids, tile_m, out=tokens)
+
+    def prepare_slots(self, slots) -> None:
+        """:meth:`prepare_tensors` for slots the host holds: the same metadata, made on the host.
+
+        Semantics:
+            slots: [n] integer slots in [-1, L): a CPU tensor, a numpy array or a
+                sequence of ints (what ``convert_mapping`` makes from a ``LoRAMapping``).
+            afterwards every buffer holds what prepare_tensors(slots) would give.
+
+        On a GPU the metadata is computed by the same :meth:`prepare_tensors`, run on a
+        twin of these buffers on the host, and each buffer is then sent with one
+        asynchronous copy on the current stream (:mod:`punica_numba.staging`): no kernel
+        and no device sync, where :meth:`prepare_tensors` on the GPU launches about 140
+        small torch operations and reads two numbers back. Work queued on the stream
+        before this call still reads the old metadata; work queued after, the new. Where
+        the buffers are on the CPU it is :meth:`prepare_tensors` itself.
+
+        Raises:
+            ValueError, TypeError: as :meth:`prepare_tensors`, and for a tensor that is
+                not on the CPU (use :meth:`prepare_tensors` for device data). Nothing is
+                changed then.
+        """
+        if isinstance(slots, torch.Tensor):
+            if slots.device.type != "cpu":
+                raise ValueError(
+                    f"prepare_slots takes slots the host holds, got a tensor on {slots.device}; "
+                    "use prepare_tensors for a mapping on the device"
+                )
+            mapping = slots
+        else:
+            mapping = torch.as_tensor(np.asarray(slots, dtype=np.int64).reshape(-1))
+        if self._twin is None:
+            self.prepare_tensors(mapping)
+            return
+        twin = self._twin
+        self._staging.wait()  # (its last copies are done: the twin may be written)
+        twin.prepare_tensors(mapping)  # checks first: a rejected call changes nothing
+        self._staging.send()
+        self.no_lora_flag_cpu.copy_(twin.no_lora_flag_cpu)
+        self.num_active_loras_cpu.copy_(twin.num_active_loras_cpu)
+        for name in ("num_tokens", "max_slot_in_use", "active_slots", "segments"):
+            setattr(self.host, name, getattr(twin.host, name))
 
     def meta_args(self, token_nums: int, specialize_active_lora: bool | None = None) -> tuple:
         """The metadata arguments of ``lora_shrink`` / ``lora_expand``, for ``token_nums`` rows.

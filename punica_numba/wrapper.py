@@ -43,6 +43,7 @@ from .launch import forced_launch_configs
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta, host_facts_of
 from .ops.launching import expand_launch, shrink_launch
+from .staging import HostStaging, twin_of
 
 __all__ = ["PunicaWrapperNumba"]
 
@@ -63,7 +64,7 @@ class PunicaWrapperNumba:
     skipped on the host, so nothing would be recorded). After capture, call
     ``update_metadata`` outside the graph with any mapping of the same or fewer
     tokens, write the new inputs into the captured tensors in place, and replay.
-    ``update_metadata`` itself syncs with the device and cannot be captured.
+    ``update_metadata`` itself is host work and copies; it is not captured.
     """
 
     def __init__(
@@ -91,8 +92,17 @@ class PunicaWrapperNumba:
         self._long_lora_indices = torch.zeros(n, **i64)  # [N]
         self.indices_len: list[int | None] = [0, 0, 0, 0, None]
         self.is_prefill = False
-        self.token_mapping_meta = LoRAKernelMeta.make(self._max_loras, n, self.device)
-        self.prompt_mapping_meta = LoRAKernelMeta.make(self._max_loras, n, self.device)
+        # update_metadata makes everything on the host and sends it (module staging).
+        twins = host_twins(self.device)
+        self._index_staging = HostStaging(
+            [(b, twin_of(b) if twins else b) for b in self._index_buffers()]
+        )
+        self.token_mapping_meta = LoRAKernelMeta.make(
+            self._max_loras, n, self.device, host_twin=twins
+        )
+        self.prompt_mapping_meta = LoRAKernelMeta.make(
+            self._max_loras, n, self.device, host_twin=twins
+        )
         # The device every tensor of a layer call must be on, exactly as the buffers have it
         # (``cuda:0`` where ``device`` may say ``cuda``).
         self._kernel_device = self._token_lora_indices.device
@@ -125,7 +135,14 @@ class PunicaWrapperNumba:
 
         ``max_loras`` is the value vLLM's model manager passes (the number of slots
         plus one); it only decides where ``sampler_indices_padded`` sends rows
-        without a LoRA. Syncs with the device; call it outside CUDA-graph capture.
+        without a LoRA.
+
+        Everything is computed on the host, from the mapping's lists, into host twins
+        of the buffers, which are then sent with one asynchronous copy each on the
+        current stream (:mod:`punica_numba.staging`): no kernel and no device sync (it
+        waits only, if they are still running, for the copies of its previous call).
+        Work queued before the call still reads the old metadata, work queued after it
+        the new. Call it outside CUDA-graph capture.
 
         Raises:
             ValueError: more tokens or sampled rows than ``max_num_batched_tokens``,
@@ -143,13 +160,14 @@ class PunicaWrapperNumba:
                     f"mapping.{name} holds {len(rows)} entries, more than "
                     f"max_num_batched_tokens={self.max_num_batched_tokens}"
                 )
+        # All of it on the host, from the mapping's lists: no kernel, no device sync.
         indices = convert_mapping(
             mapping,
             lora_index_to_id,
             max_loras,
             vocab_size,
             extra_vocab_size,
-            self.device,
+            "cpu",
             long_lora_context,
         )
         for name, slots in (
@@ -163,22 +181,37 @@ class PunicaWrapperNumba:
                 )
 
         self.is_prefill = mapping.is_prefill
-        tokens, prompts = indices.indices_len[0], indices.indices_len[1]
-        _fill_front(self._token_lora_indices, indices.base_indices, -1)
-        _fill_front(self._sampler_indices, indices.sampler_indices, -1)
-        _fill_front(self._sampler_indices_padded, indices.sampler_indices_padded, 0)
-        _fill_front(self._embeddings_indices, indices.embeddings_indices, 0)
         long_lora = indices.long_lora_indices
-        _fill_front(
-            self._long_lora_indices,
-            long_lora
-            if long_lora is not None
-            else torch.zeros(0, dtype=torch.int64, device=self.device),
-            0,
-        )
+        if long_lora is None:
+            long_lora = torch.zeros(0, dtype=torch.int64)
+        staging = self._index_staging
+        staging.wait()  # (the twins' last copies are done)
+        for buffer, values, rest in zip(
+            self._index_buffers(),
+            (
+                indices.base_indices,
+                indices.sampler_indices,
+                indices.sampler_indices_padded,
+                indices.embeddings_indices,
+                long_lora,
+            ),
+            (-1, -1, 0, 0, 0),
+        ):
+            _fill_front(staging.host(buffer), values, rest)
+        staging.send()
         self.indices_len = list(indices.indices_len)
-        self.token_mapping_meta.prepare_tensors(self._token_lora_indices[:tokens])
-        self.prompt_mapping_meta.prepare_tensors(self._sampler_indices[:prompts])
+        self.token_mapping_meta.prepare_slots(indices.base_indices)
+        self.prompt_mapping_meta.prepare_slots(indices.sampler_indices)
+
+    def _index_buffers(self) -> tuple[torch.Tensor, ...]:
+        """vLLM's index buffers, in the order update_metadata fills them."""
+        return (
+            self._token_lora_indices,
+            self._sampler_indices,
+            self._sampler_indices_padded,
+            self._embeddings_indices,
+            self._long_lora_indices,
+        )
 
     @property
     def token_lora_indices(self) -> torch.Tensor:
@@ -807,6 +840,13 @@ def _bind(method: str, names: tuple, args: tuple, kwargs: dict, defaults: dict) 
 def _indexed(name: str, index: int | None) -> str:
     """``name[index]``, or ``name`` for a lone tensor (index None); for messages."""
     return name if index is None else f"{name}[{index}]"
+
+
+def host_twins(device: torch.device) -> bool:
+    """Whether the wrapper's buffers on ``device`` get host twins that update_metadata
+    writes and sends (:mod:`punica_numba.staging`): on a GPU; on the CPU (the simulator)
+    the buffers are written in place."""
+    return device.type != "cpu"
 
 
 def _fill_front(buffer: torch.Tensor, values: torch.Tensor, rest: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -437,6 +438,81 @@ def test_a_rejected_call_changes_nothing(case, bad, data):
     with pytest.raises(error, match=message):
         meta.prepare_tensors(argument)
     assert_same(snapshot(meta), before, f"after a rejected call ({bad}): ")
+
+
+# -- prepare_slots: the same metadata, made on the host and sent ---------------------------
+
+
+def full_snapshot(meta: LoRAKernelMeta) -> dict:
+    """:func:`snapshot`, and everything else the kernels and the ops read: the tile tables
+    and tile tokens, vLLM 0.33's ``num_active_loras`` and the host's facts."""
+    out = snapshot(meta)
+    facts = host_facts_of(meta.active_lora_ids)
+    out["tile_tables"] = {m: t.tolist() for m, t in facts.tile_tables.items()}
+    out["tile_tokens"] = {m: t.tolist() for m, t in facts.tile_tokens.items()}
+    out["num_active_loras_cpu"] = meta.num_active_loras_cpu.tolist()
+    out["facts"] = (facts.num_tokens, facts.max_slot_in_use, facts.active_slots, facts.segments)
+    return out
+
+
+SLOT_FORMS = ("list", "numpy int64", "CPU tensor int32")
+
+
+def host_slots(slots: list[int], form: str):
+    """The slots as the host may hold them."""
+    if form == "list":
+        return list(slots)
+    if form == "numpy int64":
+        return np.array(slots, dtype=np.int64)
+    return torch.tensor(slots, dtype=torch.int32).reshape(len(slots))
+
+
+@given(case=batch_sequences(), data=st.data())
+def test_prepare_slots_gives_what_prepare_tensors_gives(case, data):
+    """A meta with a host twin (on the simulator too: there the twin's buffers are copied
+    as on a GPU), fed step after step by prepare_slots, holds after each step exactly what
+    a meta fed by prepare_tensors holds."""
+    batches, L, M_max = case
+    staged = LoRAKernelMeta.make(L, M_max, DEVICE, host_twin=True)
+    plain = LoRAKernelMeta.make(L, M_max, DEVICE)
+    for step, slots in enumerate(batches):
+        form = data.draw(st.sampled_from(SLOT_FORMS), label=f"form {step}")
+        staged.prepare_slots(host_slots(slots, form))
+        plain.prepare_tensors(mapping_tensor(slots))
+        got, want = full_snapshot(staged), full_snapshot(plain)
+        context = f"step {step} ({form}, slots={slots}): "
+        assert_same(got, want, context)
+        for name in ("tile_tables", "tile_tokens", "num_active_loras_cpu", "facts"):
+            assert got[name] == want[name], context + name
+
+
+@given(case=meta_cases(), bad=st.sampled_from(BAD_CALLS[:3]), data=st.data())
+def test_prepare_slots_rejects_what_prepare_tensors_rejects_and_changes_nothing(case, bad, data):
+    slots, L, M_max = case
+    meta = LoRAKernelMeta.make(L, M_max, DEVICE, host_twin=True)
+    meta.prepare_slots(slots)
+    before = full_snapshot(meta)
+    T = data.draw(st.integers(1, M_max + 1), label="rejected T")
+    rejected = data.draw(slot_lists(T, L), label="rejected slots")
+    where = data.draw(st.integers(0, T - 1), label="bad position")
+    message = "slots must lie"
+    if bad == "too many tokens":
+        rejected = data.draw(slot_lists(M_max + 1, L), label="oversize slots")
+        message = "max_num_tokens"
+    elif bad == "slot below -1":
+        rejected[where] = data.draw(st.integers(-1000, -2), label="bad slot")
+    else:
+        rejected[where] = data.draw(st.integers(L, L + 1000), label="bad slot")
+    with pytest.raises(ValueError, match=message):
+        meta.prepare_slots(rejected)
+    assert full_snapshot(meta) == before, f"after a rejected call ({bad})"
+
+
+@pytest.mark.gpu
+def test_prepare_slots_takes_host_data_only():
+    meta = LoRAKernelMeta.make(2, 8, DEVICE)
+    with pytest.raises(ValueError, match="prepare_slots takes slots the host holds"):
+        meta.prepare_slots(torch.tensor([0, 1], device=DEVICE))
 
 
 # -- examples -----------------------------------------------------------------------------

@@ -729,9 +729,20 @@ def wrapper_state(wrapper: PunicaWrapperNumba) -> dict:
             "num_tokens_per_lora",
             "lora_token_start_loc",
             "no_lora_flag_cpu",
+            "num_active_loras_cpu",
         ):
             state[f"{meta_name}.{field}"] = getattr(meta, field).clone()
-        state[f"{meta_name}.host"] = (meta.num_tokens, meta.max_slot_in_use)
+        facts = meta.host
+        for tile_m, table in facts.tile_tables.items():
+            state[f"{meta_name}.tile_table[{tile_m}]"] = table.clone()
+        for tile_m, tokens in facts.tile_tokens.items():
+            state[f"{meta_name}.tile_tokens[{tile_m}]"] = tokens.clone()
+        state[f"{meta_name}.host"] = (
+            facts.num_tokens,
+            facts.max_slot_in_use,
+            facts.active_slots,
+            facts.segments,
+        )
     state["indices_len"] = list(wrapper.indices_len)
     return state
 
@@ -825,6 +836,34 @@ def test_reused_wrapper_equals_a_fresh_one_at_every_step(case):
             logits0.abs(), hidden.abs(), logits_a.abs(), logits_b.abs(), 1.0, sampler
         )
         assert_close(logits, want, magnitude, terms=H + r, what=f"reused add_lora_logits {dt}")
+
+
+@given(reuse_cases())
+def test_metadata_sent_from_host_twins_equals_metadata_written_in_place(case):
+    """update_metadata computes on host twins of the wrapper's buffers and sends them (on
+    a GPU; here the same copying path runs on the CPU): step after step, the wrapper holds
+    what a wrapper that writes its buffers in place holds, and its calls give the same
+    bits."""
+    L, H, r, dt, widths = case.num_loras, case.hidden, case.rank, case.dtype, case.widths
+    lora_a = tuple(stacked((L, r, H), dt, case.seed + s) for s in range(len(widths)))
+    lora_b = tuple(stacked((L, n, r), dt, case.seed + 3 + s) for s, n in enumerate(widths))
+    wrappers = {}
+    for twins in (True, False):
+        with mock.patch.object(wrapper_module, "host_twins", lambda device, twins=twins: twins):
+            wrappers[twins] = PunicaWrapperNumba(case.capacity, 2, DEVICE, max_loras=L)
+    assert wrappers[True].token_mapping_meta._twin is not None
+    assert wrappers[False].token_mapping_meta._twin is None
+    for step, (batch, rows) in enumerate(zip(case.steps, case.rows)):
+        x = random_tensor((rows, H), dt, case.seed + 20 + step)
+        y0 = random_tensor((rows, sum(widths)), dt, case.seed + 30 + step)
+        ys = []
+        for wrapper in wrappers.values():
+            update(wrapper, batch)
+            ys.append(y0.clone())
+            wrapper.add_lora_linear(ys[-1], x, lora_a, lora_b, None, 1.0, widths)
+        staged, in_place = (wrapper_state(w) for w in wrappers.values())
+        assert_same_state(staged, in_place, f"step {step}")
+        assert torch.equal(ys[0], ys[1]), f"step {step}: add_lora_linear differs"
 
 
 # -- 2. regressions: one per vLLM defect of SPEC §7 that touches the wrapper -------------
