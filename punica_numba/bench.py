@@ -547,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import bench_grid
 
         return bench_grid.main([a for a in argv if a != "--grid"])
+    if "--compare" in argv:  # two runs, case by case: a command of its own
+        from . import bench_compare
+
+        return bench_compare.main([a for a in argv if a != "--compare"])
     parser = argparse.ArgumentParser(
         prog="python -m punica_numba bench",
         description=__doc__,
@@ -574,6 +578,12 @@ def main(argv: list[str] | None = None) -> int:
         "--grid",
         action="store_true",
         help="run the grid of real model shapes instead: see `bench --grid --help`",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="compare two sets of runs (OLD NEW JSON files) case by case instead: see "
+        "`bench --compare --help`",
     )
     args = parser.parse_args(argv)
     quick = args.quick or SIMULATOR

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # What a change to the kernels or the wrapper must pass on a GPU, in one command:
 #
-#   tests/gpu_check.sh [STEP ...]     # steps: bench suite sanitize demo (default: all four)
+#   tests/gpu_check.sh [STEP ...]     # steps: bench ab suite sanitize demo (default: all but ab)
 #
 # * bench     python -m punica_numba bench, alone on the GPU (its times are the point)
+# * ab        the benchmark at $BASE (a commit) and here, alternately, $ROUNDS times each,
+#             then `bench --compare` of the two sides (ab.txt; exit 1 if a case is > 3 %
+#             slower): a change against the code before it, on one machine in one hour
 # * demo      python -m punica_numba demo with --json and --plot, alone on the GPU
 # * suite     the whole pytest suite under HYPOTHESIS_PROFILE=gpu
 # * sanitize  tests/sanitize.sh, its four tools side by side
@@ -19,8 +22,10 @@
 #   COMMIT          the commit the benchmark records (default: git HEAD, if there is one)
 #   SUITE_WORKERS   pytest-xdist workers for the suite (default 4; 0: one process)
 #   SAN_WORKERS     pytest-xdist workers for each sanitizer tool (default 2)
+#   BASE, ROUNDS    ab: the commit to compare with (required), rounds of each side (default 2)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+GIVEN_PYTHONPATH="${PYTHONPATH:-}"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 PYTHON="${PYTHON:-python3}"
 OUT="${GPU_CHECK_OUT:-$(mktemp -d -t gpu_check.XXXXXX)}"
@@ -36,6 +41,36 @@ if want bench; then
     "$PYTHON" -m punica_numba bench --commit "$COMMIT" --json "$OUT/bench.json" \
         --plot "$OUT/roofline.png" >"$OUT/bench.log" 2>&1 || status=1
     note "bench: $(tail -n 1 "$OUT/bench.log")"
+fi
+if want ab; then
+    if [ -z "${BASE:-}" ]; then
+        note "ab: set BASE to the commit to compare with"
+        status=1
+    else
+        base="$OUT/base_tree"
+        git worktree add --detach "$base" "$BASE" >"$OUT/ab.log" 2>&1 || status=1
+        old=() new=()
+        for round in $(seq "${ROUNDS:-2}"); do
+            sides=(base here)
+            [ $((round % 2)) = 0 ] && sides=(here base)  # each side first in turn
+            for side in "${sides[@]}"; do
+                if [ "$side" = base ]; then
+                    json="$OUT/ab_base_$round.json" && old+=("$json")
+                    (cd "$base" && PYTHONPATH="${GIVEN_PYTHONPATH:+$GIVEN_PYTHONPATH:}$base" \
+                        "$PYTHON" -m punica_numba bench --commit "$BASE" --json "$json") \
+                        >>"$OUT/ab.log" 2>&1 || status=1
+                else
+                    json="$OUT/ab_here_$round.json" && new+=("$json")
+                    "$PYTHON" -m punica_numba bench --commit "$COMMIT" --json "$json" \
+                        >>"$OUT/ab.log" 2>&1 || status=1
+                fi
+            done
+        done
+        (IFS=,; "$PYTHON" -m punica_numba bench --compare "${old[*]}" "${new[*]}") \
+            >"$OUT/ab.txt" 2>&1 || status=1
+        git worktree remove --force "$base" >>"$OUT/ab.log" 2>&1
+        note "ab: $(tail -n 1 "$OUT/ab.txt")"
+    fi
 fi
 if want demo; then
     "$PYTHON" -m punica_numba demo --no-progress --json "$OUT/demo.json" \
