@@ -21,6 +21,8 @@
 #   GPU_CHECK_OUT   where logs, JSON and plots go
 #   COMMIT          the commit the benchmark records (default: git HEAD, if there is one)
 #   SUITE_WORKERS   pytest-xdist workers for the suite (default 4; 0: one process)
+#   SUITE_TESTS     the suite's pytest targets (default: tests). The whole gpu profile took
+#                   over 10 minutes on an H200 with 8 workers (at 5d81db4): run it in parts
 #   SAN_WORKERS     pytest-xdist workers for each sanitizer tool (default 2)
 #   BASE, ROUNDS    ab: the commit to compare with (required), rounds of each side (default 2)
 set -uo pipefail
@@ -81,7 +83,8 @@ pids=()
 if want suite; then
     workers=()
     [ "${SUITE_WORKERS:-4}" != 0 ] && workers=(-n "${SUITE_WORKERS:-4}")
-    HYPOTHESIS_PROFILE=gpu "$PYTHON" -m pytest -q -p no:cacheprovider "${workers[@]}" tests \
+    read -r -a targets <<<"${SUITE_TESTS:-tests}"
+    HYPOTHESIS_PROFILE=gpu "$PYTHON" -m pytest -q -p no:cacheprovider "${workers[@]}" "${targets[@]}" \
         >"$OUT/suite.log" 2>&1 &
     pids+=($!)
 fi
