@@ -158,7 +158,7 @@ class LoRAKernelMeta:
         positions = torch.arange(max_num_tokens, **i32)  # [M_max]
         meta = LoRAKernelMeta(
             token_lora_mapping=torch.full((max_num_tokens,), -1, **i32),
-            token_indices_sorted_by_lora_ids=positions.clone(),
+            token_indices_sorted_by_lora_ids=torch.arange(max_num_tokens, **i32),  # (pinned too)
             active_lora_ids=torch.full((max_loras + 1,), -1, **i32),
             num_tokens_per_lora=torch.zeros(max_loras + 1, **i32),
             lora_token_start_loc=torch.zeros(max_loras + 2, **i32),

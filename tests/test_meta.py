@@ -503,14 +503,19 @@ def test_prepare_slots_rejects_what_prepare_tensors_rejects_and_changes_nothing(
         rejected[where] = data.draw(st.integers(-1000, -2), label="bad slot")
     else:
         rejected[where] = data.draw(st.integers(L, L + 1000), label="bad slot")
+    if len(rejected) > M_max:  # (the size is checked first)
+        message = "max_num_tokens"
     with pytest.raises(ValueError, match=message):
         meta.prepare_slots(rejected)
     assert full_snapshot(meta) == before, f"after a rejected call ({bad})"
 
 
 @pytest.mark.gpu
-def test_prepare_slots_takes_host_data_only():
+def test_prepare_slots_takes_host_data_into_page_locked_twins():
+    """On a GPU every twin buffer is page-locked (so its copy is asynchronous), and slots
+    on the device are refused (prepare_tensors takes those)."""
     meta = LoRAKernelMeta.make(2, 8, DEVICE)
+    assert all(twin.is_pinned() for twin in meta._twin._device_buffers())
     with pytest.raises(ValueError, match="prepare_slots takes slots the host holds"):
         meta.prepare_slots(torch.tensor([0, 1], device=DEVICE))
 
