@@ -170,8 +170,8 @@ display(meta)  # its table of segments
 # ### Made on the host
 #
 # A serving engine holds each step's slots on the host already: they come from the
-# `LoRAMapping`'s lists. On a GPU, `prepare_tensors` launches a small torch operation
-# for every line of its computation (about 140) and reads two numbers back;
+# `LoRAMapping`'s lists. On a GPU, `prepare_tensors` runs a small torch operation for
+# every line of its computation (214, views among them) and reads two numbers back;
 # `prepare_slots(slots)` runs the very same computation on a host copy of the buffers
 # and sends each buffer with one asynchronous copy (`punica_numba.staging`), no kernel
 # and no sync. The wrapper's `update_metadata` takes this path. The result is the same,

@@ -2,10 +2,11 @@
 
 The metadata of a step (slots, sorted tokens, segments, tile tables) is small, and the
 host already holds what it is made from: the ``LoRAMapping``'s lists. Computing it on
-the GPU means launching a torch operation for every line of the computation (some 140
-for one ``LoRAKernelMeta``, each a few microseconds of the host's time) and reading
-numbers back to check them (a device sync each). Computing it on the host and copying
-the result costs one asynchronous copy per buffer and no sync.
+the GPU means a torch operation for every line of the computation (214 of them for one
+``LoRAKernelMeta`` with adapters in use, views among them; each launch a few microseconds
+of the host's time) and reading numbers back to check them (a device sync each).
+Computing it on the host and copying the result costs one asynchronous copy per buffer
+and no sync.
 
 :class:`HostStaging` pairs each device buffer with a *twin* on the host (page-locked
 where the buffers are on a GPU, so the copy is asynchronous): the host writes the twins,
