@@ -41,7 +41,7 @@ from .kernels.segments import (
     tile_tokens,
 )
 from .launch import tile_sizes, tile_token_sizes
-from .staging import HostStaging, pinned_for
+from .staging import HostStaging, pinned_for, separate_twins
 
 __all__ = ["HostFacts", "LoRAKernelMeta", "Segment", "host_facts_of"]
 
@@ -137,7 +137,7 @@ class LoRAKernelMeta:
         max_num_tokens = check_int("max_num_tokens", max_num_tokens, minimum=0)
         device = check_device("device", device)
         if host_twin is None:
-            host_twin = device.type != "cpu"
+            host_twin = separate_twins(device)
         host_twin = check_bool("host_twin", host_twin)
         meta = LoRAKernelMeta._allocate(max_loras, max_num_tokens, device)
         if host_twin:

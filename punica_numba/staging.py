@@ -27,7 +27,13 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HostStaging", "pinned_for", "twin_of"]
+__all__ = ["HostStaging", "pinned_for", "separate_twins", "twin_of"]
+
+
+def separate_twins(device: torch.device) -> bool:
+    """Whether buffers on ``device`` get twins of their own: where they are not on the
+    CPU. On the CPU (the simulator) a buffer is written in place, as its own twin."""
+    return torch.device(device).type != "cpu"
 
 
 def pinned_for(device: torch.device) -> bool:

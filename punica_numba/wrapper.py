@@ -43,7 +43,7 @@ from .launch import forced_launch_configs
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta, host_facts_of
 from .ops.launching import expand_launch, shrink_launch
-from .staging import HostStaging, twin_of
+from .staging import HostStaging, separate_twins, twin_of
 
 __all__ = ["PunicaWrapperNumba"]
 
@@ -93,7 +93,7 @@ class PunicaWrapperNumba:
         self.indices_len: list[int | None] = [0, 0, 0, 0, None]
         self.is_prefill = False
         # update_metadata makes everything on the host and sends it (module staging).
-        twins = host_twins(self.device)
+        twins = separate_twins(self.device)
         self._index_staging = HostStaging(
             [(b, twin_of(b) if twins else b) for b in self._index_buffers()]
         )
@@ -840,13 +840,6 @@ def _bind(method: str, names: tuple, args: tuple, kwargs: dict, defaults: dict) 
 def _indexed(name: str, index: int | None) -> str:
     """``name[index]``, or ``name`` for a lone tensor (index None); for messages."""
     return name if index is None else f"{name}[{index}]"
-
-
-def host_twins(device: torch.device) -> bool:
-    """Whether the wrapper's buffers on ``device`` get host twins that update_metadata
-    writes and sends (:mod:`punica_numba.staging`): on a GPU; on the CPU (the simulator)
-    the buffers are written in place."""
-    return device.type != "cpu"
 
 
 def _fill_front(buffer: torch.Tensor, values: torch.Tensor, rest: int) -> None:

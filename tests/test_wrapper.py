@@ -849,7 +849,7 @@ def test_metadata_sent_from_host_twins_equals_metadata_written_in_place(case):
     lora_b = tuple(stacked((L, n, r), dt, case.seed + 3 + s) for s, n in enumerate(widths))
     wrappers = {}
     for twins in (True, False):
-        with mock.patch.object(wrapper_module, "host_twins", lambda device, twins=twins: twins):
+        with mock.patch.object(wrapper_module, "separate_twins", lambda device, twins=twins: twins):
             wrappers[twins] = PunicaWrapperNumba(case.capacity, 2, DEVICE, max_loras=L)
     assert wrappers[True].token_mapping_meta._twin is not None
     assert wrappers[False].token_mapping_meta._twin is None
