@@ -63,7 +63,10 @@ def _medians(runs: Sequence[dict]) -> dict[tuple, float]:
 def compare(old: Sequence[dict], new: Sequence[dict]) -> list[dict]:
     """Rows ``{case, old_us, new_us, ratio}`` for the cases both sides hold, the largest
     ratio first."""
-    before, after = _medians(old), _medians(new)
+    return _rows(_medians(old), _medians(new))
+
+
+def _rows(before: dict[tuple, float], after: dict[tuple, float]) -> list[dict]:
     rows = [
         dict(case=key, old_us=before[key], new_us=after[key], ratio=after[key] / before[key])
         for key in before
@@ -104,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     old, new = _read(args.old), _read(args.new)
-    rows = compare(old, new)
+    before, after = _medians(old), _medians(new)
+    rows = _rows(before, after)
     commits = (
         ",".join(sorted({r.get("commit", "?") for r in old})),
         ",".join(sorted({r.get("commit", "?") for r in new})),
@@ -120,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{_label(row['case']):<60}{row['old_us']:>12.3f}{row['new_us']:>12.3f}"
             f"{row['ratio']:>9.3f}{flag}"
         )
-    missing = len(_medians(old).keys() ^ _medians(new).keys())
+    missing = len(before.keys() ^ after.keys())
     print(
         f"{len(rows)} cases on both sides ({missing} on one side only); "
         f"{slower} slower by more than {args.tolerance:.0%}"
