@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ._checks import check_bool, check_device, check_int
+from .host_meta import host_slots, prepare_on_host
 from .kernels.segments import (
     TABLE_FIELDS,
     clear_tile_table,
@@ -314,34 +314,26 @@ class LoRAKernelMeta:
                 sequence of ints (what ``convert_mapping`` makes from a ``LoRAMapping``).
             afterwards every buffer holds what prepare_tensors(slots) would give.
 
-        On a GPU the metadata is computed by the same :meth:`prepare_tensors`, run on a
-        twin of these buffers on the host, and each buffer is then sent with one
-        asynchronous copy on the current stream (:mod:`punica_numba.staging`): no kernel
-        and no device sync, where :meth:`prepare_tensors` on the GPU runs 214 small torch
-        operations (views among them) and reads two numbers back. Work queued on the stream
-        before this call still reads the old metadata; work queued after, the new. Where
-        the buffers are on the CPU it is :meth:`prepare_tensors` itself.
+        The metadata is computed by NumPy on the host (:mod:`punica_numba.host_meta`),
+        into the buffers themselves where they are on the CPU, and on a GPU into a
+        page-locked twin of them, whose buffers are then sent with one asynchronous copy
+        each on the current stream (:mod:`punica_numba.staging`): no kernel and no device
+        sync, where :meth:`prepare_tensors` on the GPU runs 214 small torch operations
+        (views among them) and reads two numbers back. Work queued on the stream before
+        this call still reads the old metadata; work queued after, the new.
 
         Raises:
-            ValueError, TypeError: as :meth:`prepare_tensors`, and for a tensor that is
-                not on the CPU (use :meth:`prepare_tensors` for device data). Nothing is
-                changed then.
+            ValueError: a tensor not on the CPU (use :meth:`prepare_tensors` for device
+                data), slots that are not 1-D integers, and what :meth:`prepare_tensors`
+                rejects. Nothing is changed then.
         """
-        if isinstance(slots, torch.Tensor):
-            if slots.device.type != "cpu":
-                raise ValueError(
-                    f"prepare_slots takes slots the host holds, got a tensor on {slots.device}; "
-                    "use prepare_tensors for a mapping on the device"
-                )
-            mapping = slots
-        else:
-            mapping = torch.as_tensor(np.asarray(slots, dtype=np.int64).reshape(-1))
+        mapping, lowest, highest = host_slots(slots, self.max_loras, self.max_num_tokens)
         if self._twin is None:
-            self.prepare_tensors(mapping)
+            prepare_on_host(self, mapping, lowest, highest)
             return
         twin = self._twin
         self._staging.wait()  # (its last copies are done: the twin may be written)
-        twin.prepare_tensors(mapping)  # checks first: a rejected call changes nothing
+        prepare_on_host(twin, mapping, lowest, highest)
         self._staging.send()
         self.no_lora_flag_cpu.copy_(twin.no_lora_flag_cpu)
         self.num_active_loras_cpu.copy_(twin.num_active_loras_cpu)
