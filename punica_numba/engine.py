@@ -176,15 +176,20 @@ class LoRALinear(nn.Module):
         linears: Sequence[nn.Linear],
         slots: LoRASlots,
         punica: PunicaWrapperNumba,
+        side_stream=None,
     ):
         super().__init__()
         self.spec, self.slots, self.punica = spec, slots, punica
+        #: A ``torch.cuda.Stream`` for the shrink beside the base GEMM under capture.
+        self.side_stream = side_stream
         # One GEMM for all slices, as vLLM's packed layers do (a copy of the weights).
         self.weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum N_s, H]
         biases = [lin.bias for lin in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.side_stream is not None and torch.cuda.is_current_stream_capturing():
+            return self._beside_the_gemm(x)
         y = F.linear(x, self.weight, self.bias)  # [T, sum N_s]
         name = self.spec.name
         self.punica.add_lora_linear(
@@ -196,6 +201,33 @@ class LoRALinear(nn.Module):
             1.0,  # the scaling is folded into B when an adapter is loaded
             self.spec.output_slices,
         )
+        return y
+
+    def _beside_the_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` in a captured graph: the LoRA shrink on ``side_stream`` while
+        the base GEMM runs, then the expand into y.
+
+        The shrink and the GEMM read only x, so the graph holds them as two branches that
+        the GPU runs at once, and the expand, which adds into y, joins them. At a decode
+        step's few rows each kernel alone leaves most of the GPU's memory bandwidth
+        unused (docs/demo/h200_profile.txt), so side by side they take less time than
+        one after the other. The same sums as :meth:`forward`'s: the shrink adds into
+        zeros what the wrapper's own call stores.
+        """
+        name = self.spec.name
+        lora_a = self.slots.lora_a[name]
+        main, side = torch.cuda.current_stream(), self.side_stream
+        # Allocated on the main stream, which waits for the side stream before the
+        # expand: nothing reuses the memory before the expand has read it.
+        shape = (len(lora_a), x.shape[0], lora_a[0].shape[-2])  # [S, T, r]
+        buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            buffer.zero_()
+            self.punica.add_shrink(buffer, x, lora_a, 1.0)
+        y = F.linear(x, self.weight, self.bias)  # [T, sum N_s]
+        main.wait_stream(side)
+        self.punica.add_expand(y, buffer, self.slots.lora_b[name], self.spec.output_slices)
         return y
 
 
@@ -374,6 +406,9 @@ class MultiLoRAEngine:
         self.max_batches, self.max_seq_len = max_batches, max_seq_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_batches) + (max_batches,)
+        # The stream a captured decode step runs each LoRA shrink on, beside the base
+        # GEMM (LoRALinear._beside_the_gemm); None: one stream (the simulator).
+        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # The wrapper's rows: a prefill's tokens, or a decode step's bucket.
         self.punica = PunicaWrapperNumba(
             max(max_num_batched_tokens, max_batches), max_batches, self.device, max_loras=max_loras
@@ -390,7 +425,7 @@ class MultiLoRAEngine:
         for i, decoder in enumerate(model.model.layers):
             attn, mlp = decoder.self_attn, decoder.mlp
             qkv, o, gate_up, down = specs[4 * i : 4 * i + 4]
-            lora = dict(slots=self.slots, punica=self.punica)
+            lora = dict(slots=self.slots, punica=self.punica, side_stream=self._side_stream)
             self.layers.append(
                 {
                     "qkv": LoRALinear(qkv, [attn.q_proj, attn.k_proj, attn.v_proj], **lora),
