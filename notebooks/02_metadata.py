@@ -172,11 +172,12 @@ display(meta)  # its table of segments
 # A serving engine holds each step's slots on the host already: they come from the
 # `LoRAMapping`'s lists. On a GPU, `prepare_tensors` runs a small torch operation for
 # every line of its computation (214, views among them) and reads two numbers back;
-# `prepare_slots(slots)` runs the very same computation on a host copy of the buffers
-# and sends each buffer with one asynchronous copy (`punica_numba.staging`), no kernel
-# and no sync. The wrapper's `update_metadata` takes this path. The result is the same,
-# field by field; `host_twin=True` asks for the host copy also where the buffers are on
-# the CPU, as they are on the simulator.
+# `prepare_slots(slots)` computes the same buffers with NumPy on a host copy of them
+# (`punica_numba.host_meta`: a bincount, a stable argsort, a cumsum and a searchsorted
+# per tile table) and sends each buffer with one asynchronous copy
+# (`punica_numba.staging`), no kernel and no sync. The wrapper's `update_metadata` takes
+# this path. The result is the same, field by field; `host_twin=True` asks for the host
+# copy also where the buffers are on the CPU, as they are on the simulator.
 
 # %%
 on_the_host = LoRAKernelMeta.make(L, MAX_TOKENS, DEVICE, host_twin=True)
