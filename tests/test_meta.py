@@ -510,6 +510,20 @@ def test_prepare_slots_rejects_what_prepare_tensors_rejects_and_changes_nothing(
     assert full_snapshot(meta) == before, f"after a rejected call ({bad})"
 
 
+@pytest.mark.parametrize(
+    "slots",
+    [np.zeros((1, 2), dtype=np.int64), np.array([0.0, 1.0]), [True, False], [0, None]],
+    ids=["2-D", "float", "bool", "None entry"],
+)
+def test_prepare_slots_rejects_what_is_not_a_row_of_integers_and_changes_nothing(slots):
+    meta = LoRAKernelMeta.make(2, 8, DEVICE, host_twin=True)
+    meta.prepare_slots([1, -1, 0])
+    before = full_snapshot(meta)
+    with pytest.raises(ValueError, match="slots must be a 1-D sequence of integers"):
+        meta.prepare_slots(slots)
+    assert full_snapshot(meta) == before
+
+
 @pytest.mark.gpu
 def test_prepare_slots_takes_host_data_into_page_locked_twins():
     """On a GPU every twin buffer is page-locked (so its copy is asynchronous), and slots
