@@ -7,9 +7,9 @@ slots on the host (the ``LoRAMapping``'s lists), and there the same computation 
 better done by NumPy: on a few thousand tokens each NumPy call costs about a
 microsecond of the host's time, where each torch operation on a CPU tensor costs
 several, and a prepare with adapters in use is some two hundred of them. On the H200's
-host at e02564e, ``update_metadata`` of the demo's prefill (2015 tokens, 64 adapters)
-took 3.77 ms with torch on the host (1.15 ms without adapters), and 1.43 ms with this
-module (0.94 ms without; docs/demo.md).
+host, ``update_metadata`` of the demo's prefill (2015 tokens, 64 adapters) took 3.77 ms
+with torch on the host at e02564e (1.15 ms without adapters), and 1.43 ms with this
+module at 417e05f (0.94 ms without; docs/demo.md).
 
 :func:`prepare_on_host` writes a host ``LoRAKernelMeta`` (a GPU meta's page-locked
 twin, or on the simulator the meta itself) through NumPy views of its buffers. What it
