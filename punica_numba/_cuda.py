@@ -451,6 +451,11 @@ class LaunchRecord:
     keeps them alive). A launch that compiled, described a tensor for the first time,
     or ran on the simulator makes the record not replayable. One record at a time per
     thread.
+
+    A replayable record can also be made with the caller's tensors somewhere else
+    (:meth:`replay_at`): each raw parameter that is one of their data pointers is
+    noted (``moving``), so a call whose activations moved, but are read the same way,
+    needs no new description either.
     """
 
     def __init__(self, tensors):
@@ -459,6 +464,11 @@ class LaunchRecord:
         self.described: list[PackedTensors] = []  # keeps the memory they describe alive
         self.replayable = True
         self.graph = None  # the launches as one CUDA graph, made at the first replay
+        #: (launch, raw index, caller tensor) of each parameter that is a caller's data
+        #: pointer; None when some pointer could not be told apart (shared, or null).
+        self.moving: list[tuple[int, int, int]] | None = []
+        if 0 in self.pointers or len(set(self.pointers)) < len(self.pointers):
+            self.moving = None
 
     def __enter__(self) -> LaunchRecord:
         if _recording.record is not None:
@@ -475,9 +485,45 @@ class LaunchRecord:
         for a in args:
             if type(a) is PackedTensors:
                 self.described.append(a)
+                if self.moving is not None and not self._apart(a.params):
+                    self.moving = None  # a described tensor at a caller's address
             elif isinstance(a, torch.Tensor) and a.data_ptr() not in self.pointers:
                 self.replayable = False  # e.g. a temporary made for this call only
+        if self.moving is not None:
+            # (scalars are C objects by now: every plain int is a field of an array)
+            where = {p: k for k, p in enumerate(self.pointers)}
+            self.moving += [
+                (len(self.launches), i, where[v])
+                for i, v in enumerate(raw)
+                if type(v) is int and v in where
+            ]
         self.launches.append(ReadyLaunch(grid, block, kernel, raw))
+
+    def _apart(self, params: tuple) -> bool:
+        return not any(type(v) is int and v in self.pointers for v in params)
+
+    def replay_at(self, tensors) -> None:
+        """Make the recorded launches again with the caller's tensors now ``tensors``
+        (in the order they were given; the same shapes, strides and dtypes, which the
+        caller's key holds, and the same alignment), on torch's current stream.
+
+        Each launch goes by itself (inside a capture or not), with the moved pointers
+        written into its parameters for that launch only (the driver copies them at the
+        launch); the record stays as it was, for :meth:`replay` and for the next move.
+        """
+        if not self.replayable or self.moving is None:
+            raise RuntimeError("this record cannot be made at other addresses")
+        pointers = [t.data_ptr() for t in tensors]
+        stream = _current_stream_handle()
+        fields = [(self.launches[n].values[i], pointers[k]) for n, i, k in self.moving]
+        for field, pointer in fields:
+            field.value = pointer
+        try:
+            for launch in self.launches:
+                _driver_launch(stream, launch)
+        finally:
+            for n, i, k in self.moving:
+                self.launches[n].values[i].value = self.pointers[k]
 
     def replay(self, capturing: bool | None = None) -> None:
         """Make the recorded launches again, on torch's current stream; ``capturing``

@@ -369,7 +369,9 @@ def host_overhead_us(dtype=torch.bfloat16, calls: int = 400) -> dict[str, float]
     ``add_lora_linear_eager`` repeats one call on the same tensors, as a serving step
     does, which the wrapper replays from a record of its launches;
     ``add_lora_linear_eager_moved`` takes x and y from 8 pairs in turn, so that every
-    call has its activations at other addresses and is prepared in full."""
+    call has its activations at addresses its weight no longer remembers (it remembers
+    ``REPLAYS_PER_WEIGHT``): the wrapper makes it from the record with the pointers
+    moved, launch by launch."""
     device = device_of()
     T, H, r, L = (16, 4096, 16, 16) if not SIMULATOR else (4, 16, 4, 4)
     wrapper = PunicaWrapperNumba(256, 64, device, max_loras=L)

@@ -36,7 +36,6 @@ from ._checks import (
     check_stack,
     is_int,
     is_real,
-    memory_layout,
 )
 from ._cuda import LaunchRecord, eager_stream
 from .launch import forced_launch_configs
@@ -699,34 +698,41 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     describing arguments: most of the host time of a call. A small buffer of its own
     is kept with the record and used again, on the stream the call was recorded on (its
     calls there run one after another, so no replay writes it while another reads it).
+
+    A call whose activations (or buffer) come at addresses not seen before, but are
+    read the same way, is made from the latest record of its key with the pointers
+    moved (:meth:`~punica_numba._cuda.LaunchRecord.replay_at`, its launches one by one):
+    an engine's eager passes allocate their activations anew, and the allocator need
+    not give the same addresses twice. Where it does, the call is recorded there too.
     """
     accumulate = buffer is not None
     own = None  # ("own", stream) when the call uses a buffer its record keeps
     one_slot = b[0].num_loras == 1  # (the stacks' slots: checked equal)
+    shape = (len(b), x2.shape[0], a[0].rows)
     if buffer is None:
-        shape = (len(b), x2.shape[0], a[0].rows)
         stream = eager_stream()
         if stream is not None and 4 * shape[0] * shape[1] * shape[2] <= KEPT_BUFFER_BYTES:
             own = ("own", stream)
         else:
             buffer = _new_buffer(*shape, device=x2.device, one_slot=one_slot)
-    # Where the tensors sit tells most calls apart and is cheap to read, so a call whose
-    # activations moved costs only this look-up more; recording, which adds about a
-    # tenth to a call, waits until the call comes again.
+    # Where the tensors sit tells most calls apart and is cheap to read; recording,
+    # which adds about a tenth to a call, waits until the call comes again there.
     where = (x2.data_ptr(), y2.data_ptr(), own or buffer.data_ptr())
-    replays = a[0].launch.setdefault("shrink_then_expand", {})  # where -> _Replay
+    launched = a[0].launch.setdefault("shrink_then_expand", {})
+    replays = launched.setdefault("where", {})  # where -> _Replay
+    latest = launched.setdefault("key", {})  # key -> the latest _Replay recorded
     known = replays.get(where)
-    key = None  # (computed once: a call that misses its record is recorded again)
-    if known is not None and known.record is not None:
-        if own:
-            buffer = known.buffer
-        key = _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate)
-        if known.key == key:
-            known.record.replay(capturing=False if own else None)  # (own: eager_stream read it)
-            return
+    key = _replay_key(x2, a, own or buffer, b, y2, meta, scale, accumulate)
+    if known is not None and known.record is not None and known.key == key:
+        known.record.replay(capturing=False if own else None)  # (own: eager_stream read it)
+        return
+    moved = latest.get(key) if known is None else None  # (come again: recorded below)
+    if moved is not None and moved.record.moving is not None:
+        moved.record.replay_at((x2, moved.buffer if own else buffer, y2))
+        _remember(replays, where, _Replay(None, (), None))
+        return
     if own:
         buffer = _new_buffer(*shape, device=x2.device, one_slot=one_slot)
-        key = None  # (it read the kept buffer, not this one)
     launches = []
     if a[0].rows:
         launches.append(shrink_launch(x2, a, buffer, meta, scale, accumulate))
@@ -734,32 +740,43 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
         # Just behind this call's own shrink (when there is one), the expand may load B
         # before its wait (ops.choice.choose_expand).
         launches.append(expand_launch(buffer, b, y2, meta, 0, True, bool(launches)))
-    if known is None:  # seen for the first time
+    if known is None:  # seen here for the first time
         for launch in launches:
             launch()
-        if len(replays) >= REPLAYS_PER_WEIGHT:
-            del replays[next(iter(replays))]  # the oldest
-        replays[where] = _Replay(None, (), None)
+        _remember(replays, where, _Replay(None, (), None))
         return
-    key = key or _replay_key(x2, a, buffer, b, y2, meta, scale, accumulate)
     with LaunchRecord((x2, buffer, y2)) as record:
         for launch in launches:
             launch()
     if record.replayable:  # (a[0] holds the entry, so it keeps a[1:] only)
-        replays[where] = _Replay(key, (a[1:], b, meta), record, buffer if own else None)
+        replay = _Replay(key, (a[1:], b, meta), record, buffer if own else None)
+        replays[where] = replay
+        _remember(latest, key, replay)
+
+
+def _remember(calls: dict, key, call: _Replay) -> None:
+    """``calls[key] = call``, forgetting the oldest call when there are
+    :data:`REPLAYS_PER_WEIGHT` already."""
+    calls.pop(key, None)  # (so that it counts as the newest)
+    if len(calls) >= REPLAYS_PER_WEIGHT:
+        del calls[next(iter(calls))]
+    calls[key] = call
 
 
 def _replay_key(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> tuple:
-    """Everything the launches of ``_shrink_then_expand`` depend on: the memory of x, the
-    buffer and y, read the same way; the checked weights (``check_stack`` gives a new
-    Stack when a weight changes); the metadata and what the host knows of it; the
-    configurations forced on the heuristic (every other input of it is in the key
-    already); the scale; and whether the shrink adds."""
+    """Everything the launches of ``_shrink_then_expand`` depend on but the addresses of
+    x, the buffer and y (the caller's look-up holds those): how their memory is read
+    (shape, strides, dtype, device) and how it is aligned (a choice of 16-byte loads
+    depends on it); the checked weights (``check_stack`` gives a new Stack when a weight
+    changes); the metadata and what the host knows of it; the configurations forced on
+    the heuristic (every other input of it is in the key already); the scale; and
+    whether the shrink adds. ``buffer`` is ``("own", stream)`` for a buffer of the
+    call's own (its layout follows from x and the weights)."""
     facts = host_facts_of(meta[4])  # the wrapper's own metadata: never None
     return (
-        memory_layout(x2),
-        memory_layout(buffer),
-        memory_layout(y2),
+        _read_as(x2),
+        buffer if type(buffer) is tuple else _read_as(buffer),
+        _read_as(y2),
         *map(id, a),  # (as many as of b: checked)
         *map(id, b),
         id(meta),
@@ -770,6 +787,16 @@ def _replay_key(x2, a, buffer, b, y2, meta, scale: float, accumulate: bool) -> t
         accumulate,  # (a given buffer may sit where the wrapper's own was)
         forced_launch_configs(),
     )
+
+
+#: A multiple of every alignment (bytes) a launch choice depends on (16 bytes, the most).
+_ALIGNMENTS = 256
+
+
+def _read_as(t: torch.Tensor) -> tuple:
+    """How ``t``'s memory is read, and its address modulo :data:`_ALIGNMENTS` in place of
+    the address (``memory_layout`` keeps the address itself)."""
+    return (t.data_ptr() % _ALIGNMENTS, t.shape, t.stride(), t.dtype, t.device)
 
 
 #: The two calls of ``add_lora_linear`` and ``add_expand``: the names of what follows

@@ -337,7 +337,8 @@ def _stub_driver(monkeypatch) -> list:
     def driver_launch(stream, ready):
         assert stream == "stream"
         pointers = (ctypes.c_void_p * len(ready.values)).from_address(ready.params)
-        raw = tuple(type(v).from_address(p) for v, p in zip(ready.values, pointers))
+        # (read now, as the driver copies them at the launch)
+        raw = tuple(type(v).from_address(p).value for v, p in zip(ready.values, pointers))
         sent.append(((ready.grid, ready.block), ready.function, raw))
 
     monkeypatch.setattr(_cuda, "_driver_launch", driver_launch, raising=False)
@@ -441,6 +442,18 @@ def _replace_last(name: str, shape: tuple):
     return change
 
 
+def _elsewhere(t: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """A copy of ``t`` at another address, aligned as ``t`` is modulo 256 bytes (as the
+    GPU's allocator aligns every tensor it hands out), or ``shift`` elements past that."""
+    step = t.element_size()
+    memory = torch.empty(t.numel() + 256 // step + shift, dtype=t.dtype, device=t.device)
+    skip = (t.data_ptr() - memory.data_ptr()) % 256 // step + shift
+    moved = memory[skip : skip + t.numel()].view(t.shape)
+    moved.copy_(t)
+    assert (moved.data_ptr() - t.data_ptr()) % 256 == shift * step
+    return moved
+
+
 def _change_b_in_place(state):
     state["call"]["lora_b_stacked"][-1].data = _weight(L, 1, RN, RR)
 
@@ -472,10 +485,10 @@ def _force_another_shrink(state):
 
 CHANGES = {
     "nothing": lambda state: None,
-    "x at another address": lambda state: state["call"].update(x=state["call"]["x"].clone()),
-    "y at another address": lambda state: state["call"].update(y=state["call"]["y"].clone()),
+    "x at another address": lambda state: state["call"].update(x=_elsewhere(state["call"]["x"])),
+    "y at another address": lambda state: state["call"].update(y=_elsewhere(state["call"]["y"])),
     "buffer at another address": lambda state: state["call"].update(
-        buffer=state["call"]["buffer"].clone()
+        buffer=_elsewhere(state["call"]["buffer"])
     ),
     # The same memory, read another way: x's layout is all fixed by the checks.
     "y read another way": lambda state: state["call"].update(
@@ -511,7 +524,64 @@ def test_a_replayed_call_sends_what_a_fresh_call_sends(gpu_path, monkeypatch, ch
         fresh = _sent_by(gpu_path, lambda: _run(state))
     assert len(fresh) == 2  # shrink and expand
     assert again == fresh
-    assert len(prepared) == (1 if change == "nothing" else 2)  # "nothing": replayed
+    replayed = change == "nothing" or change in MOVES  # (a move: the record, moved)
+    assert len(prepared) == (1 if replayed else 2)
+
+
+#: The changes after which a call is its record with the pointers moved.
+MOVES = ("x at another address", "y at another address", "buffer at another address")
+
+
+@pytest.mark.parametrize("offset", [1, 4, 16])
+@pytest.mark.parametrize("name", ["x", "y", "buffer"])
+def test_a_call_moved_to_another_alignment_is_prepared_afresh(gpu_path, monkeypatch, name, offset):
+    """A record is moved only to addresses of the same alignment (modulo 256 bytes): a
+    launch may load 16 bytes at once where its rows start at a multiple of 16."""
+    state = _replay_setup(1)
+    for _ in range(3):  # compiles; seen; recorded
+        _run(state)
+    state["call"][name] = _elsewhere(state["call"][name], shift=offset)
+    prepared = []
+    real = wrapper_module.shrink_launch
+    monkeypatch.setattr(wrapper_module, "shrink_launch", lambda *a: prepared.append(a) or real(*a))
+    again = _sent_by(gpu_path, lambda: _run(state))
+    _forget_records(state["call"])
+    fresh = _sent_by(gpu_path, lambda: _run(state))
+    assert again == fresh and len(prepared) == 2
+
+
+def test_a_moved_call_leaves_its_record_as_it_was(gpu_path, monkeypatch):
+    """After calls at other addresses, the call at the recorded ones replays what it
+    sent before: the moved pointers were the moved launches' only."""
+    state = _replay_setup(1)
+    for _ in range(3):  # compiles; seen; recorded
+        _run(state)
+    before = _sent_by(gpu_path, lambda: _run(state))
+    call = state["call"]
+    elsewhere = {**call, "x": _elsewhere(call["x"]), "y": _elsewhere(call["y"])}
+    moved = _sent_by(gpu_path, lambda: _run({**state, "call": elsewhere}))
+    assert moved != before
+    assert _sent_by(gpu_path, lambda: _run(state)) == before
+
+
+def test_a_record_whose_pointers_cannot_be_told_apart_is_not_moved(monkeypatch):
+    """Two caller tensors at one address: which one a pointer stands for is unknown."""
+    sent, launcher, x, w, packed = _record_setup(monkeypatch)
+    with LaunchRecord((x, x[:1])) as record:
+        launcher((2, 1, 1), 32, (x, packed, 3))
+    assert record.replayable and record.moving is None
+    with pytest.raises(RuntimeError, match="other addresses"):
+        record.replay_at((x.clone(), x.clone()))
+
+
+def test_a_moved_record_points_at_the_new_tensors(monkeypatch):
+    sent, launcher, x, w, packed = _record_setup(monkeypatch)
+    with LaunchRecord((x,)) as record:
+        launcher((2, 1, 1), 32, (x, packed, 3))
+    other = _elsewhere(x)
+    moved = _sent_by(sent, lambda: record.replay_at((other,)))
+    fresh = _sent_by(sent, lambda: launcher((2, 1, 1), 32, (other, packed, 3)))
+    assert moved == fresh and other.data_ptr() != x.data_ptr()
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["given buffer", "own buffer"])
@@ -628,7 +698,8 @@ def test_a_weight_remembers_a_few_calls(gpu_path):
     xs = [state["call"]["x"].clone() for _ in range(3 * wrapper_module.REPLAYS_PER_WEIGHT)]
     for x in xs:  # (all alive: each call has x at another address)
         _run({**state, "call": {**state["call"], "x": x}})
-    replays = check_stack("w", state["call"]["lora_a_stacked"][0]).launch["shrink_then_expand"]
+    launched = check_stack("w", state["call"]["lora_a_stacked"][0]).launch["shrink_then_expand"]
+    replays = launched["where"]
     assert len(replays) == wrapper_module.REPLAYS_PER_WEIGHT
 
 
@@ -650,7 +721,7 @@ def test_the_simulator_keeps_no_record():
     buffer = _weight(1, T, R)  # given, so that both calls have it at one address
     for _ in range(2):  # the second is recorded, but not kept
         wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,), buffer=buffer)
-    replays = check_stack("w", a[0]).launch["shrink_then_expand"]
+    replays = check_stack("w", a[0]).launch["shrink_then_expand"]["where"]
     assert [r.record for r in replays.values()] == [None]
 
 
@@ -725,7 +796,7 @@ def test_a_replay_with_its_own_buffer_adds_what_a_fresh_call_adds(slices):
         added.append(y.clone())
     assert added[0].abs().sum() > 0
     assert all(torch.equal(y, added[0]) for y in added)
-    replays = check_stack("w", a[0]).launch["shrink_then_expand"].values()
+    replays = check_stack("w", a[0]).launch["shrink_then_expand"]["where"].values()
     (replay,) = [r for r in replays if r.record is not None]
     assert replay.buffer is not None and replay.record.graph is not None
 
@@ -767,7 +838,7 @@ def test_a_replayed_call_adds_what_a_fresh_call_adds(monkeypatch, slices):
     y.fill_(1.0)
     graph.replay()
     assert torch.equal(y, fresh)
-    replays = check_stack("w", a[0]).launch["shrink_then_expand"].values()
+    replays = check_stack("w", a[0]).launch["shrink_then_expand"]["where"].values()
     (replay,) = [r for r in replays if r.record is not None]
     for ready in replay.record.launches:
         sizes = [size for _offset, size in ready.kernel.arguments_info]
@@ -776,6 +847,47 @@ def test_a_replayed_call_adds_what_a_fresh_call_adds(monkeypatch, slices):
     empty = _cuda.ReadyLaunch((0, 1, 1), ready.block, ready.kernel, list(ready.values))
     with pytest.raises(RuntimeError, match=r"cuLaunchKernel(Ex)? failed"):
         real(_cuda._current_stream_handle(), empty)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("own", [False, True], ids=["given buffer", "own buffer"])
+def test_a_moved_call_adds_what_a_fresh_call_adds(monkeypatch, own):
+    """On the GPU: once a call is recorded, the same call with x, y (and the buffer) at
+    new addresses each time is made from the record with its pointers moved, eagerly
+    and inside a caller's capture, and adds the bits a freshly prepared call adds."""
+    wrapper = _wrapper()
+    y, x, a, b = _bf16_linear_args(3)
+
+    def add(x, buffer) -> torch.Tensor:
+        out = torch.zeros_like(y)
+        if buffer is not None:
+            buffer.zero_()
+        wrapper.add_lora_linear(out, x, a, b, None, 0.5, (N,) * 3, buffer=buffer)
+        return out
+
+    def new_buffer():
+        return None if own else torch.zeros(3, T, R, device=DEVICE)
+
+    buffer = new_buffer()
+    fresh = add(x, buffer)  # compiles
+    assert fresh.abs().sum() > 0
+    for _ in range(2):  # seen; recorded
+        assert torch.equal(add(x, buffer), fresh)
+    moved = []
+    real = _cuda.LaunchRecord.replay_at
+    monkeypatch.setattr(_cuda.LaunchRecord, "replay_at", lambda r, t: moved.append(real(r, t)))
+    for _ in range(3):
+        assert torch.equal(add(x.clone(), new_buffer()), fresh)
+    assert len(moved) == 3
+    inputs, buffer = x.clone(), new_buffer()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = add(inputs, buffer)
+    # (a buffer of the wrapper's own comes from the capture's memory: another call)
+    assert len(moved) == (3 if own else 4)
+    out.fill_(1.0)
+    graph.replay()
+    assert torch.equal(out, fresh)
 
 
 def test_records_do_not_nest():
