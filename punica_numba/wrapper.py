@@ -699,11 +699,15 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     is kept with the record and used again, on the stream the call was recorded on (its
     calls there run one after another, so no replay writes it while another reads it).
 
-    A call whose activations (or buffer) come at addresses not seen before, but are
-    read the same way, is made from the latest record of its key with the pointers
-    moved (:meth:`~punica_numba._cuda.LaunchRecord.replay_at`, its launches one by one):
-    an engine's eager passes allocate their activations anew, and the allocator need
-    not give the same addresses twice. Where it does, the call is recorded there too.
+    A call whose activations (or buffer) come at other addresses, but are read the same
+    way, is made from the latest record of its key with the pointers moved
+    (:meth:`~punica_numba._cuda.LaunchRecord.replay_at`, its launches one by one), and
+    is not recorded again: an engine's eager passes allocate their activations anew,
+    and the demo's prefill on the H200 came at more addresses than a weight remembers,
+    so that each call was recorded again (prepared in full) in turn. At 7704909 its 16
+    LoRA calls took 0.94 ms of host time replayed at recorded addresses, 1.17 ms moved
+    and 3.17 ms prepared afresh (a 3-slice call of 2015 tokens: 28 µs a replay, 41 µs
+    a move, in bursts).
     """
     accumulate = buffer is not None
     own = None  # ("own", stream) when the call uses a buffer its record keeps
@@ -726,10 +730,9 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     if known is not None and known.record is not None and known.key == key:
         known.record.replay(capturing=False if own else None)  # (own: eager_stream read it)
         return
-    moved = latest.get(key) if known is None else None  # (come again: recorded below)
+    moved = latest.get(key)
     if moved is not None and moved.record.moving is not None:
         moved.record.replay_at((x2, moved.buffer if own else buffer, y2))
-        _remember(replays, where, _Replay(None, (), None))
         return
     if own:
         buffer = _new_buffer(*shape, device=x2.device, one_slot=one_slot)

@@ -858,8 +858,8 @@ def test_a_moved_call_adds_what_a_fresh_call_adds(monkeypatch, own):
     wrapper = _wrapper()
     y, x, a, b = _bf16_linear_args(3)
 
-    def add(x, buffer) -> torch.Tensor:
-        out = torch.zeros_like(y)
+    def add(x, buffer, out=None) -> torch.Tensor:
+        out = torch.zeros_like(y) if out is None else out.zero_()
         if buffer is not None:
             buffer.zero_()
         wrapper.add_lora_linear(out, x, a, b, None, 0.5, (N,) * 3, buffer=buffer)
@@ -869,15 +869,17 @@ def test_a_moved_call_adds_what_a_fresh_call_adds(monkeypatch, own):
         return None if own else torch.zeros(3, T, R, device=DEVICE)
 
     buffer = new_buffer()
-    fresh = add(x, buffer)  # compiles
+    fresh = add(x, buffer, y).clone()  # compiles
     assert fresh.abs().sum() > 0
     for _ in range(2):  # seen; recorded
-        assert torch.equal(add(x, buffer), fresh)
+        assert torch.equal(add(x, buffer, y), fresh)
     moved = []
     real = _cuda.LaunchRecord.replay_at
     monkeypatch.setattr(_cuda.LaunchRecord, "replay_at", lambda r, t: moved.append(real(r, t)))
+    alive = []  # (kept, so that no call gets the memory of one before)
     for _ in range(3):
-        assert torch.equal(add(x.clone(), new_buffer()), fresh)
+        alive.append((x.clone(), new_buffer(), torch.empty_like(y)))
+        assert torch.equal(add(*alive[-1]), fresh)
     assert len(moved) == 3
     inputs, buffer = x.clone(), new_buffer()
     graph = torch.cuda.CUDAGraph()
