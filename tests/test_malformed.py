@@ -208,6 +208,7 @@ def _add_shrink(d: Dims) -> Call:
         x=_randn((d.T, d.H), d.dtype),
         lora_a_stacked=tuple(_randn((d.L, 1, d.R, d.H), d.dtype) for _ in range(2)),
         scale=0.5,
+        add_inputs=True,
     )
     return Call("add_shrink", w.add_shrink, args, (w,))
 
@@ -894,6 +895,7 @@ SPECS: dict[str, dict] = {
             _shrink_weights(), lengths=(("one more slice", lambda v: v + v[:1], ("y",)),)
         ),
         "scale": RealArg(),
+        "add_inputs": BoolArg(),
     },
     "add_expand": {
         "y": TensorArg(

@@ -368,6 +368,7 @@ class ShrinkCase:
     num_slices: int
     dtype: torch.dtype
     scale: float
+    add_inputs: bool
     seed: int
 
 
@@ -382,6 +383,7 @@ def shrink_cases(draw) -> ShrinkCase:
         num_slices=draw(st.integers(1, 3), label="S"),
         dtype=draw(st.sampled_from(DTYPES), label="dtype"),
         scale=draw(st.sampled_from((1.0, 0.5, -2.0)), label="scale"),
+        add_inputs=draw(st.booleans(), label="add_inputs"),
         batch=draw(batches(num_tokens, num_loras)),
         num_loras=num_loras,
         seed=draw(st.integers(0, 2**31 - 1), label="data seed"),
@@ -405,12 +407,12 @@ def check_shrink(case: ShrinkCase) -> None:
     y = random_tensor((S, rows, r), torch.float32, seed + 9)  # [S, T, r] fp32, as vLLM's buffer
     before = y.clone()
 
-    wrapper.add_shrink(y, x, lora_a, case.scale)
+    wrapper.add_shrink(y, x, lora_a, case.scale, add_inputs=case.add_inputs)
 
-    want = reference.lora_shrink(x, lora_a, before, slots, case.scale)
-    magnitude = reference.lora_shrink(
-        x.abs(), absolute(lora_a), before.abs(), slots, abs(case.scale)
-    )
+    # Storing: as adding to zeros in the rows of tokens with a LoRA.
+    base = before if case.add_inputs else before * (slots == -1)[None, :, None]
+    want = reference.lora_shrink(x, lora_a, base, slots, case.scale)
+    magnitude = reference.lora_shrink(x.abs(), absolute(lora_a), base.abs(), slots, abs(case.scale))
     assert_rows_untouched(y.transpose(0, 1), before.transpose(0, 1), slots, "add_shrink")
     assert_close(y, want, magnitude, terms=H, what=f"add_shrink {dt}")
 
@@ -681,9 +683,13 @@ def test_named_mappings(name):
                 scale=0.5, buffer=buffer, three_d=buffer == "given", seed=1,
             )
         )  # fmt: skip
-    check_shrink(
-        ShrinkCase(**common, padding=1, hidden=9, rank=3, num_slices=3, scale=-2.0, seed=3)
-    )
+    for add_inputs in (True, False):
+        check_shrink(
+            ShrinkCase(
+                **common, padding=1, hidden=9, rank=3, num_slices=3, scale=-2.0,
+                add_inputs=add_inputs, seed=3,
+            )
+        )  # fmt: skip
     for add_inputs in (True, False):
         check_expand(
             ExpandCase(
