@@ -658,9 +658,10 @@ class PunicaWrapperNumba:
             column += width
 
 
-#: Calls a LoRA-A weight remembers having led in ``_shrink_then_expand`` (the oldest is
-#: forgotten first): a few, for calls that come back in turns, such as a buffer that the
-#: allocator hands out at one of two addresses, or two token counts that alternate.
+#: Recorded calls a LoRA-A weight keeps in ``_shrink_then_expand``, by addresses and by
+#: key (the oldest is forgotten first): a few, for calls that come back in turns, such as
+#: a buffer that the allocator hands out at one of two addresses, or two token counts
+#: that alternate.
 REPLAYS_PER_WEIGHT = 4
 
 #: The largest buffer of its own (bytes) a recorded call keeps for its replays, which
@@ -672,13 +673,13 @@ KEPT_BUFFER_BYTES = 64 << 10
 
 class _Replay(NamedTuple):
     """A call a LoRA-A weight led: the record of its launches and everything they depend
-    on (None both, when the call was seen once), the objects whose ids are in the key,
-    so that no other object can take them, and the buffer of its own that it keeps
-    (None when the call gives one or allocates each time)."""
+    on, the objects whose ids are in the key, so that no other object can take them,
+    and the buffer of its own that it keeps (None when the call gives one or allocates
+    each time)."""
 
-    key: tuple | None
+    key: tuple
     keep: tuple
-    record: LaunchRecord | None
+    record: LaunchRecord
     buffer: torch.Tensor | None = None
 
 
@@ -708,22 +709,23 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
     it.
 
     A serving engine makes the same calls step after step, so the launches of a call
-    are recorded (:class:`~punica_numba._cuda.LaunchRecord`) the second time its
-    tensors come at the same addresses, and replayed as long as everything they depend
-    on is as it was (:func:`_replay_key`). That skips choosing configurations and
-    describing arguments: most of the host time of a call. A small buffer of its own
-    is kept with the record and used again, on the stream the call was recorded on (its
-    calls there run one after another, so no replay writes it while another reads it).
+    are recorded (:class:`~punica_numba._cuda.LaunchRecord`, about a tenth more host
+    time than making them) the first time its key comes (:func:`_replay_key`:
+    everything they depend on but where x, the buffer and y sit), and kept per weight.
+    The same call at the same addresses replays the record (as one CUDA graph, outside
+    a capture); at other addresses it is the record with the pointers moved
+    (:meth:`~punica_numba._cuda.LaunchRecord.replay_at`, its launches one by one). Both
+    skip choosing configurations and describing arguments: most of the host time of a
+    call. A small buffer of its own is kept with the record and used again, on the
+    stream the call was recorded on (its calls there run one after another, so no
+    replay writes it while another reads it).
 
-    A call whose activations (or buffer) come at other addresses, but are read the same
-    way, is made from the latest record of its key with the pointers moved
-    (:meth:`~punica_numba._cuda.LaunchRecord.replay_at`, its launches one by one), and
-    is not recorded again: an engine's eager passes allocate their activations anew,
-    and the demo's prefill on the H200 came at more addresses than a weight remembers,
-    so that each call was recorded again (prepared in full) in turn. At 7704909 its 16
-    LoRA calls took 0.94 ms of host time replayed at recorded addresses, 1.17 ms moved
-    and 3.17 ms prepared afresh (a 3-slice call of 2015 tokens: 28 µs a replay, 41 µs
-    a move, in bursts).
+    An engine's eager passes allocate their activations anew, and the allocator need
+    not hand out the same addresses twice: the demo's prefill on the H200 did not, so
+    that while records waited for a call to come back to its addresses, each of its
+    calls was prepared in full. At 7704909 its 16 LoRA calls took 0.94 ms of host time
+    replayed at recorded addresses, 1.17 ms moved and 3.17 ms prepared afresh (a
+    3-slice call of 2015 tokens: 28 µs a replay, 41 µs a move, in bursts).
     """
     accumulate = buffer is not None
     own = None  # ("own", stream) when the call uses a buffer its record keeps
@@ -735,15 +737,14 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
             own = ("own", stream)
         else:
             buffer = _new_buffer(*shape, device=x2.device, one_slot=one_slot)
-    # Where the tensors sit tells most calls apart and is cheap to read; recording,
-    # which adds about a tenth to a call, waits until the call comes again there.
+    # Where the tensors sit tells most calls apart and is cheap to read.
     where = (x2.data_ptr(), y2.data_ptr(), own or buffer.data_ptr())
     launched = a[0].launch.setdefault("shrink_then_expand", {})
     replays = launched.setdefault("where", {})  # where -> _Replay
     latest = launched.setdefault("key", {})  # key -> the latest _Replay recorded
-    known = replays.get(where)
     key = _replay_key(x2, a, own or buffer, b, y2, meta, scale, accumulate)
-    if known is not None and known.record is not None and known.key == key:
+    known = replays.get(where)
+    if known is not None and known.key == key:
         known.record.replay(capturing=False if own else None)  # (own: eager_stream read it)
         return
     moved = latest.get(key)
@@ -759,17 +760,12 @@ def _shrink_then_expand(x2, a, buffer, b, y2, meta, scale: float) -> None:
         # Just behind this call's own shrink (when there is one), the expand may load B
         # before its wait (ops.choice.choose_expand).
         launches.append(expand_launch(buffer, b, y2, meta, 0, True, bool(launches)))
-    if known is None:  # seen here for the first time
-        for launch in launches:
-            launch()
-        _remember(replays, where, _Replay(None, (), None))
-        return
     with LaunchRecord((x2, buffer, y2)) as record:
         for launch in launches:
             launch()
     if record.replayable:  # (a[0] holds the entry, so it keeps a[1:] only)
         replay = _Replay(key, (a[1:], b, meta), record, buffer if own else None)
-        replays[where] = replay
+        _remember(replays, where, replay)
         _remember(latest, key, replay)
 
 

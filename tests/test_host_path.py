@@ -32,7 +32,8 @@ import pytest
 import torch
 from numba.cuda import types as nt
 
-from punica_numba import _checks, _cuda, launch
+from punica_numba import _checks, _cuda, demo, launch
+from punica_numba import engine as engine_module
 from punica_numba import wrapper as wrapper_module
 from punica_numba._checks import check_stack
 from punica_numba._cuda import LaunchRecord, array_params, key_and_params, pack_tensors
@@ -538,7 +539,7 @@ def test_a_call_moved_to_another_alignment_is_prepared_afresh(gpu_path, monkeypa
     """A record is moved only to addresses of the same alignment (modulo 256 bytes): a
     launch may load 16 bytes at once where its rows start at a multiple of 16."""
     state = _replay_setup(1)
-    for _ in range(3):  # compiles; seen; recorded
+    for _ in range(3):  # compiles; recorded; replayed
         _run(state)
     state["call"][name] = _elsewhere(state["call"][name], shift=offset)
     prepared = []
@@ -554,7 +555,7 @@ def test_a_moved_call_leaves_its_record_as_it_was(gpu_path, monkeypatch):
     """After calls at other addresses, the call at the recorded ones replays what it
     sent before: the moved pointers were the moved launches' only."""
     state = _replay_setup(1)
-    for _ in range(3):  # compiles; seen; recorded
+    for _ in range(3):  # compiles; recorded; replayed
         _run(state)
     before = _sent_by(gpu_path, lambda: _run(state))
     call = state["call"]
@@ -591,7 +592,7 @@ def test_a_call_recorded_again_after_a_change_is_replayed_from_then_on(gpu_path,
     replays the new record and prepares nothing."""
     state, made, counting = _own_buffer_setup() if own else (_replay_setup(1), [], None)
     with counting or contextlib.nullcontext():
-        for _ in range(3):  # compiles; seen; recorded
+        for _ in range(3):  # compiles; recorded; replayed
             _run(state)
         state["call"]["scale"] = 0.25
         _run(state)  # recorded again
@@ -606,11 +607,12 @@ def test_a_call_recorded_again_after_a_change_is_replayed_from_then_on(gpu_path,
 
 
 def test_calls_that_come_back_in_turns_are_replayed(gpu_path, monkeypatch):
-    """A buffer at one of two addresses in turn (as an allocator may place it): each call
-    is recorded the second time it comes, and replayed from then on."""
+    """A buffer at one of two addresses in turn (as an allocator may place it): the call is
+    recorded once, then replayed at the addresses it was recorded at and moved to the
+    others."""
     state = _replay_setup(1)
     buffers = [state["call"]["buffer"], state["call"]["buffer"].clone()]
-    for buffer in buffers * 3:  # compiles, then each buffer is seen, recorded
+    for buffer in buffers * 3:  # compiles, recorded at the second, moved to the first
         _run({**state, "call": {**state["call"], "buffer": buffer}})
     prepared = []
     real = wrapper_module.shrink_launch
@@ -643,7 +645,7 @@ def test_a_replayed_call_keeps_its_own_small_buffer(gpu_path):
     sends."""
     state, made, counting = _own_buffer_setup()
     with counting:
-        for _ in range(3):  # compiles; seen; recorded
+        for _ in range(3):  # compiles; recorded; replayed
             _run(state)
         recorded = made[-1]
         made.clear()
@@ -664,7 +666,7 @@ def test_a_replay_with_its_own_buffer_reads_the_capture_state_once(gpu_path, mon
     the buffer, and the replay is told, not made to read it again."""
     state, made, counting = _own_buffer_setup()
     with counting:
-        for _ in range(3):  # compiles; seen; recorded
+        for _ in range(3):  # compiles; recorded; replayed
             _run(state)
         reads = []
         monkeypatch.setattr(_cuda, "_stream_capturing", lambda: reads.append(1) or False)
@@ -682,7 +684,7 @@ def test_an_own_buffer_is_kept_only_where_it_is_safe_and_small(gpu_path, monkeyp
         monkeypatch.setattr(wrapper_module, "KEPT_BUFFER_BYTES", 4 * RT * RR - 1)
     state, made, counting = _own_buffer_setup(rows)
     with counting:
-        for _ in range(3):  # compiles; seen; recorded
+        for _ in range(3):  # compiles; recorded; replayed
             _run(state)
         if where == "in a capture":
             monkeypatch.setattr(_cuda, "_stream_capturing", lambda: True)
@@ -694,13 +696,57 @@ def test_an_own_buffer_is_kept_only_where_it_is_safe_and_small(gpu_path, monkeyp
 
 
 def test_a_weight_remembers_a_few_calls(gpu_path):
+    """Calls of as many keys (here scales) and addresses: each is recorded, and the weight
+    keeps the latest few by addresses and by key."""
     state = _replay_setup(1)
-    xs = [state["call"]["x"].clone() for _ in range(3 * wrapper_module.REPLAYS_PER_WEIGHT)]
-    for x in xs:  # (all alive: each call has x at another address)
-        _run({**state, "call": {**state["call"], "x": x}})
+    calls = 3 * wrapper_module.REPLAYS_PER_WEIGHT
+    xs = [_elsewhere(state["call"]["x"]) for _ in range(calls)]  # (all alive: new addresses)
+    for k, x in enumerate(xs):
+        _run({**state, "call": {**state["call"], "x": x, "scale": 1.0 + k}})
     launched = check_stack("w", state["call"]["lora_a_stacked"][0]).launch["shrink_then_expand"]
-    replays = launched["where"]
-    assert len(replays) == wrapper_module.REPLAYS_PER_WEIGHT
+    assert len(launched["where"]) == len(launched["key"]) == wrapper_module.REPLAYS_PER_WEIGHT
+    scales = [float.fromhex(replay.key[-3]) for replay in launched["key"].values()]
+    assert scales == [1.0 + k for k in range(calls - wrapper_module.REPLAYS_PER_WEIGHT, calls)]
+
+
+@pytest.mark.skipif(not _cuda.SIMULATOR, reason="the engine on the CPU, its launches stubbed")
+def test_an_engines_eager_passes_prepare_each_call_once(gpu_path, monkeypatch, tmp_path):
+    """The engine's eager passes allocate their activations anew, and an allocator need
+    not hand out the same addresses again (the CPU's does not; the H200's did not for the
+    demo's prefill): after a first pass of each kind, every LoRA call is a record made
+    again, most at other addresses, and none is prepared."""
+    for module in (demo, engine_module):
+        monkeypatch.setattr(module, "device_of", lambda: torch.device("cpu"))
+    # The CPU's allocator aligns to 64 bytes where the GPU's aligns to 512: as if on the GPU.
+    monkeypatch.setattr(wrapper_module, "_ALIGNMENTS", 64)
+    args = demo._parser(demo.DEFAULTS[True]).parse_args([])
+    setup = demo.build(args, tmp_path, torch.Generator().manual_seed(0))
+    engine, requests = setup.engine, setup.requests
+    engine.use_cuda_graphs = False
+    ids, lengths = [r.adapter_id for r in requests], [len(r.prompt) for r in requests]
+    state = engine._state(engine._bucket(len(requests)))
+    made = collections.Counter()
+    real_launch, real_move = wrapper_module.shrink_launch, LaunchRecord.replay_at
+    monkeypatch.setattr(
+        wrapper_module, "shrink_launch", lambda *a: made.update(["prepared"]) or real_launch(*a)
+    )
+    monkeypatch.setattr(
+        LaunchRecord, "replay_at", lambda r, t: made.update(["moved"]) or real_move(r, t)
+    )
+
+    def passes() -> None:
+        engine._prepare(ids, lengths, prefill=True)
+        engine._prefill(requests, state, None, None)
+        engine._prepare(ids, [1] * len(requests), prefill=False)
+        for _ in range(2):
+            engine._decode_step(state)
+
+    for _ in range(2):
+        passes()
+    made.clear()
+    for _ in range(3):
+        passes()
+    assert made["prepared"] == 0 and made["moved"] > 0
 
 
 def test_a_call_rejected_after_replays_sends_nothing(gpu_path):
@@ -719,10 +765,10 @@ def test_the_simulator_keeps_no_record():
     wrapper = _wrapper()
     y, x, a, b = _linear_args()
     buffer = _weight(1, T, R)  # given, so that both calls have it at one address
-    for _ in range(2):  # the second is recorded, but not kept
+    for _ in range(2):  # each is recorded, but not kept
         wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,), buffer=buffer)
-    replays = check_stack("w", a[0]).launch["shrink_then_expand"]["where"]
-    assert [r.record for r in replays.values()] == [None]
+    launched = check_stack("w", a[0]).launch["shrink_then_expand"]
+    assert launched == {"where": {}, "key": {}}
 
 
 def _record_setup(monkeypatch):
@@ -790,7 +836,7 @@ def test_a_replay_with_its_own_buffer_adds_what_a_fresh_call_adds(slices):
     wrapper = _wrapper()
     y, x, a, b = _bf16_linear_args(slices)
     added = []
-    for _ in range(6):  # compiles, seen, recorded, replayed (the graph made), again, again
+    for _ in range(6):  # compiles, recorded, replayed (the graph made), again, again, again
         y.zero_()
         wrapper.add_lora_linear(y, x, a, b, None, 0.5, (N,) * slices)
         added.append(y.clone())
@@ -826,7 +872,7 @@ def test_a_replayed_call_adds_what_a_fresh_call_adds(monkeypatch, slices):
     real, real_graph = _cuda._driver_launch, _cuda._graph_launch
     monkeypatch.setattr(_cuda, "_driver_launch", lambda *args: driven.append(real(*args)))
     monkeypatch.setattr(_cuda, "_graph_launch", lambda g: graphs.append(real_graph(g)))
-    for _ in range(4):  # seen (compiled by then), recorded, replayed (the graph made), again
+    for _ in range(4):  # recorded, replayed (the graph made), again, again
         driven.clear(), graphs.clear()
         assert torch.equal(added(), fresh)
     assert len(driven) == 0 and len(graphs) == 1  # the last call: one graph launch
@@ -871,7 +917,7 @@ def test_a_moved_call_adds_what_a_fresh_call_adds(monkeypatch, own):
     buffer = new_buffer()
     fresh = add(x, buffer, y).clone()  # compiles
     assert fresh.abs().sum() > 0
-    for _ in range(2):  # seen; recorded
+    for _ in range(2):  # recorded; replayed
         assert torch.equal(add(x, buffer, y), fresh)
     moved = []
     real = _cuda.LaunchRecord.replay_at
