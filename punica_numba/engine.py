@@ -216,10 +216,11 @@ class LoRALinear(nn.Module):
         unused (docs/demo/h200_profile.txt), so they may share it. On the H200 at
         84119e4 the demo's decode step took 0.777 and 0.785 ms so, 0.796 and 0.858 ms
         one after the other (docs/demo.md). The same sums as :meth:`forward`'s: the
-        shrink stores (``add_inputs=False``), as the wrapper's own call does, so the buffer
-        needs no fill: one launch fewer per layer on the side stream, whose shrink outlasts
-        the smaller GEMMs. Where the stacks hold one slot it is filled all the same (the
-        expand then reads the rows of tokens without a LoRA too: ``wrapper._new_buffer``).
+        shrink adds into zeros what the wrapper's own call stores. Storing instead
+        (``add_shrink(..., add_inputs=False)``, no fill: one launch fewer per layer on the
+        side stream) measured no faster in the demo on the H200: 0.781 and 0.784 ms a
+        decode step at e444f71 and 6309d5c against 0.757 and 0.755 at 7704909 and 0c14391
+        (separate runs, whose steps without adapters also went from 0.587 to 0.604 ms).
         """
         name = self.spec.name
         lora_a = self.slots.lora_a[name]
@@ -229,11 +230,9 @@ class LoRALinear(nn.Module):
         shape = (len(lora_a), x.shape[0], lora_a[0].shape[-2])  # [S, T, r]
         buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
         side.wait_stream(main)  # x is ready
-        one_slot = lora_a[0].shape[0] == 1
         with torch.cuda.stream(side):
-            if one_slot:
-                buffer.zero_()
-            self.punica.add_shrink(buffer, x, lora_a, 1.0, add_inputs=one_slot)
+            buffer.zero_()
+            self.punica.add_shrink(buffer, x, lora_a, 1.0)
         y = F.linear(x, self.weight, self.bias)  # [T, sum N_s]
         main.wait_stream(side)
         self.punica.add_expand(y, buffer, self.slots.lora_b[name], self.spec.output_slices)
