@@ -29,6 +29,7 @@ __all__ = [
     "add_lora_linear",
     "add_lora_embedding",
     "add_lora_logits",
+    "fused_moe_lora",
 ]
 
 
@@ -204,3 +205,59 @@ def add_lora_logits(
     return add_lora_linear(
         y, x, [lora_a_stacked], [lora_b_stacked], None, scale, [width], sampler_slots
     )
+
+
+def fused_moe_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: Sequence[torch.Tensor],
+    lora_b_stacked: Sequence[torch.Tensor],
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    mul_routed_weight: bool = False,
+    offset: int = 0,
+    adapter_enabled: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference MoE LoRA: each token's adapter on each of its top-k experts, as vLLM's
+    ``add_lora_fused_moe`` defines it.
+
+    A token t routed to experts ``topk_ids[t, :]`` is k pairs (t, k). The shrink reads the
+    pair's input row: the token's own row for the gate/up projection (w13, whose input is
+    the hidden state: ``x`` has one row per token), the pair's row for the down
+    projection (w2, whose input is each expert's own activation: ``x`` has a row per
+    pair, ``t * top_k + k``); ``mul_routed_weight`` is set for w2 and says which. The
+    expand writes each slice of the pair's delta into its own row of ``y``
+    (``[M, top_k, W]``), times the pair's routing weight when ``mul_routed_weight``.
+
+    Semantics:
+        x: [M, K] (rows per token) or [M * top_k, K] (mul_routed_weight: rows per pair)
+        A_s: [L, E, r, K]; B_s: [L, E, N, r]; y: [M, top_k, >= offset + S * N]
+        topk_ids: [M, top_k] expert per pair (-1: none); topk_weights: [M, top_k]
+        slots: [M] (-1: no LoRA); adapter_enabled: [>= L] (0: slot off), or None (all on)
+        for t with l = slots[t] != -1 and adapter_enabled[l], k with e = topk_ids[t, k] != -1:
+            row = x[t * top_k + k] if mul_routed_weight else x[t]
+            w = topk_weights[t, k] if mul_routed_weight else 1
+            for each slice s:
+                out[t, k, offset + s*N : offset + (s+1)*N] += w * (row @ A_s[l, e].T) @ B_s[l, e].T
+    """
+    out = y.to(torch.float64).clone()
+    top_k = topk_ids.shape[1]
+    width = lora_b_stacked[0].shape[2]
+    slots = slots.reshape(-1).to(torch.int64)
+    for t, l in enumerate(slots.tolist()):
+        if l == -1 or (adapter_enabled is not None and not int(adapter_enabled[l])):
+            continue
+        for k in range(top_k):
+            e = int(topk_ids[t, k])
+            if e == -1:
+                continue
+            row = x[t * top_k + k if mul_routed_weight else t].to(torch.float64)  # [K]
+            weight = float(topk_weights[t, k]) if mul_routed_weight else 1.0
+            for s, (a, b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
+                a_le = a[l, e].to(torch.float64)  # [r, K]
+                b_le = b[l, e].to(torch.float64)  # [N, r]
+                start = offset + s * width
+                out[t, k, start : start + width] += weight * (b_le @ (a_le @ row))
+    return out
