@@ -243,21 +243,23 @@ def fused_moe_lora(
                 out[t, k, offset + s*N : offset + (s+1)*N] += w * (row @ A_s[l, e].T) @ B_s[l, e].T
     """
     out = y.to(torch.float64).clone()
-    top_k = topk_ids.shape[1]
+    num_tokens, top_k = topk_ids.shape
     width = lora_b_stacked[0].shape[2]
-    slots = slots.reshape(-1).to(torch.int64)
-    for t, l in enumerate(slots.tolist()):
-        if l == -1 or (adapter_enabled is not None and not int(adapter_enabled[l])):
-            continue
-        for k in range(top_k):
-            e = int(topk_ids[t, k])
-            if e == -1:
-                continue
-            row = x[t * top_k + k if mul_routed_weight else t].to(torch.float64)  # [K]
-            weight = float(topk_weights[t, k]) if mul_routed_weight else 1.0
-            for s, (a, b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
-                a_le = a[l, e].to(torch.float64)  # [r, K]
-                b_le = b[l, e].to(torch.float64)  # [N, r]
-                start = offset + s * width
-                out[t, k, start : start + width] += weight * (b_le @ (a_le @ row))
+    # Every pair (t, k) with a LoRA that is on and an expert, as index vectors.
+    slot = slots.reshape(-1)[:num_tokens].to(torch.int64)[:, None].expand(num_tokens, top_k)
+    expert = topk_ids.to(torch.int64)
+    keep = (slot != -1) & (expert != -1)
+    if adapter_enabled is not None:
+        keep &= adapter_enabled.to(torch.bool)[slot.clamp(min=0)]
+    t, k = torch.nonzero(keep, as_tuple=True)  # [Q] each
+    l, e = slot[t, k], expert[t, k]  # [Q] each
+    rows = x[t * top_k + k if mul_routed_weight else t].to(torch.float64)  # [Q, K]
+    weight = (
+        topk_weights[t, k].to(torch.float64) if mul_routed_weight else torch.ones_like(rows[:, 0])
+    )
+    for s, (a, b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
+        inner = torch.einsum("qrk,qk->qr", a[l, e].to(torch.float64), rows)  # [Q, r]
+        delta = torch.einsum("qnr,qr->qn", b[l, e].to(torch.float64), inner)  # [Q, N]
+        start = offset + s * width
+        out[t, k, start : start + width] += weight[:, None] * delta
     return out

@@ -20,7 +20,7 @@ Differences from vLLM v0.8–0.9 (../shared/SPEC.md §7), each on purpose:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -41,7 +41,9 @@ from ._cuda import LaunchRecord, eager_stream
 from .launch import forced_launch_configs
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta, host_facts_of
+from .moe_meta import align_pairs
 from .ops.launching import expand_launch, shrink_launch
+from .ops.moe import fused_moe_lora
 from .staging import HostStaging, separate_twins, twin_of
 
 __all__ = ["PunicaWrapperNumba"]
@@ -430,6 +432,160 @@ class PunicaWrapperNumba:
         if meta is not None:
             buffer = None if buffer is None else buffer.unsqueeze(0)
             _shrink_then_expand(x2, a, buffer, b, y2, meta, scale)
+
+    # -- mixture of experts ------------------------------------------------------------
+
+    def moe_lora_align_block_size(
+        self,
+        topk_ids: torch.Tensor,
+        num_tokens: int,
+        block_size: int,
+        num_experts: int,
+        max_loras: int,
+        adapter_enabled: torch.Tensor,
+        expert_map: torch.Tensor | None = None,
+        pad_sorted_ids: bool = False,
+        naive_block_assignment: bool = False,
+    ) -> tuple:
+        """This step's (token, expert) pairs sorted by slot and expert into blocks, for
+        :meth:`add_lora_fused_moe`: :func:`punica_numba.moe_meta.align_pairs` on the
+        tokens' slots of the last :meth:`update_metadata`. On the device, no sync.
+
+        Returns vLLM's four values, ``(None, sorted_token_ids, expert_ids,
+        num_tokens_post_padded)``, the middle two flat (``[max_loras * EM]``,
+        ``[max_loras * NB]``) as vLLM returns them (view them ``[max_loras, -1]``). The
+        first is the token mapping of vLLM's naive block assignment (a block per pair),
+        which this wrapper does not make: ``naive_block_assignment=True`` is refused.
+
+        Semantics:
+            topk_ids: [>= num_tokens, top_k] integer (its first num_tokens rows are used)
+            pair t * top_k + k -> row slot(t), blocks of block_size pairs of one expert
+        """
+        if check_bool("naive_block_assignment", naive_block_assignment):
+            raise ValueError(
+                "naive_block_assignment=True (a block per pair) is not supported; use the "
+                "blocks of block_size pairs"
+            )
+        num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        if num_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"num_tokens={num_tokens} is more than max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}"
+            )
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.ndim != 2:
+            raise ValueError("topk_ids must be a 2-D tensor [tokens, top_k]")
+        if topk_ids.shape[0] < num_tokens:
+            raise ValueError(
+                f"topk_ids has {topk_ids.shape[0]} rows, fewer than num_tokens={num_tokens}"
+            )
+        blocks = align_pairs(
+            topk_ids[:num_tokens],
+            self.token_mapping_meta.token_lora_mapping,
+            num_experts,
+            block_size,
+            max_loras,
+            adapter_enabled,
+            expert_map,
+            pad_sorted_ids,
+        )
+        return (
+            None,
+            blocks.sorted_token_ids.reshape(-1),
+            blocks.expert_ids.reshape(-1),
+            blocks.num_tokens_post_padded,
+        )
+
+    def add_lora_fused_moe(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked,
+        lora_b_stacked,
+        topk_weights: torch.Tensor,
+        sorted_token_ids: torch.Tensor | None,
+        expert_ids: torch.Tensor,
+        num_tokens_post_padded: torch.Tensor | None,
+        max_lora_rank: int,
+        top_k_num: int,
+        shrink_config,
+        expand_config,
+        adapter_enabled: torch.Tensor,
+        mul_routed_weight: bool = False,
+        fully_sharded: bool = False,
+        offset: int = 0,
+        token_lora_mapping: torch.Tensor | None = None,
+    ) -> None:
+        """The experts' LoRA of a mixture-of-experts layer (w13 or w2), vLLM's call: every
+        pair of :meth:`moe_lora_align_block_size`'s blocks through its slot's and expert's
+        A and B, into the pair's row of ``y`` (:func:`punica_numba.ops.moe.fused_moe_lora`).
+
+        The blocks hold ``shrink_config["BLOCK_SIZE_M"]`` pairs (64 when not given), as the
+        align step was told; the configurations' other entries tune vLLM's Triton kernels
+        and are not used. ``sorted_token_ids`` and ``expert_ids`` may be flat or
+        ``[L, -1]``. Not supported: ``fully_sharded=True`` (an all-reduce of the
+        intermediate across tensor-parallel ranks) and vLLM's naive block assignment
+        (``sorted_token_ids=None``).
+
+        Those of ``reference.fused_moe_lora`` (P = M * top_k pairs).
+
+        Semantics:
+            y: [M, top_k, >= offset + S * N]; x: [M, K], or [P, K] with mul_routed_weight
+            A_s: [L, E, r, K]; B_s: [L, E, N, r]; r == max_lora_rank; top_k == top_k_num
+            row(p), w = (x[p], topk_weights[t, k]) if mul_routed_weight else (x[t], 1)
+            for each pair p = t * top_k + k of slot l = slot(t), expert e = topk_ids[t, k]:
+                y[t, k, offset + s*N : offset + (s+1)*N] += w * (row(p) @ A_s[l, e].T) @ B_s[l, e].T
+        """
+        if check_bool("fully_sharded", fully_sharded):
+            raise ValueError(
+                "fully_sharded=True (the intermediate all-reduced across tensor-parallel "
+                "ranks) is not supported"
+            )
+        if sorted_token_ids is None or num_tokens_post_padded is None:
+            raise ValueError(
+                "sorted_token_ids and num_tokens_post_padded are None: vLLM's naive block "
+                "assignment is not supported (moe_lora_align_block_size makes the blocks)"
+            )
+        check_kernel_tensor("y", y, self._kernel_device)
+        check_sequence("lora_a_stacked", lora_a_stacked)
+        check_kernel_tensor("lora_a_stacked[0]", lora_a_stacked[0], self._kernel_device)
+        if lora_a_stacked[0].ndim != 4:
+            raise ValueError(
+                f"lora_a_stacked[0] must be [L, E, r, K], got {tuple(lora_a_stacked[0].shape)}"
+            )
+        num_loras, rank = lora_a_stacked[0].shape[0], lora_a_stacked[0].shape[2]
+        if check_int("max_lora_rank", max_lora_rank, minimum=0) != rank:
+            raise ValueError(f"max_lora_rank={max_lora_rank}, but lora_a_stacked has rank {rank}")
+        if y.ndim != 3 or check_int("top_k_num", top_k_num, minimum=1) != y.shape[1]:
+            raise ValueError(f"y must be [M, top_k_num={top_k_num}, W], got shape {tuple(y.shape)}")
+        if not isinstance(shrink_config, Mapping):
+            raise TypeError(f"shrink_config must be a dict, got {type(shrink_config).__name__}")
+        block_size = check_int(
+            "shrink_config['BLOCK_SIZE_M']", shrink_config.get("BLOCK_SIZE_M", 64)
+        )
+        rows = []
+        for name, t in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):
+            if not isinstance(t, torch.Tensor) or t.ndim not in (1, 2):
+                raise ValueError(f"{name} must be a flat or [L, -1] tensor")
+            if t.ndim == 1 and t.shape[0] % max(num_loras, 1):
+                raise ValueError(
+                    f"{name} has {t.shape[0]} entries, not a whole row for each of the "
+                    f"{num_loras} slots"
+                )
+            rows.append(t.view(num_loras, -1) if t.ndim == 1 else t)
+        fused_moe_lora(
+            y,
+            x,
+            lora_a_stacked,
+            lora_b_stacked,
+            topk_weights,
+            rows[0],
+            rows[1],
+            num_tokens_post_padded,
+            adapter_enabled,
+            block_size=block_size,
+            mul_routed_weight=check_bool("mul_routed_weight", mul_routed_weight),
+            offset=offset,
+        )
 
     # -- checks: each argument once ----------------------------------------------------
 

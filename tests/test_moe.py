@@ -17,13 +17,19 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from punica_numba import reference
+from punica_numba.mapping import LoRAMapping
 from punica_numba.moe_meta import MoEBlocks, align_pairs, aligned_sizes
+from punica_numba.ops.moe import fused_moe_lora
+from punica_numba.wrapper import PunicaWrapperNumba
 
-from .strategies import DEVICE
+from .strategies import DEVICE, LARGE
+from .tolerance import assert_close
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Routing:
@@ -284,3 +290,299 @@ def test_align_pairs_never_syncs_and_replays_in_a_graph():
         eager = align_pairs(topk_ids, slots, E, B, L, on)
         for name, g, w in zip(MoEBlocks._fields, captured, eager):
             assert torch.equal(g, w), name
+
+
+# -- 4. the op and the wrapper against the reference -----------------------------------------
+
+LARGE_MOE = LARGE  # the gpu profile on a GPU: real layer sizes (Qwen3-30B-A3B and larger)
+
+
+class MoECase:
+    """A drawn MoE LoRA call: dims first, then the routing, then a seed for the data."""
+
+    def __init__(self, draw):
+        if LARGE_MOE:
+            self.E = draw(st.sampled_from([64, 128]), label="E")
+            self.top_k = 8
+            hidden = draw(st.sampled_from([2048, 4096]), label="hidden")
+            inter = draw(st.sampled_from([768, 1536]), label="intermediate")
+            self.r = draw(st.sampled_from([16, 32, 64]), label="r")
+            self.M = draw(st.integers(1, 32), label="M")
+            self.L = draw(st.integers(1, 4), label="L")
+            self.B = draw(st.sampled_from([16, 32, 64]), label="block_size")
+        else:
+            self.E = draw(st.integers(1, 4), label="E")
+            self.top_k = draw(st.integers(1, min(2, self.E)), label="top_k")
+            hidden = draw(st.integers(1, 8), label="hidden")
+            inter = draw(st.integers(1, 6), label="intermediate")
+            self.r = draw(st.integers(1, 4), label="r")
+            self.M = draw(st.integers(1, 6), label="M")
+            self.L = draw(st.integers(1, 3), label="L")
+            self.B = draw(st.integers(1, 3), label="block_size")
+        self.projection = draw(st.sampled_from(["w13", "w2"]), label="projection")
+        self.mul = self.projection == "w2"
+        self.S = 2 if self.projection == "w13" else 1
+        self.K, self.N = (hidden, inter) if self.projection == "w13" else (inter, hidden)
+        self.offset = draw(st.integers(0, 2), label="offset")
+        self.dtype = draw(st.sampled_from(DTYPES), label="dtype")
+        self.slots = draw(st.lists(st.integers(-1, self.L - 1), min_size=self.M, max_size=self.M))
+        self.enabled = draw(st.lists(st.booleans(), min_size=self.L, max_size=self.L))
+        self.seed = draw(st.integers(0, 2**31 - 1), label="data seed")
+
+    def data(self):
+        # (made on the device: the gpu profile's stacks hold up to 2 x 67M elements)
+        gen = torch.Generator(device=DEVICE).manual_seed(self.seed)
+        M, k, dt = self.M, self.top_k, self.dtype
+
+        def randn(*shape, dtype=dt):
+            return torch.randn(*shape, generator=gen, device=DEVICE).to(dtype)
+
+        # Distinct experts per token (as a router picks them); -1 now and then.
+        experts = torch.stack(
+            [torch.randperm(self.E, generator=gen, device=DEVICE)[:k] for _ in range(M)]
+        )
+        experts[torch.rand(M, k, generator=gen, device=DEVICE) < 0.1] = -1
+        return dict(
+            y=randn(M, k, self.offset + self.S * self.N + 1),
+            x=randn(M * k if self.mul else M, self.K),
+            lora_a=[randn(self.L, self.E, self.r, self.K) * 0.5 for _ in range(self.S)],
+            lora_b=[randn(self.L, self.E, self.N, self.r) * 0.5 for _ in range(self.S)],
+            topk_ids=experts,
+            topk_weights=torch.rand(M, k, generator=gen, device=DEVICE),
+            slots=torch.tensor(self.slots, dtype=torch.int64, device=DEVICE),
+            enabled=torch.tensor(self.enabled, dtype=torch.int32, device=DEVICE),
+        )
+
+
+moe_cases = st.composite(lambda draw: MoECase(draw))
+
+
+def check_against_reference(case: MoECase, y, d, before) -> None:
+    """y (after the call) against the reference; what no pair reaches, bit for bit."""
+    args = (d["topk_ids"], d["topk_weights"], d["slots"])
+    options = dict(mul_routed_weight=case.mul, offset=case.offset, adapter_enabled=d["enabled"])
+    want = reference.fused_moe_lora(before, d["x"], d["lora_a"], d["lora_b"], *args, **options)
+    magnitude = reference.fused_moe_lora(
+        before.abs(), d["x"].abs(), [a.abs() for a in d["lora_a"]],
+        [b.abs() for b in d["lora_b"]], d["topk_ids"], d["topk_weights"].abs(), d["slots"],
+        **options,
+    )  # fmt: skip
+    assert_close(y, want, magnitude, terms=case.K + case.r, what=f"fused_moe_lora {case.dtype}")
+    on = d["enabled"].to(torch.bool)[d["slots"].clamp(min=0)] & (d["slots"] != -1)
+    reached = on[:, None] & (d["topk_ids"] != -1)  # [M, top_k]
+    assert torch.equal(y[~reached], before[~reached]), "a pair without a LoRA changed"
+    columns = slice(case.offset, case.offset + case.S * case.N)
+    outside = torch.ones(y.shape[2], dtype=torch.bool)
+    outside[columns] = False
+    assert torch.equal(y[:, :, outside], before[:, :, outside]), "a column past the slices changed"
+
+
+#: Examples a property draws at most: at the gpu profile's sizes one example makes ~0.5
+#: GB of weights and a float64 reference of up to 256 pairs.
+MOE_EXAMPLES = settings(max_examples=min(settings().max_examples, 40))
+
+
+@MOE_EXAMPLES
+@given(moe_cases())
+def test_fused_moe_lora_matches_the_reference(case):
+    d = case.data()
+    blocks = align_pairs(d["topk_ids"], d["slots"], case.E, case.B, case.L, d["enabled"])
+    y, before = d["y"], d["y"].clone()
+    fused_moe_lora(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+        block_size=case.B, mul_routed_weight=case.mul, offset=case.offset,
+    )  # fmt: skip
+    check_against_reference(case, y, d, before)
+
+
+@MOE_EXAMPLES
+@given(moe_cases())
+def test_the_wrappers_moe_calls_match_the_reference(case):
+    """vLLM's two calls: align the step's pairs, then the fused MoE LoRA on them."""
+    d = case.data()
+    wrapper = PunicaWrapperNumba(case.M + 2, 4, DEVICE, max_loras=case.L)
+    ids = [101 + s if s >= 0 else 0 for s in case.slots]
+    wrapper.update_metadata(
+        LoRAMapping(ids, ids), [101 + s for s in range(case.L)], case.L + 1, 32, 0
+    )
+    _, sorted_ids, expert_ids, post = wrapper.moe_lora_align_block_size(
+        d["topk_ids"], case.M, case.B, case.E, case.L, d["enabled"]
+    )
+    y, before = d["y"], d["y"].clone()
+    wrapper.add_lora_fused_moe(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], sorted_ids.view(case.L, -1),
+        expert_ids.view(case.L, -1), post, case.r, case.top_k, {"BLOCK_SIZE_M": case.B}, {},
+        d["enabled"], case.mul, offset=case.offset,
+    )  # fmt: skip
+    check_against_reference(case, y, d, before)
+
+
+def _moe_call():
+    """A valid add_lora_fused_moe call on a fresh wrapper (2 tokens, top-2 of 3 experts)."""
+    L, E, r, K, N, B = 2, 3, 2, 4, 5, 2
+    wrapper = PunicaWrapperNumba(4, 4, DEVICE, max_loras=L)
+    wrapper.update_metadata(LoRAMapping([101, 102], [101, 102]), [101, 102], L + 1, 32, 0)
+    topk = torch.tensor([[0, 2], [1, 2]], device=DEVICE)
+    on = torch.ones(L, dtype=torch.int32, device=DEVICE)
+    _, sorted_ids, expert_ids, post = wrapper.moe_lora_align_block_size(topk, 2, B, E, L, on)
+    call = dict(
+        y=torch.zeros(2, 2, 2 * N, device=DEVICE),
+        x=torch.randn(2, K, device=DEVICE),
+        lora_a_stacked=[torch.randn(L, E, r, K, device=DEVICE) for _ in range(2)],
+        lora_b_stacked=[torch.randn(L, E, N, r, device=DEVICE) for _ in range(2)],
+        topk_weights=torch.rand(2, 2, device=DEVICE),
+        sorted_token_ids=sorted_ids,
+        expert_ids=expert_ids,
+        num_tokens_post_padded=post,
+        max_lora_rank=r,
+        top_k_num=2,
+        shrink_config={"BLOCK_SIZE_M": B},
+        expand_config={},
+        adapter_enabled=on,
+    )
+    return wrapper, call
+
+
+MOE_BAD = {
+    "max_lora_rank not the stacks'": (dict(max_lora_rank=3), ValueError, "max_lora_rank"),
+    "top_k_num not y's": (dict(top_k_num=3), ValueError, "top_k_num"),
+    "another block size": (dict(shrink_config={"BLOCK_SIZE_M": 3}), ValueError, "block_size"),
+    "x of the pairs without mul_routed_weight": (
+        dict(x=torch.randn(4, 4, device=DEVICE)),
+        ValueError,
+        "x must be",
+    ),
+    "B of another rank": (
+        dict(lora_b_stacked=[torch.randn(2, 3, 5, 3, device=DEVICE)] * 2),
+        ValueError,
+        "lora_b_stacked",
+    ),
+    "three slices": (
+        dict(lora_a_stacked=[torch.randn(2, 3, 2, 4, device=DEVICE)] * 3),
+        ValueError,
+        "up to 2 slices",
+    ),
+    "y too narrow": (dict(y=torch.zeros(2, 2, 9, device=DEVICE)), ValueError, "columns"),
+    "weights of x's dtype wrong": (
+        dict(x=torch.randn(2, 4, device=DEVICE).to(torch.float16)),
+        TypeError,
+        "x must be",
+    ),
+    "fully sharded": (dict(fully_sharded=True), ValueError, "fully_sharded"),
+    "naive block assignment": (dict(sorted_token_ids=None), ValueError, "naive"),
+    "flags too short": (
+        dict(adapter_enabled=torch.ones(1, dtype=torch.int32, device=DEVICE)),
+        ValueError,
+        "adapter_enabled",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MOE_BAD)
+def test_a_bad_moe_call_is_rejected_by_name_and_changes_nothing(case):
+    change, error, name = MOE_BAD[case]
+    wrapper, call = _moe_call()
+    call.update(change)
+    before = call["y"].clone()
+    with pytest.raises(error, match=name):
+        wrapper.add_lora_fused_moe(**call)
+    assert torch.equal(call["y"], before)
+
+
+def test_the_naive_block_assignment_is_refused_by_name():
+    wrapper, _ = _moe_call()
+    topk = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    on = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="naive_block_assignment"):
+        wrapper.moe_lora_align_block_size(topk, 2, 2, 3, 2, on, naive_block_assignment=True)
+
+
+def _named_call(mul_routed_weight: bool, top_k: int = 2):
+    """3 tokens on slots 0, 1, 0, each on top_k of 3 experts: a fixed call of the op."""
+    gen = torch.Generator().manual_seed(7)
+    M, E, L, r, K, N, B = 3, 3, 2, 2, 4, 3, 2
+    d = dict(
+        y=torch.randn(M, top_k, N, generator=gen).to(DEVICE),
+        x=torch.randn(M * top_k if mul_routed_weight else M, K, generator=gen).to(DEVICE),
+        lora_a=[torch.randn(L, E, r, K, generator=gen).to(DEVICE)],
+        lora_b=[torch.randn(L, E, N, r, generator=gen).to(DEVICE)],
+        topk_ids=torch.tensor([[0, 2], [1, 2], [2, 0]], device=DEVICE)[:, :top_k],
+        topk_weights=torch.rand(M, top_k, generator=gen).to(DEVICE),
+        slots=torch.tensor([0, 1, 0], device=DEVICE),
+        enabled=torch.ones(L, dtype=torch.int32, device=DEVICE),
+    )
+    blocks = align_pairs(d["topk_ids"], d["slots"], E, B, L, d["enabled"])
+    return d, blocks, B
+
+
+@pytest.mark.parametrize("mul_routed_weight", [False, True], ids=["w13", "w2"])
+def test_each_pair_reads_its_own_row_of_the_down_projection(mul_routed_weight):
+    """w13 reads a token's row for each of its pairs; w2 (mul_routed_weight) the pair's."""
+    d, blocks, B = _named_call(mul_routed_weight)
+    y = d["y"].clone()
+    fused_moe_lora(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+        block_size=B, mul_routed_weight=mul_routed_weight,
+    )  # fmt: skip
+    want = reference.fused_moe_lora(
+        d["y"], d["x"], d["lora_a"], d["lora_b"], d["topk_ids"], d["topk_weights"], d["slots"],
+        mul_routed_weight=mul_routed_weight,
+    )  # fmt: skip
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_slot_turned_off_after_the_blocks_were_made_is_skipped():
+    """The kernels read ``adapter_enabled`` themselves: blocks made while slot 1 was on
+    add nothing for it once it is off."""
+    d, blocks, B = _named_call(False)
+    off = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    y = d["y"].clone()
+    fused_moe_lora(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, off, block_size=B
+    )
+    want = reference.fused_moe_lora(
+        d["y"], d["x"], d["lora_a"], d["lora_b"], d["topk_ids"], d["topk_weights"], d["slots"],
+        adapter_enabled=off,
+    )  # fmt: skip
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[1], d["y"][1])  # token 1 is slot 1's
+
+
+@pytest.mark.gpu
+def test_the_wrappers_moe_calls_replay_in_a_cuda_graph():
+    """Aligning and the fused MoE LoRA, captured once, replay what they compute eagerly
+    for new routings (Qwen3-30B-A3B's gate/up: hidden 2048, 128 experts, top-8,
+    intermediate 768; 24 tokens over 8 slots)."""
+    gen = torch.Generator().manual_seed(3)
+    M, top_k, E, L, r, K, N, B = 24, 8, 128, 8, 16, 2048, 768, 16
+    wrapper = PunicaWrapperNumba(M, 4, DEVICE, max_loras=L)
+    ids = [101 + t % L for t in range(M)]
+    wrapper.update_metadata(LoRAMapping(ids, ids), [101 + s for s in range(L)], L + 1, 32, 0)
+    on = torch.ones(L, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, torch.bfloat16)
+    a = [(torch.randn(L, E, r, K, generator=gen) * 0.1).to(DEVICE, torch.bfloat16) for _ in "gu"]
+    b = [(torch.randn(L, E, N, r, generator=gen) * 0.1).to(DEVICE, torch.bfloat16) for _ in "gu"]
+    topk = torch.zeros(M, top_k, dtype=torch.int64, device=DEVICE)
+    weights = torch.rand(M, top_k, generator=gen).to(DEVICE)
+
+    def route() -> None:
+        topk.copy_(torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(M)]))
+
+    def step() -> torch.Tensor:
+        y = torch.zeros(M, top_k, 2 * N, device=DEVICE, dtype=torch.bfloat16)
+        _, sorted_ids, expert_ids, post = wrapper.moe_lora_align_block_size(topk, M, B, E, L, on)
+        wrapper.add_lora_fused_moe(
+            y, x, a, b, weights, sorted_ids.view(L, -1), expert_ids.view(L, -1), post, r,
+            top_k, {"BLOCK_SIZE_M": B}, {}, on,
+        )  # fmt: skip
+        return y
+
+    route()
+    step()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        route()
+        graph.replay()
+        assert torch.equal(captured, step())

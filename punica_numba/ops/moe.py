@@ -1,0 +1,165 @@
+"""``fused_moe_lora``: MoE LoRA on the (token, expert) pairs in blocks, checked, then launched.
+
+The op of vLLM's ``add_lora_fused_moe``: a shrink of every pair's input row into an fp32
+buffer ``[S, P, r]`` by its slot's and expert's A, then an expand of that buffer by the
+same B into the pair's row of ``y`` (:mod:`..kernels.moe`). The pairs arrive in blocks
+(:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
+made with the same ``block_size``. Every argument is checked before anything is
+launched; the metadata's values are not (that would need a sync), but the kernels read
+only pairs below P and experts below E, so stale or foreign values cannot send them
+out of bounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .._checks import check_bool, check_int, check_sequence, check_tensor
+from .._cuda import KERNEL_DTYPES, SIMULATOR
+from ..kernels.moe import MAX_MOE_SLICES, build_moe_expand_kernel, build_moe_shrink_kernel
+from .launching import launcher_of
+
+__all__ = ["fused_moe_lora"]
+
+#: Threads per block: the simulator runs each as a Python thread.
+THREADS = 8 if SIMULATOR else 128
+
+_INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
+@torch.no_grad()
+def fused_moe_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: Sequence[torch.Tensor],
+    lora_b_stacked: Sequence[torch.Tensor],
+    topk_weights: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    adapter_enabled: torch.Tensor,
+    *,
+    block_size: int,
+    mul_routed_weight: bool = False,
+    offset: int = 0,
+) -> None:
+    """``y[t, k, slice s] += w * (row @ A_s[l, e]^T) @ B_s[l, e]^T`` for every pair in a block.
+
+    Those of ``reference.fused_moe_lora``, on the pairs of the blocks (P = M * top_k).
+
+    Semantics:
+        y: [M, top_k, >= offset + S * N], contiguous, modified in place
+        x: [M, K] (rows per token) or, with mul_routed_weight, [P, K] (rows per pair)
+        lora_a_stacked[s]: [L, E, r, K]; lora_b_stacked[s]: [L, E, N, r]; S in {1, 2}
+        topk_weights: [M, top_k] (w = topk_weights[t, k] with mul_routed_weight, else 1)
+        sorted_token_ids: [L, EM]; expert_ids: [L, NB], NB = ceil(EM / block_size);
+        num_tokens_post_padded: [L]; adapter_enabled: [>= L] (0: the slot is skipped)
+        blocks in use: b < num_tokens_post_padded[l] / block_size, e = expert_ids[l, b] in [0, E)
+        for each pair p = t * top_k + k < P of such a block of row l:
+            y[t, k, offset + s*N : offset + (s+1)*N] += w * (row(p) @ A_s[l, e].T) @ B_s[l, e].T
+        In fp32; the shrink's product is kept in fp32 (vLLM rounds it to y's dtype).
+
+    Raises:
+        TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
+            launch.
+    """
+    block_size = check_int("block_size", block_size, minimum=1)
+    mul_routed_weight = check_bool("mul_routed_weight", mul_routed_weight)
+    offset = check_int("offset", offset, minimum=0)
+    check_tensor("y", y, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
+    num_tokens, top_k, columns = y.shape
+    num_pairs = num_tokens * top_k
+    device = y.device
+    a = _stacks("lora_a_stacked", lora_a_stacked, device)
+    b = _stacks("lora_b_stacked", lora_b_stacked, device)
+    if len(a) != len(b):
+        raise ValueError(
+            f"lora_a_stacked and lora_b_stacked must have one entry per slice; got {len(a)} "
+            f"and {len(b)}"
+        )
+    L, E, rank, hidden = a[0].shape
+    width = b[0].shape[2]
+    for name, stacks, shape in (
+        ("lora_a_stacked", a, (L, E, rank, hidden)),
+        ("lora_b_stacked", b, (L, E, width, rank)),
+    ):
+        for s, w in enumerate(stacks):
+            if tuple(w.shape) != shape or w.dtype != a[0].dtype:
+                raise ValueError(
+                    f"{name}[{s}] is {tuple(w.shape)} {w.dtype}; every slice must be "
+                    f"{shape} {a[0].dtype} (lora_a_stacked[0] is [L, E, r, K])"
+                )
+    check_tensor("x", x, ndim=2, dtypes=(a[0].dtype,), contiguous=True)
+    _same_device("x", x, device)
+    rows = num_pairs if mul_routed_weight else num_tokens
+    if tuple(x.shape) != (rows, hidden):
+        per = "pair (mul_routed_weight)" if mul_routed_weight else "token"
+        raise ValueError(f"x must be [{rows}, {hidden}] (a row per {per}), got {tuple(x.shape)}")
+    if columns < offset + len(b) * width:
+        raise ValueError(
+            f"y has {columns} columns, too few for offset={offset} plus {len(b)} slice(s) of "
+            f"{width}"
+        )
+    check_tensor("topk_weights", topk_weights, ndim=2)
+    _same_device("topk_weights", topk_weights, device)
+    if not topk_weights.is_floating_point() or tuple(topk_weights.shape) != (num_tokens, top_k):
+        raise ValueError(
+            f"topk_weights must be floating [{num_tokens}, {top_k}] (y's tokens and top_k), got "
+            f"{topk_weights.dtype} {tuple(topk_weights.shape)}"
+        )
+    for name, t, ndim in (
+        ("sorted_token_ids", sorted_token_ids, 2),
+        ("expert_ids", expert_ids, 2),
+        ("num_tokens_post_padded", num_tokens_post_padded, 1),
+    ):
+        check_tensor(name, t, ndim=ndim, dtypes=_INDEX_DTYPES, contiguous=True)
+        _same_device(name, t, device)
+        if t.shape[0] != L:
+            raise ValueError(f"{name} must have a row per slot ({L}), got {tuple(t.shape)}")
+    blocks = -(-sorted_token_ids.shape[1] // block_size)
+    if expert_ids.shape[1] != blocks:
+        raise ValueError(
+            f"expert_ids has {expert_ids.shape[1]} blocks a row, but sorted_token_ids' "
+            f"{sorted_token_ids.shape[1]} entries make {blocks} blocks of block_size={block_size}"
+        )
+    check_tensor("adapter_enabled", adapter_enabled, ndim=1, dtypes=(*_INDEX_DTYPES, torch.bool))
+    _same_device("adapter_enabled", adapter_enabled, device)
+    if adapter_enabled.shape[0] < L:
+        raise ValueError(
+            f"adapter_enabled must have an entry per slot ({L}), got {adapter_enabled.shape[0]}"
+        )
+    if num_pairs == 0 or rank == 0 or width == 0:
+        return
+
+    buffer = torch.empty(len(a), num_pairs, rank, dtype=torch.float32, device=device)
+    weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
+    grid = (expert_ids.shape[1], L, len(a))
+    metadata = (sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled)
+    w0, w1 = a[0], a[-1]  # (one slice: the same weight twice, never read twice)
+    shrink = launcher_of(build_moe_shrink_kernel(x.dtype, a[0].dtype, THREADS))
+    shrink(grid, THREADS, (x, w0, w1, buffer, *metadata, top_k, block_size, mul_routed_weight))
+    expand = launcher_of(build_moe_expand_kernel(torch.float32, b[0].dtype, y.dtype, THREADS))
+    out = y.view(num_pairs, columns)  # [P, W]
+    expand(
+        grid,
+        THREADS,
+        (buffer, b[0], b[-1], out, weights, *metadata, block_size, offset, mul_routed_weight),
+    )
+
+
+def _stacks(name: str, stacks, device) -> list[torch.Tensor]:
+    """1 or 2 contiguous 4-D weights of a kernel dtype on ``device``."""
+    check_sequence(name, stacks)
+    if len(stacks) > MAX_MOE_SLICES:
+        raise ValueError(f"{name} may hold up to {MAX_MOE_SLICES} slices, got {len(stacks)}")
+    for s, w in enumerate(stacks):
+        check_tensor(f"{name}[{s}]", w, ndim=4, dtypes=KERNEL_DTYPES, contiguous=True)
+        _same_device(f"{name}[{s}]", w, device)
+    return list(stacks)
+
+
+def _same_device(name: str, t: torch.Tensor, device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but y is on {device}")
