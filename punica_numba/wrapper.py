@@ -16,6 +16,9 @@ Differences from vLLM v0.8–0.9 (../shared/SPEC.md §7), each on purpose:
   more sampled rows than requests (prompt logprobs, speculative decoding) fit.
 * Every method checks its arguments before it launches anything; a rejected call
   changes nothing.
+* ``moe_lora_align_block_size`` renames only the experts of blocks in use through an
+  ``expert_map``; vLLM maps the unused blocks' -1 too, to ``expert_map[-1]``, the last
+  expert's entry.
 """
 
 from __future__ import annotations
