@@ -15,7 +15,8 @@ layer shapes (QKV with GQA widths, rank 64). ``--hidden``, ``--rank``, ``--dtype
 and ``--slices`` change them. On the CUDA simulator it runs a tiny smoke version
 (``--quick``) whose "times" are host wall-clock times and mean nothing for speed.
 
-``--grid`` runs the grid of real model shapes instead (:mod:`punica_numba.bench_grid`:
+``--moe`` times MoE LoRA instead (:mod:`punica_numba.bench_moe`). ``--grid`` runs the
+grid of real model shapes instead (:mod:`punica_numba.bench_grid`:
 ranks 8-256, five hidden sizes, their QKV, MLP-in and MLP-out layers, 1-8192 tokens, three
 LoRA mixes, bf16 and fp16), in parts that each fit a 10-minute device limit.
 """
@@ -549,6 +550,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import bench_grid
 
         return bench_grid.main([a for a in argv if a != "--grid"])
+    if "--moe" in argv:  # MoE LoRA at Qwen3-30B-A3B's shape: a command of its own
+        from . import bench_moe
+
+        return bench_moe.main([a for a in argv if a != "--moe"])
     if "--compare" in argv:  # two runs, case by case: a command of its own
         from . import bench_compare
 
@@ -580,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
         "--grid",
         action="store_true",
         help="run the grid of real model shapes instead: see `bench --grid --help`",
+    )
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="time MoE LoRA (add_lora_fused_moe's op) at Qwen3-30B-A3B's shape instead: see "
+        "`bench --moe --help`",
     )
     parser.add_argument(
         "--compare",

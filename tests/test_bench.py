@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from punica_numba import bench
+from punica_numba import bench, bench_moe
 
 KEYS = {
     "op",
@@ -89,3 +90,30 @@ def test_timing_settles_the_process_graphs_once(monkeypatch):
         bench.time_calls([lambda: x.add_(1.0)], repeats=2)
         counts.append(len(made) - before)
     assert counts == [bench.SETTLING_CAPTURES + 1, 1], counts
+
+
+def test_bench_moe_writes_json(tmp_path, capsys):
+    """``bench --moe``: every case checked against the reference, then timed."""
+    out = tmp_path / "moe.json"
+    assert bench.main(["--moe", "--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"commit", "gpu", "copy_bandwidth_tbps", "cases"} <= set(result)
+    cases = result["cases"]
+    assert {c["projection"] for c in cases} == {"w13", "w2"}
+    for c in cases:
+        assert c["us"] > 0 and c["floor_bytes"] > 0 and c["relative_error"] <= 1e-2
+    assert "moe w13" in capsys.readouterr().out
+
+
+def test_bench_moe_floor_counts_each_adapter_and_expert_once():
+    """Two tokens on one adapter sharing one of their two experts: three (adapter, expert)
+    weights, the rows, and the outputs read and written."""
+    case = bench_moe.MoECase("w13", 2, 1, hidden=8, experts=4, top_k=2, intermediate=6, rank=2)
+    args = dict(
+        slots=torch.tensor([0, 0]),
+        topk_ids=torch.tensor([[0, 1], [1, 3]]),
+        x=torch.zeros(2, 8),
+    )
+    weights = 3 * 2 * 2 * (8 + 6)  # (adapter, expert)s x slices x rank x (K + N)
+    rows, outputs = 2 * 8, 2 * (2 * 2) * 2 * 6  # x; read + write of 4 pairs x 2 slices x N
+    assert bench_moe.floor_bytes(case, args) == 2 * (weights + rows + outputs)

@@ -1,0 +1,230 @@
+"""``python -m punica_numba bench --moe``: MoE LoRA against the copy-bandwidth limit.
+
+The cases are one MoE layer of Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert
+intermediate 768) with rank-16 adapters, bf16: its gate/up projection (w13: two slices
+2048 -> 768, a row of x per token) and its down projection (w2: one slice 768 -> 2048, a
+row per pair, weighted by the router), at T = 1, 16, 64, 256 and 2048 tokens on 1, 4 and
+16 adapters (equal shares, random token order), each token on 8 distinct experts drawn
+at random. What is timed is the op of ``add_lora_fused_moe``
+(:func:`punica_numba.ops.moe.fused_moe_lora`: the shrink and the expand) on blocks made
+before (:func:`punica_numba.moe_meta.align_pairs`, block size 16), as vLLM's
+``fused_moe_lora`` is timed, the same way as the linear ops (:mod:`punica_numba.bench`:
+a pool of argument sets larger than twice the L2, checked against the float64
+reference on the first, CUDA-graph replays timed with CUDA events).
+
+The byte floor of a case is what the op must move at the least: the A and B of every
+(adapter, expert) its pairs use, once; the input rows; the output rows of every pair,
+read and written. On the simulator a tiny smoke version runs (``--quick``), whose times
+are host wall-clock and mean nothing for speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import bench, reference
+from ._cuda import SIMULATOR, device_of
+from .moe_meta import align_pairs
+from .ops.moe import fused_moe_lora
+
+__all__ = ["MoECase", "default_cases", "main", "run_case"]
+
+#: The layer measured: Qwen3-30B-A3B's MoE block.
+HIDDEN, EXPERTS, TOP_K, INTERMEDIATE = 2048, 128, 8, 768
+TOKENS = (1, 16, 64, 256, 2048)
+LORAS = (1, 4, 16)
+RANK = 16
+BLOCK_SIZE = 16
+
+
+@dataclass
+class MoECase:
+    """One MoE LoRA call: ``projection`` w13 (gate/up) or w2 (down)."""
+
+    projection: str
+    T: int
+    loras: int
+    hidden: int = HIDDEN
+    experts: int = EXPERTS
+    top_k: int = TOP_K
+    intermediate: int = INTERMEDIATE
+    rank: int = RANK
+    dtype: str = "bf16"
+    block_size: int = BLOCK_SIZE
+
+    @property
+    def slices(self) -> int:
+        return 2 if self.projection == "w13" else 1
+
+    @property
+    def K(self) -> int:
+        """The width of an input row."""
+        return self.hidden if self.projection == "w13" else self.intermediate
+
+    @property
+    def N(self) -> int:
+        """The width of an output slice."""
+        return self.intermediate if self.projection == "w13" else self.hidden
+
+    @property
+    def by_pair(self) -> bool:
+        """w2 reads a row per pair and weights it by the router (``mul_routed_weight``)."""
+        return self.projection == "w2"
+
+    @property
+    def name(self) -> str:
+        return f"moe {self.projection} T={self.T} loras={self.loras}"
+
+
+def default_cases(quick: bool = False) -> list[MoECase]:
+    """Both projections at every token count and adapter count; tiny ones with ``quick``."""
+    if quick:
+        small = dict(hidden=8, experts=4, top_k=2, intermediate=6, rank=2, block_size=2)
+        return [
+            MoECase(p, T, loras, **small) for p in ("w13", "w2") for T, loras in ((1, 1), (5, 2))
+        ]
+    return [MoECase(p, T, n) for p in ("w13", "w2") for T in TOKENS for n in LORAS]
+
+
+def _argument_set(case: MoECase, gen: torch.Generator, device) -> dict:
+    """Weights, inputs, routing and blocks of one call (the routing differs per set)."""
+    dt = bench.DTYPES[case.dtype]
+    T, k, E, L = case.T, case.top_k, case.experts, case.loras
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=gen, device=device) * 0.1).to(dt)
+
+    slots = torch.arange(T, device=device) % L
+    slots = slots[torch.randperm(T, generator=gen, device=device)]  # [T] equal shares
+    topk_ids = torch.stack(
+        [torch.randperm(E, generator=gen, device=device)[:k] for _ in range(T)]
+    )  # [T, top_k] distinct experts
+    enabled = torch.ones(L, dtype=torch.int32, device=device)
+    blocks = align_pairs(topk_ids, slots, E, case.block_size, L, enabled)
+    return dict(
+        y=randn(T, k, case.slices * case.N),
+        x=randn(T * k if case.by_pair else T, case.K),
+        lora_a=[randn(L, E, case.rank, case.K) for _ in range(case.slices)],
+        lora_b=[randn(L, E, case.N, case.rank) for _ in range(case.slices)],
+        topk_ids=topk_ids,
+        topk_weights=torch.rand(T, k, generator=gen, device=device),
+        slots=slots,
+        enabled=enabled,
+        blocks=blocks,
+    )
+
+
+def _call(case: MoECase, args: dict):
+    def call() -> None:
+        fused_moe_lora(
+            args["y"],
+            args["x"],
+            args["lora_a"],
+            args["lora_b"],
+            args["topk_weights"],
+            *args["blocks"],
+            args["enabled"],
+            block_size=case.block_size,
+            mul_routed_weight=case.by_pair,
+        )
+
+    return call
+
+
+def floor_bytes(case: MoECase, args: dict) -> int:
+    """The least the call must move (module docstring), from its routing."""
+    size = bench.DTYPES[case.dtype].itemsize
+    used = len(set(zip(args["slots"][:, None].expand_as(args["topk_ids"]).reshape(-1).tolist(),
+                       args["topk_ids"].reshape(-1).tolist())))  # fmt: skip
+    weights = used * case.slices * case.rank * (case.K + case.N)
+    pairs = case.T * case.top_k
+    rows = args["x"].shape[0] * case.K
+    outputs = 2 * pairs * case.slices * case.N
+    return (weights + rows + outputs) * size
+
+
+def run_case(case: MoECase, bandwidth: float) -> dict:
+    """Check the first argument set against the reference, then time the pool."""
+    device = device_of()
+    gen = torch.Generator(device=device).manual_seed(0)
+    first = _argument_set(case, gen, device)
+    want = reference.fused_moe_lora(
+        first["y"], first["x"], first["lora_a"], first["lora_b"], first["topk_ids"],
+        first["topk_weights"], first["slots"], mul_routed_weight=case.by_pair,
+    )  # fmt: skip
+    size = reference.fused_moe_lora(
+        first["y"].abs(), first["x"].abs(), [a.abs() for a in first["lora_a"]],
+        [b.abs() for b in first["lora_b"]], first["topk_ids"], first["topk_weights"],
+        first["slots"], mul_routed_weight=case.by_pair,
+    )  # fmt: skip
+    _call(case, first)()
+    error = bench.checked_error(case, first["y"], want, size)
+    set_bytes = sum(
+        t.numel() * t.element_size()
+        for t in (first["x"], first["y"], *first["lora_a"], *first["lora_b"])
+    )
+    pool = [first] + [
+        _argument_set(case, gen, device) for _ in range(bench.pool_size(set_bytes) - 1)
+    ]
+    us = bench.time_calls([_call(case, args) for args in pool])
+    floor = floor_bytes(case, first)
+    return {
+        **asdict(case),
+        "name": case.name,
+        "us": round(us, 3),
+        "floor_bytes": floor,
+        "floor_us": round(floor / (bandwidth * 1e6), 3) if bandwidth else None,
+        "of_copy_bandwidth": round(floor / (us * 1e-6) / (bandwidth * 1e12), 3)
+        if bandwidth
+        else None,
+        "relative_error": error,
+        "pool": len(pool),
+    }
+
+
+def _table(records: list[dict]) -> str:
+    lines = [f"  {'case':34s} {'µs':>9s} {'floor µs':>9s} {'of copy bw':>10s}"]
+    for r in records:
+        floor = "" if r["floor_us"] is None else f"{r['floor_us']:9.2f}"
+        share = "" if r["of_copy_bandwidth"] is None else f"{r['of_copy_bandwidth']:10.0%}"
+        lines.append(f"  {r['name']:34s} {r['us']:9.2f} {floor:>9s} {share:>10s}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m punica_numba bench --moe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git HEAD)")
+    parser.add_argument("--quick", action="store_true", help="tiny cases (the simulator's)")
+    args = parser.parse_args(argv)
+    cases = default_cases(quick=args.quick or SIMULATOR)
+    from tqdm import tqdm
+
+    bandwidth = 0.0 if SIMULATOR else bench.copy_bandwidth_tbps()
+    records = []
+    for case in tqdm(cases, desc="bench --moe", unit="case", file=sys.stderr):
+        records.append(run_case(case, bandwidth))
+        if not SIMULATOR:
+            torch.cuda.empty_cache()
+    print(_table(records))
+    if SIMULATOR:
+        print("(simulator: times are host wall-clock and say nothing about GPU speed)")
+    if args.json:
+        result = {
+            "commit": args.commit or bench._commit(),
+            "gpu": "simulator" if SIMULATOR else torch.cuda.get_device_name(),
+            "copy_bandwidth_tbps": round(bandwidth, 3),
+            "cases": records,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
