@@ -49,9 +49,10 @@ def aligned_sizes(
     num_pairs: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False
 ) -> tuple[int, int]:
     """``(padded_len, num_blocks)``: the longest a row of :class:`MoEBlocks` can be (every
-    pair on one slot, each expert's run padded by up to ``block_size - 1``), rounded up
-    to a whole block with ``pad_sorted_ids``, and its blocks."""
-    padded_len = num_pairs + num_experts * (block_size - 1)
+    pair on one slot, each run padded by up to ``block_size - 1``, and there are at most
+    as many runs as experts, or as pairs), rounded up to a whole block with
+    ``pad_sorted_ids``, and its blocks."""
+    padded_len = num_pairs + min(num_pairs, num_experts) * (block_size - 1)
     if pad_sorted_ids:
         padded_len = -(-padded_len // block_size) * block_size
     return padded_len, -(-padded_len // block_size)
@@ -69,9 +70,10 @@ def align_pairs(
 ) -> MoEBlocks:
     """Sort the (token, expert) pairs by slot and expert into blocks (module docstring).
 
-    ``expert_map`` (expert parallelism: a global expert's local id, -1 where it is not
-    local) renames the experts of the blocks in use; a block past a row's last stays -1
-    (vLLM maps those too, through ``expert_map[-1]``, the last expert's entry).
+    ``expert_map`` (expert parallelism: ``topk_ids`` holds global experts, and
+    ``expert_map[e]`` is expert e's local id, -1 where it is not local; then
+    ``num_experts`` counts the global ones) renames the experts of the blocks in use; a
+    block past a row's last stays -1.
 
     Semantics:
         topk_ids: [M, top_k] integer; token_lora_mapping: [>= M] integer (slot, -1 none)

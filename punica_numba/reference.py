@@ -219,6 +219,7 @@ def fused_moe_lora(
     mul_routed_weight: bool = False,
     offset: int = 0,
     adapter_enabled: torch.Tensor | None = None,
+    add_inputs: bool = True,
 ) -> torch.Tensor:
     """Reference MoE LoRA: each token's adapter on each of its top-k experts, as vLLM's
     ``add_lora_fused_moe`` defines it.
@@ -239,8 +240,9 @@ def fused_moe_lora(
         for t with l = slots[t] != -1 and adapter_enabled[l], k with e = topk_ids[t, k] != -1:
             row = x[t * top_k + k] if mul_routed_weight else x[t]
             w = topk_weights[t, k] if mul_routed_weight else 1
-            for each slice s:
-                out[t, k, offset + s*N : offset + (s+1)*N] += w * (row @ A_s[l, e].T) @ B_s[l, e].T
+            for each slice s (c = offset + s*N):
+                out[t, k, c : c+N] = (y[t, k, c : c+N] if add_inputs else 0)
+                                     + w * (row @ A_s[l, e].T) @ B_s[l, e].T
     """
     out = y.to(torch.float64).clone()
     num_tokens, top_k = topk_ids.shape
@@ -257,6 +259,8 @@ def fused_moe_lora(
     weight = (
         topk_weights[t, k].to(torch.float64) if mul_routed_weight else torch.ones_like(rows[:, 0])
     )
+    if not add_inputs:
+        out[t, k, offset : offset + len(lora_b_stacked) * width] = 0.0
     for s, (a, b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
         inner = torch.einsum("qrk,qk->qr", a[l, e].to(torch.float64), rows)  # [Q, r]
         delta = torch.einsum("qnr,qr->qn", b[l, e].to(torch.float64), inner)  # [Q, N]

@@ -16,9 +16,6 @@ Differences from vLLM v0.8–0.9 (../shared/SPEC.md §7), each on purpose:
   more sampled rows than requests (prompt logprobs, speculative decoding) fit.
 * Every method checks its arguments before it launches anything; a rejected call
   changes nothing.
-* ``moe_lora_align_block_size`` renames only the experts of blocks in use through an
-  ``expert_map``; vLLM maps the unused blocks' -1 too, to ``expert_map[-1]``, the last
-  expert's entry.
 """
 
 from __future__ import annotations
@@ -449,16 +446,20 @@ class PunicaWrapperNumba:
         expert_map: torch.Tensor | None = None,
         pad_sorted_ids: bool = False,
         naive_block_assignment: bool = False,
+        token_lora_mapping: torch.Tensor | None = None,
     ) -> tuple:
         """This step's (token, expert) pairs sorted by slot and expert into blocks, for
         :meth:`add_lora_fused_moe`: :func:`punica_numba.moe_meta.align_pairs` on the
-        tokens' slots of the last :meth:`update_metadata`. On the device, no sync.
+        tokens' slots of the last :meth:`update_metadata`, or on ``token_lora_mapping``
+        where given. On the device, no sync.
 
-        Returns vLLM's four values, ``(None, sorted_token_ids, expert_ids,
-        num_tokens_post_padded)``, the middle two flat (``[max_loras * EM]``,
-        ``[max_loras * NB]``) as vLLM returns them (view them ``[max_loras, -1]``). The
-        first is the token mapping of vLLM's naive block assignment (a block per pair),
-        which this wrapper does not make: ``naive_block_assignment=True`` is refused.
+        Returns vLLM 0.33's four values, ``(token_lora_mapping, sorted_token_ids,
+        expert_ids, num_tokens_post_padded)``: the slots used, then the blocks, the
+        middle two flat (``[max_loras * EM]``, ``[max_loras * NB]``) as vLLM returns
+        them (view them ``[max_loras, -1]``). With an ``expert_map`` the experts of
+        ``topk_ids`` are global ones, counted by the map's length, and the blocks name
+        local experts. vLLM's naive block assignment (a block per pair) is not made:
+        ``naive_block_assignment=True`` is refused.
 
         Semantics:
             topk_ids: [>= num_tokens, top_k] integer (its first num_tokens rows are used)
@@ -481,9 +482,14 @@ class PunicaWrapperNumba:
             raise ValueError(
                 f"topk_ids has {topk_ids.shape[0]} rows, fewer than num_tokens={num_tokens}"
             )
+        if token_lora_mapping is None:
+            token_lora_mapping = self.token_mapping_meta.token_lora_mapping[:num_tokens]
+        num_experts = check_int("num_experts", num_experts, minimum=1)
+        if isinstance(expert_map, torch.Tensor):
+            num_experts = expert_map.numel()  # (topk_ids holds global experts)
         blocks = align_pairs(
             topk_ids[:num_tokens],
-            self.token_mapping_meta.token_lora_mapping,
+            token_lora_mapping,
             num_experts,
             block_size,
             max_loras,
@@ -492,7 +498,7 @@ class PunicaWrapperNumba:
             pad_sorted_ids,
         )
         return (
-            None,
+            token_lora_mapping,
             blocks.sorted_token_ids.reshape(-1),
             blocks.expert_ids.reshape(-1),
             blocks.num_tokens_post_padded,
@@ -517,6 +523,7 @@ class PunicaWrapperNumba:
         fully_sharded: bool = False,
         offset: int = 0,
         token_lora_mapping: torch.Tensor | None = None,
+        add_inputs: bool = True,
     ) -> None:
         """The experts' LoRA of a mixture-of-experts layer (w13 or w2), vLLM's call: every
         pair of :meth:`moe_lora_align_block_size`'s blocks through its slot's and expert's
@@ -525,9 +532,11 @@ class PunicaWrapperNumba:
         The blocks hold ``shrink_config["BLOCK_SIZE_M"]`` pairs (64 when not given), as the
         align step was told; the configurations' other entries tune vLLM's Triton kernels
         and are not used. ``sorted_token_ids`` and ``expert_ids`` may be flat or
-        ``[L, -1]``. Not supported: ``fully_sharded=True`` (an all-reduce of the
-        intermediate across tensor-parallel ranks) and vLLM's naive block assignment
-        (``sorted_token_ids=None``).
+        ``[L, -1]``. ``add_inputs=False`` stores each pair's delta in place of what y
+        held there (pairs in no block are untouched). ``token_lora_mapping`` is read only
+        by vLLM's naive block assignment, which is not supported (``sorted_token_ids=None``),
+        nor is ``fully_sharded=True`` (an all-reduce of the intermediate across
+        tensor-parallel ranks).
 
         Those of ``reference.fused_moe_lora`` (P = M * top_k pairs).
 
@@ -588,6 +597,7 @@ class PunicaWrapperNumba:
             block_size=block_size,
             mul_routed_weight=check_bool("mul_routed_weight", mul_routed_weight),
             offset=offset,
+            add_inputs=check_bool("add_inputs", add_inputs),
         )
 
     # -- checks: each argument once ----------------------------------------------------

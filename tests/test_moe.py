@@ -324,6 +324,7 @@ class MoECase:
         self.S = 2 if self.projection == "w13" else 1
         self.K, self.N = (hidden, inter) if self.projection == "w13" else (inter, hidden)
         self.offset = draw(st.integers(0, 2), label="offset")
+        self.add_inputs = draw(st.booleans(), label="add_inputs")
         self.dtype = draw(st.sampled_from(DTYPES), label="dtype")
         self.slots = draw(st.lists(st.integers(-1, self.L - 1), min_size=self.M, max_size=self.M))
         self.enabled = draw(st.lists(st.booleans(), min_size=self.L, max_size=self.L))
@@ -361,7 +362,9 @@ def check_against_reference(case: MoECase, y, d, before) -> None:
     """y (after the call) against the reference; what no pair reaches, bit for bit."""
     args = (d["topk_ids"], d["topk_weights"], d["slots"])
     options = dict(mul_routed_weight=case.mul, offset=case.offset, adapter_enabled=d["enabled"])
-    want = reference.fused_moe_lora(before, d["x"], d["lora_a"], d["lora_b"], *args, **options)
+    want = reference.fused_moe_lora(
+        before, d["x"], d["lora_a"], d["lora_b"], *args, **options, add_inputs=case.add_inputs
+    )
     magnitude = reference.fused_moe_lora(
         before.abs(), d["x"].abs(), [a.abs() for a in d["lora_a"]],
         [b.abs() for b in d["lora_b"]], d["topk_ids"], d["topk_weights"].abs(), d["slots"],
@@ -391,6 +394,7 @@ def test_fused_moe_lora_matches_the_reference(case):
     fused_moe_lora(
         y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
         block_size=case.B, mul_routed_weight=case.mul, offset=case.offset,
+        add_inputs=case.add_inputs,
     )  # fmt: skip
     check_against_reference(case, y, d, before)
 
@@ -412,7 +416,7 @@ def test_the_wrappers_moe_calls_match_the_reference(case):
     wrapper.add_lora_fused_moe(
         y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], sorted_ids.view(case.L, -1),
         expert_ids.view(case.L, -1), post, case.r, case.top_k, {"BLOCK_SIZE_M": case.B}, {},
-        d["enabled"], case.mul, offset=case.offset,
+        d["enabled"], case.mul, offset=case.offset, add_inputs=case.add_inputs,
     )  # fmt: skip
     check_against_reference(case, y, d, before)
 
@@ -586,3 +590,38 @@ def test_the_wrappers_moe_calls_replay_in_a_cuda_graph():
         route()
         graph.replay()
         assert torch.equal(captured, step())
+
+
+def test_the_wrapper_aligns_the_mapping_it_is_given_and_global_experts():
+    """vLLM 0.33's expert parallelism: a token mapping of the caller's own, and global
+    experts renamed by ``expert_map`` (its length is the global count)."""
+    wrapper, _ = _moe_call()  # its step maps tokens 0, 1 to slots 0, 1
+    topk = torch.tensor([[5, 1], [4, 5]], device=DEVICE)  # global experts of 6
+    on = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    expert_map = torch.tensor([-1, 0, -1, -1, 1, 2], dtype=torch.int32, device=DEVICE)
+    mine = torch.tensor([1, -1], device=DEVICE)  # token 0 on slot 1, token 1 on none
+    used, sorted_ids, expert_ids, post = wrapper.moe_lora_align_block_size(
+        topk, 2, 2, 3, 2, on, expert_map, token_lora_mapping=mine
+    )
+    assert used is mine
+    want = align_pairs(topk, mine, 6, 2, 2, on, expert_map)
+    assert torch.equal(sorted_ids.view(2, -1), want.sorted_token_ids)
+    assert torch.equal(expert_ids.view(2, -1), want.expert_ids)
+    assert torch.equal(post, want.num_tokens_post_padded)
+    assert want.expert_ids[1].tolist()[:2] == [0, 2]  # global 1 and 5, local 0 and 2
+    assert int(want.num_tokens_post_padded[0]) == 0
+
+
+def test_without_add_inputs_each_pair_in_a_block_holds_its_delta_alone():
+    d, blocks, B = _named_call(False)
+    y = d["y"].clone()
+    fused_moe_lora(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+        block_size=B, add_inputs=False,
+    )  # fmt: skip
+    want = reference.fused_moe_lora(
+        d["y"], d["x"], d["lora_a"], d["lora_b"], d["topk_ids"], d["topk_weights"], d["slots"],
+        add_inputs=False,
+    )  # fmt: skip
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(want, d["y"].double())  # (the old values are gone)

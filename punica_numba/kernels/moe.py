@@ -96,10 +96,11 @@ def build_moe_expand_kernel(
     @jit_kernel(THREADS)
     def moe_expand(
         x, w0, w1, out, weights, sorted_ids, expert_ids, num_post_pad, enabled, block_size,
-        offset, weighted,
+        offset, weighted, add_inputs,
     ):  # fmt: skip
         # x: [S, P, r] fp32; w*: [L, E, N, r]; out: [P, W], slice s at offset + s * N;
-        # weights: [P] routing weight of each pair, read when ``weighted``
+        # weights: [P] routing weight of each pair, read when ``weighted``; the old output
+        # is added when ``add_inputs``
         begin()
         b, slot, s = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         start = b * block_size
@@ -123,7 +124,9 @@ def build_moe_expand_kernel(
                         acc += load_x(x[s, pair, j]) * load_w(w[slot, expert, n, j])
                     if weighted:
                         acc *= load_weight(weights[pair])
-                    out[pair, column0 + n] = store_out(load_out(out[pair, column0 + n]) + acc)
+                    if add_inputs:
+                        acc += load_out(out[pair, column0 + n])
+                    out[pair, column0 + n] = store_out(acc)
             n += THREADS
 
     return moe_expand

@@ -44,6 +44,7 @@ def fused_moe_lora(
     block_size: int,
     mul_routed_weight: bool = False,
     offset: int = 0,
+    add_inputs: bool = True,
 ) -> None:
     """``y[t, k, slice s] += w * (row @ A_s[l, e]^T) @ B_s[l, e]^T`` for every pair in a block.
 
@@ -58,8 +59,10 @@ def fused_moe_lora(
         num_tokens_post_padded: [L]; adapter_enabled: [>= L] (0: the slot is skipped)
         blocks in use: b < num_tokens_post_padded[l] / block_size, e = expert_ids[l, b] in [0, E)
         for each pair p = t * top_k + k < P of such a block of row l:
-            y[t, k, offset + s*N : offset + (s+1)*N] += w * (row(p) @ A_s[l, e].T) @ B_s[l, e].T
-        In fp32; the shrink's product is kept in fp32 (vLLM rounds it to y's dtype).
+            y[t, k, offset + s*N : offset + (s+1)*N] = (y[...] if add_inputs else 0)
+                                                       + w * (row(p) @ A_s[l, e].T) @ B_s[l, e].T
+        In fp32; the shrink's product is kept in fp32 (vLLM rounds it to y's dtype). Pairs
+        in no block are untouched.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
@@ -67,6 +70,7 @@ def fused_moe_lora(
     """
     block_size = check_int("block_size", block_size, minimum=1)
     mul_routed_weight = check_bool("mul_routed_weight", mul_routed_weight)
+    add_inputs = check_bool("add_inputs", add_inputs)
     offset = check_int("offset", offset, minimum=0)
     check_tensor("y", y, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
     num_tokens, top_k, columns = y.shape
@@ -145,7 +149,18 @@ def fused_moe_lora(
     expand(
         grid,
         THREADS,
-        (buffer, b[0], b[-1], out, weights, *metadata, block_size, offset, mul_routed_weight),
+        (
+            buffer,
+            b[0],
+            b[-1],
+            out,
+            weights,
+            *metadata,
+            block_size,
+            offset,
+            mul_routed_weight,
+            add_inputs,
+        ),
     )
 
 
