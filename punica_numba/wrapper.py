@@ -458,17 +458,19 @@ class PunicaWrapperNumba:
         middle two flat (``[max_loras * EM]``, ``[max_loras * NB]``) as vLLM returns
         them (view them ``[max_loras, -1]``). With an ``expert_map`` the experts of
         ``topk_ids`` are global ones, counted by the map's length, and the blocks name
-        local experts. vLLM's naive block assignment (a block per pair) is not made:
-        ``naive_block_assignment=True`` is refused.
+        local experts. ``naive_block_assignment=True`` (vLLM's choice for sparse
+        batches) returns ``(token_lora_mapping, None, topk_ids[:num_tokens].reshape(-1),
+        None)``: the pairs' experts as they are, left to :meth:`add_lora_fused_moe`.
 
         Semantics:
             topk_ids: [>= num_tokens, top_k] integer (its first num_tokens rows are used)
             pair t * top_k + k -> row slot(t), blocks of block_size pairs of one expert
         """
-        if check_bool("naive_block_assignment", naive_block_assignment):
+        naive = check_bool("naive_block_assignment", naive_block_assignment)
+        if naive and expert_map is not None:
             raise ValueError(
-                "naive_block_assignment=True (a block per pair) is not supported; use the "
-                "blocks of block_size pairs"
+                "naive_block_assignment=True takes no expert_map: the pairs keep their "
+                "experts as topk_ids names them"
             )
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
         if num_tokens > self.max_num_batched_tokens:
@@ -484,6 +486,8 @@ class PunicaWrapperNumba:
             )
         if token_lora_mapping is None:
             token_lora_mapping = self.token_mapping_meta.token_lora_mapping[:num_tokens]
+        if naive:
+            return token_lora_mapping, None, topk_ids[:num_tokens].reshape(-1), None
         num_experts = check_int("num_experts", num_experts, minimum=1)
         if isinstance(expert_map, torch.Tensor):
             num_experts = expert_map.numel()  # (topk_ids holds global experts)
@@ -533,10 +537,11 @@ class PunicaWrapperNumba:
         align step was told; the configurations' other entries tune vLLM's Triton kernels
         and are not used. ``sorted_token_ids`` and ``expert_ids`` may be flat or
         ``[L, -1]``. ``add_inputs=False`` stores each pair's delta in place of what y
-        held there (pairs in no block are untouched). ``token_lora_mapping`` is read only
-        by vLLM's naive block assignment, which is not supported (``sorted_token_ids=None``),
-        nor is ``fully_sharded=True`` (an all-reduce of the intermediate across
-        tensor-parallel ranks).
+        held there (pairs in no block are untouched). Without blocks (vLLM's naive block
+        assignment: ``sorted_token_ids`` None, ``expert_ids`` each pair's expert), the
+        pairs are sorted here by ``token_lora_mapping`` and those experts, into blocks
+        of one pair. Not supported: ``fully_sharded=True`` (an all-reduce of the
+        intermediate across tensor-parallel ranks).
 
         Those of ``reference.fused_moe_lora`` (P = M * top_k pairs).
 
@@ -551,11 +556,6 @@ class PunicaWrapperNumba:
             raise ValueError(
                 "fully_sharded=True (the intermediate all-reduced across tensor-parallel "
                 "ranks) is not supported"
-            )
-        if sorted_token_ids is None or num_tokens_post_padded is None:
-            raise ValueError(
-                "sorted_token_ids and num_tokens_post_padded are None: vLLM's naive block "
-                "assignment is not supported (moe_lora_align_block_size makes the blocks)"
             )
         check_kernel_tensor("y", y, self._kernel_device)
         check_sequence("lora_a_stacked", lora_a_stacked)
@@ -574,6 +574,14 @@ class PunicaWrapperNumba:
         block_size = check_int(
             "shrink_config['BLOCK_SIZE_M']", shrink_config.get("BLOCK_SIZE_M", 64)
         )
+        if sorted_token_ids is None:  # vLLM's naive block assignment: blocks of one pair
+            blocks = self._blocks_of_one_pair(
+                y, expert_ids, token_lora_mapping, lora_a_stacked[0], adapter_enabled
+            )
+            sorted_token_ids, expert_ids, num_tokens_post_padded = blocks
+            block_size = 1
+        elif num_tokens_post_padded is None:
+            raise ValueError("num_tokens_post_padded is None, but sorted_token_ids is given")
         rows = []
         for name, t in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):
             if not isinstance(t, torch.Tensor) or t.ndim not in (1, 2):
@@ -598,6 +606,33 @@ class PunicaWrapperNumba:
             mul_routed_weight=check_bool("mul_routed_weight", mul_routed_weight),
             offset=offset,
             add_inputs=check_bool("add_inputs", add_inputs),
+        )
+
+    @staticmethod
+    def _blocks_of_one_pair(y, expert_ids, token_lora_mapping, lora_a, adapter_enabled):
+        """The blocks of vLLM's naive assignment: each pair's expert (``expert_ids``, one
+        per pair) and its token's slot (``token_lora_mapping``), sorted by
+        :func:`~punica_numba.moe_meta.align_pairs` into blocks of one pair."""
+        num_tokens, top_k = y.shape[0], y.shape[1]
+        if not isinstance(token_lora_mapping, torch.Tensor):
+            raise ValueError(
+                "sorted_token_ids is None (vLLM's naive block assignment), so "
+                "token_lora_mapping must be given"
+            )
+        if not isinstance(expert_ids, torch.Tensor) or expert_ids.numel() != num_tokens * top_k:
+            raise ValueError(
+                f"sorted_token_ids is None, so expert_ids must hold each pair's expert "
+                f"({num_tokens} x {top_k}), got "
+                f"{tuple(expert_ids.shape) if isinstance(expert_ids, torch.Tensor) else expert_ids}"
+            )
+        num_loras, num_experts = lora_a.shape[0], lora_a.shape[1]
+        return align_pairs(
+            expert_ids.reshape(num_tokens, top_k),
+            token_lora_mapping,
+            num_experts,
+            1,
+            num_loras,
+            adapter_enabled,
         )
 
     # -- checks: each argument once ----------------------------------------------------

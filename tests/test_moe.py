@@ -473,7 +473,16 @@ MOE_BAD = {
         "x must be",
     ),
     "fully sharded": (dict(fully_sharded=True), ValueError, "fully_sharded"),
-    "naive block assignment": (dict(sorted_token_ids=None), ValueError, "naive"),
+    "naive assignment without a mapping": (
+        dict(sorted_token_ids=None),
+        ValueError,
+        "token_lora_mapping must be given",
+    ),
+    "naive assignment, blocks for experts": (
+        dict(sorted_token_ids=None, token_lora_mapping=torch.zeros(2, dtype=torch.int64)),
+        ValueError,
+        "each pair's expert",
+    ),
     "flags too short": (
         dict(adapter_enabled=torch.ones(1, dtype=torch.int32, device=DEVICE)),
         ValueError,
@@ -493,12 +502,38 @@ def test_a_bad_moe_call_is_rejected_by_name_and_changes_nothing(case):
     assert torch.equal(call["y"], before)
 
 
-def test_the_naive_block_assignment_is_refused_by_name():
+def test_an_expert_map_with_the_naive_block_assignment_is_refused_by_name():
     wrapper, _ = _moe_call()
     topk = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
     on = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    emap = torch.arange(3, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="naive_block_assignment"):
-        wrapper.moe_lora_align_block_size(topk, 2, 2, 3, 2, on, naive_block_assignment=True)
+        wrapper.moe_lora_align_block_size(topk, 2, 2, 3, 2, on, emap, naive_block_assignment=True)
+
+
+@MOE_EXAMPLES
+@given(moe_cases())
+def test_the_naive_block_assignment_gives_the_reference(case):
+    """vLLM 0.33's calls for sparse batches: no blocks from the align step, each pair's
+    expert and the tokens' slots instead."""
+    d = case.data()
+    wrapper = PunicaWrapperNumba(case.M + 2, 4, DEVICE, max_loras=case.L)
+    ids = [101 + s if s >= 0 else 0 for s in case.slots]
+    wrapper.update_metadata(
+        LoRAMapping(ids, ids), [101 + s for s in range(case.L)], case.L + 1, 32, 0
+    )
+    mapping, sorted_ids, expert_ids, post = wrapper.moe_lora_align_block_size(
+        d["topk_ids"], case.M, case.B, case.E, case.L, d["enabled"], naive_block_assignment=True
+    )
+    assert sorted_ids is None and post is None
+    assert torch.equal(expert_ids, d["topk_ids"].reshape(-1))
+    y, before = d["y"], d["y"].clone()
+    wrapper.add_lora_fused_moe(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], None, expert_ids, None,
+        case.r, case.top_k, {}, {}, d["enabled"], case.mul, offset=case.offset,
+        token_lora_mapping=mapping, add_inputs=case.add_inputs,
+    )  # fmt: skip
+    check_against_reference(case, y, d, before)
 
 
 def _named_call(mul_routed_weight: bool, top_k: int = 2):
