@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_bool, check_int
+from ._checks import check_bool, check_int, check_tensor
 
 __all__ = ["MoEBlocks", "align_pairs", "aligned_sizes"]
 
@@ -148,12 +148,7 @@ _INDEX_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def _check_index_tensor(name: str, t, *, ndim: int, device=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{name} must hold integers, got {t.dtype}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    check_tensor(name, t, ndim=ndim, dtypes=_INDEX_DTYPES, on_kernel_device=False)
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, but topk_ids is on {device}")
 

@@ -399,16 +399,21 @@ def test_fused_moe_lora_matches_the_reference(case):
     check_against_reference(case, y, d, before)
 
 
+def _wrapper_of(case: MoECase) -> PunicaWrapperNumba:
+    """A wrapper whose step puts the case's tokens on their slots (adapter ids 101...)."""
+    wrapper = PunicaWrapperNumba(case.M + 2, 4, DEVICE, max_loras=case.L)
+    ids = [101 + s if s >= 0 else 0 for s in case.slots]
+    adapters = [101 + s for s in range(case.L)]
+    wrapper.update_metadata(LoRAMapping(ids, ids), adapters, case.L + 1, 32, 0)
+    return wrapper
+
+
 @MOE_EXAMPLES
 @given(moe_cases())
 def test_the_wrappers_moe_calls_match_the_reference(case):
     """vLLM's two calls: align the step's pairs, then the fused MoE LoRA on them."""
     d = case.data()
-    wrapper = PunicaWrapperNumba(case.M + 2, 4, DEVICE, max_loras=case.L)
-    ids = [101 + s if s >= 0 else 0 for s in case.slots]
-    wrapper.update_metadata(
-        LoRAMapping(ids, ids), [101 + s for s in range(case.L)], case.L + 1, 32, 0
-    )
+    wrapper = _wrapper_of(case)
     _, sorted_ids, expert_ids, post = wrapper.moe_lora_align_block_size(
         d["topk_ids"], case.M, case.B, case.E, case.L, d["enabled"]
     )
@@ -517,11 +522,7 @@ def test_the_naive_block_assignment_gives_the_reference(case):
     """vLLM 0.33's calls for sparse batches: no blocks from the align step, each pair's
     expert and the tokens' slots instead."""
     d = case.data()
-    wrapper = PunicaWrapperNumba(case.M + 2, 4, DEVICE, max_loras=case.L)
-    ids = [101 + s if s >= 0 else 0 for s in case.slots]
-    wrapper.update_metadata(
-        LoRAMapping(ids, ids), [101 + s for s in range(case.L)], case.L + 1, 32, 0
-    )
+    wrapper = _wrapper_of(case)
     mapping, sorted_ids, expert_ids, post = wrapper.moe_lora_align_block_size(
         d["topk_ids"], case.M, case.B, case.E, case.L, d["enabled"], naive_block_assignment=True
     )
@@ -554,36 +555,35 @@ def _named_call(mul_routed_weight: bool, top_k: int = 2):
     return d, blocks, B
 
 
-@pytest.mark.parametrize("mul_routed_weight", [False, True], ids=["w13", "w2"])
-def test_each_pair_reads_its_own_row_of_the_down_projection(mul_routed_weight):
-    """w13 reads a token's row for each of its pairs; w2 (mul_routed_weight) the pair's."""
+def _named_result(mul_routed_weight: bool = False, **options):
+    """The op's and the reference's result of the named call, with ``options`` for both
+    (``adapter_enabled``, ``add_inputs``)."""
     d, blocks, B = _named_call(mul_routed_weight)
+    enabled = options.pop("adapter_enabled", d["enabled"])
     y = d["y"].clone()
     fused_moe_lora(
-        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
-        block_size=B, mul_routed_weight=mul_routed_weight,
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, enabled,
+        block_size=B, mul_routed_weight=mul_routed_weight, **options,
     )  # fmt: skip
     want = reference.fused_moe_lora(
         d["y"], d["x"], d["lora_a"], d["lora_b"], d["topk_ids"], d["topk_weights"], d["slots"],
-        mul_routed_weight=mul_routed_weight,
+        mul_routed_weight=mul_routed_weight, adapter_enabled=enabled, **options,
     )  # fmt: skip
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    return y, want, d
+
+
+@pytest.mark.parametrize("mul_routed_weight", [False, True], ids=["w13", "w2"])
+def test_each_pair_reads_its_own_row_of_the_down_projection(mul_routed_weight):
+    """w13 reads a token's row for each of its pairs; w2 (mul_routed_weight) the pair's."""
+    _named_result(mul_routed_weight)
 
 
 def test_a_slot_turned_off_after_the_blocks_were_made_is_skipped():
     """The kernels read ``adapter_enabled`` themselves: blocks made while slot 1 was on
     add nothing for it once it is off."""
-    d, blocks, B = _named_call(False)
     off = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
-    y = d["y"].clone()
-    fused_moe_lora(
-        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, off, block_size=B
-    )
-    want = reference.fused_moe_lora(
-        d["y"], d["x"], d["lora_a"], d["lora_b"], d["topk_ids"], d["topk_weights"], d["slots"],
-        adapter_enabled=off,
-    )  # fmt: skip
-    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    y, _, d = _named_result(adapter_enabled=off)
     assert torch.equal(y[1], d["y"][1])  # token 1 is slot 1's
 
 
@@ -648,15 +648,28 @@ def test_the_wrapper_aligns_the_mapping_it_is_given_and_global_experts():
 
 
 def test_without_add_inputs_each_pair_in_a_block_holds_its_delta_alone():
-    d, blocks, B = _named_call(False)
-    y = d["y"].clone()
-    fused_moe_lora(
-        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
-        block_size=B, add_inputs=False,
-    )  # fmt: skip
-    want = reference.fused_moe_lora(
-        d["y"], d["x"], d["lora_a"], d["lora_b"], d["topk_ids"], d["topk_weights"], d["slots"],
-        add_inputs=False,
-    )  # fmt: skip
-    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    _, want, d = _named_result(add_inputs=False)
     assert not torch.equal(want, d["y"].double())  # (the old values are gone)
+
+
+def test_blocks_of_experts_that_are_not_local_add_nothing():
+    """Under expert parallelism ``expert_map`` names the experts held here; a block of an
+    expert held elsewhere is -1, and the kernels skip it."""
+    gen = torch.Generator().manual_seed(11)
+    M, top_k, E_global, L, r, K, N, B = 4, 2, 5, 2, 2, 4, 3, 2
+    expert_map = torch.tensor([0, -1, 1, -1, 2], device=DEVICE)  # experts 0, 2, 4 are here
+    topk = torch.tensor([[0, 1], [2, 3], [4, 1], [3, 0]], device=DEVICE)  # global experts
+    slots = torch.tensor([0, 1, 1, 0], device=DEVICE)
+    on = torch.ones(L, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(M, K, generator=gen).to(DEVICE)
+    a = [torch.randn(L, 3, r, K, generator=gen).to(DEVICE)]  # the 3 local experts
+    b = [torch.randn(L, 3, N, r, generator=gen).to(DEVICE)]
+    w = torch.rand(M, top_k, generator=gen).to(DEVICE)
+    y = torch.randn(M, top_k, N, generator=gen).to(DEVICE)
+    blocks = align_pairs(topk, slots, E_global, B, L, on, expert_map)
+    got = y.clone()
+    fused_moe_lora(got, x, a, b, w, *blocks, on, block_size=B)
+    local = torch.where(topk >= 0, expert_map[topk.clamp(min=0)], -1)  # -1: elsewhere
+    want = reference.fused_moe_lora(y, x, a, b, local, w, slots)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[local == -1], y[local == -1])

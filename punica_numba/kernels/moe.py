@@ -34,11 +34,30 @@ from .._cuda import cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import loader, storer
 
-__all__ = ["MAX_MOE_SLICES", "build_moe_expand_kernel", "build_moe_shrink_kernel"]
+__all__ = [
+    "MAX_MOE_SLICES",
+    "block_in_use",
+    "build_moe_expand_kernel",
+    "build_moe_shrink_kernel",
+]
 
 #: Slices one launch takes: w13's gate and up (two weight arguments; w2 passes its one
 #: twice, and launches one slice).
 MAX_MOE_SLICES = 2
+
+
+@cuda.jit(device=True)
+def block_in_use(b, slot, block_size, num_post_pad, enabled, expert_ids, num_experts):
+    """``(start, expert)`` of block b of row ``slot``: its first entry in the row, and its
+    expert, or -1 when the CUDA block has nothing to do (past the row's last block, a
+    slot turned off, expert -1, or an expert the weights do not hold)."""
+    start = b * block_size
+    if start >= num_post_pad[slot] or enabled[slot] == 0:
+        return start, -1
+    expert = expert_ids[slot, b]
+    if expert < 0 or expert >= num_experts:
+        return start, -1
+    return start, expert
 
 
 @functools.cache
@@ -55,13 +74,12 @@ def build_moe_shrink_kernel(x_dtype: torch.dtype, w_dtype: torch.dtype, threads:
         # x: [M or P, K]; w*: [L, E, r, K]; out: [S, P, r] fp32, stored;
         # sorted_ids: [L, EM]; expert_ids: [L, NB]; num_post_pad: [L]; enabled: [>= L]
         begin()  # wait for the kernels before this one (dependent_launch)
-        b, slot, s = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        start = b * block_size
-        if start >= num_post_pad[slot] or enabled[slot] == 0:
-            return
+        slot, s = cuda.blockIdx.y, cuda.blockIdx.z
         w = w0 if s == 0 else w1
-        expert = expert_ids[slot, b]
-        if expert < 0 or expert >= w.shape[1]:  # -1: no expert (or not one of these)
+        start, expert = block_in_use(
+            cuda.blockIdx.x, slot, block_size, num_post_pad, enabled, expert_ids, w.shape[1]
+        )
+        if expert == -1:
             return
         rank, hidden = w.shape[2], w.shape[3]
         num_pairs = out.shape[1]
@@ -102,13 +120,12 @@ def build_moe_expand_kernel(
         # weights: [P] routing weight of each pair, read when ``weighted``; the old output
         # is added when ``add_inputs``
         begin()
-        b, slot, s = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        start = b * block_size
-        if start >= num_post_pad[slot] or enabled[slot] == 0:
-            return
+        slot, s = cuda.blockIdx.y, cuda.blockIdx.z
         w = w0 if s == 0 else w1
-        expert = expert_ids[slot, b]
-        if expert < 0 or expert >= w.shape[1]:
+        start, expert = block_in_use(
+            cuda.blockIdx.x, slot, block_size, num_post_pad, enabled, expert_ids, w.shape[1]
+        )
+        if expert == -1:
             return
         width, rank = w.shape[2], w.shape[3]
         num_pairs = out.shape[0]
