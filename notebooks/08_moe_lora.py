@@ -165,7 +165,8 @@ THREADS = 4  # per block, in this emulation
 
 
 def emulate(y, x, a, b, blocks, by_pair, weights):
-    """The two kernels of ``punica_numba.kernels.moe``, one Python step per thread."""
+    """The kernels of ``punica_numba.kernels.moe_shrink`` and ``moe_expand``, one Python
+    step per thread."""
     out = y.double().clone()
     slices = len(a)
     buffer = torch.zeros(slices, P, r, dtype=torch.float64, device=DEVICE)
@@ -212,7 +213,7 @@ print("the emulated kernels give the reference, for w13 and for w2")
 # %% [markdown]
 # ## The Numba kernels
 #
-# `punica_numba.kernels.moe` holds the two kernels just emulated, and
+# `punica_numba.kernels.moe_shrink` and `moe_expand` hold the two kernels just emulated, and
 # `punica_numba.ops.moe.fused_moe_lora` checks a call and launches them (the shrink
 # into an fp32 buffer of its own, then the expand into y). They are the first rung:
 # a thread per output, no shared memory, no tensor cores; they run on the simulator

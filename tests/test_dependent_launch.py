@@ -51,6 +51,8 @@ KERNEL_MODULES = {
     "expand_lanes",
     "expand_mma",
     "expand_tiled",
+    "moe_expand",
+    "moe_shrink",
     "shrink",
     "shrink_mma",
     "shrink_token",

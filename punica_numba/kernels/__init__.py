@@ -13,6 +13,8 @@
 * :mod:`.mma`      one warp's tensor-core product, on the GPU and on the simulator;
 * :mod:`.shrink_mma`, :mod:`.expand_mma` both ops on the tensor cores, for many tokens
   per slot;
+* :mod:`.moe_blocks`, :mod:`.moe_shrink`, :mod:`.moe_expand` MoE LoRA: both ops over blocks
+  of (token, expert) pairs, one (slot, expert) a block;
 * :mod:`.dependent_launch` every kernel's first step, ``begin()``: on Hopper, wait for the
   kernels before it (which a dependent launch does not).
 """

@@ -2,7 +2,8 @@
 
 The op of vLLM's ``add_lora_fused_moe``: a shrink of every pair's input row into an fp32
 buffer ``[S, P, r]`` by its slot's and expert's A, then an expand of that buffer by the
-same B into the pair's row of ``y`` (:mod:`..kernels.moe`). The pairs arrive in blocks
+same B into the pair's row of ``y`` (:mod:`..kernels.moe_shrink`,
+:mod:`..kernels.moe_expand`). The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
 made with the same ``block_size``. Every argument is checked before anything is
 launched; the metadata's values are not (that would need a sync), but the kernels read
@@ -18,7 +19,9 @@ import torch
 
 from .._checks import check_bool, check_int, check_sequence, check_tensor
 from .._cuda import KERNEL_DTYPES, SIMULATOR
-from ..kernels.moe import MAX_MOE_SLICES, build_moe_expand_kernel, build_moe_shrink_kernel
+from ..kernels.moe_blocks import MAX_MOE_SLICES
+from ..kernels.moe_expand import build_moe_expand_kernel
+from ..kernels.moe_shrink import build_moe_shrink_kernel
 from .launching import launcher_of
 
 __all__ = ["fused_moe_lora"]

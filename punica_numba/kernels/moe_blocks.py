@@ -1,0 +1,48 @@
+"""MoE LoRA: how a CUDA block finds its block of (token, expert) pairs.
+
+The pairs come sorted by slot and expert into blocks of ``block_size`` (vLLM's layout,
+:mod:`punica_numba.moe_meta`): row l of ``sorted_token_ids`` holds slot l's pairs,
+block b of it is expert ``expert_ids[l, b]``'s, and a CUDA block takes one of those
+blocks of one row and one slice:
+
+* ``blockIdx.x``: the block b of the row (past the row's blocks, or of expert -1: the
+  CUDA block leaves at once; the grid is the bound, so it needs no look at the device);
+* ``blockIdx.y``: the row, the slot l (a slot that ``adapter_enabled`` turns off leaves);
+* ``blockIdx.z``: the slice (gate and up of w13; w2 has one).
+
+These are the first rung: every output is one thread's dot product, no shared memory,
+no tensor cores. The shrink's thread takes a (pair, rank) output and reads a row of
+``A[l, e]`` (K elements) and the pair's input row; the expand's thread takes a column
+and, for each pair of the block, reads a row of ``B[l, e]`` (r elements) and the pair's
+buffer row. The block's pairs share A and B, so those rows come from L1 and L2 after
+the first pair. Deterministic: every output is written by one thread, once.
+
+Memory traffic per launch, at most (P pairs, S slices, n_le blocks in use):
+shrink reads n_le * S * r * K of A, P * K of x (per pair; per token for w13, where the
+rows repeat), writes S * P * r; expand reads n_le * S * N * r of B and S * P * r of the
+buffer, reads and writes S * P * N of the output.
+"""
+
+from __future__ import annotations
+
+from .._cuda import cuda
+
+__all__ = ["MAX_MOE_SLICES", "block_in_use"]
+
+#: Slices one launch takes: w13's gate and up (two weight arguments; w2 passes its one
+#: twice, and launches one slice).
+MAX_MOE_SLICES = 2
+
+
+@cuda.jit(device=True)
+def block_in_use(b, slot, block_size, num_post_pad, enabled, expert_ids, num_experts):
+    """``(start, expert)`` of block b of row ``slot``: its first entry in the row, and its
+    expert, or -1 when the CUDA block has nothing to do (past the row's last block, a
+    slot turned off, expert -1, or an expert the weights do not hold)."""
+    start = b * block_size
+    if start >= num_post_pad[slot] or enabled[slot] == 0:
+        return start, -1
+    expert = expert_ids[slot, b]
+    if expert < 0 or expert >= num_experts:
+        return start, -1
+    return start, expert
