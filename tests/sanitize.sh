@@ -67,7 +67,7 @@ if [ -n "${SANITIZE_TESTS:-}" ]; then
     read -r -a TESTS <<<"$SANITIZE_TESTS"
 else
     TESTS=()
-    for f in tests/test_ops.py tests/test_wrapper.py tests/test_edge_cases.py; do
+    for f in tests/test_ops.py tests/test_wrapper.py tests/test_edge_cases.py tests/test_moe.py; do
         [ -e "$f" ] && TESTS+=("$f")
     done
 fi

@@ -263,7 +263,7 @@ def test_the_reference_weights_the_down_projection_and_offsets_its_columns():
 
 
 @pytest.mark.gpu
-def test_align_pairs_never_syncs_and_replays_in_a_graph():
+def test_align_pairs_never_syncs_and_replays_in_a_cuda_graph():
     gen = torch.Generator().manual_seed(0)
     M, top_k, E, L, B = 37, 4, 16, 3, 8
 
