@@ -32,7 +32,7 @@ from ._cuda import SIMULATOR, device_of
 from .moe_meta import align_pairs
 from .ops.moe import fused_moe_lora
 
-__all__ = ["MoECase", "default_cases", "main", "run_case"]
+__all__ = ["MoECase", "argument_set", "default_cases", "floor_bytes", "main", "run_case"]
 
 #: The layer measured: Qwen3-30B-A3B's MoE block.
 HIDDEN, EXPERTS, TOP_K, INTERMEDIATE = 2048, 128, 8, 768
@@ -91,7 +91,7 @@ def default_cases(quick: bool = False) -> list[MoECase]:
     return [MoECase(p, T, n) for p in ("w13", "w2") for T in TOKENS for n in LORAS]
 
 
-def _argument_set(case: MoECase, gen: torch.Generator, device) -> dict:
+def argument_set(case: MoECase, gen: torch.Generator, device) -> dict:
     """Weights, inputs, routing and blocks of one call (the routing differs per set)."""
     dt = bench.DTYPES[case.dtype]
     T, k, E, L = case.T, case.top_k, case.experts, case.loras
@@ -152,7 +152,7 @@ def run_case(case: MoECase, bandwidth: float) -> dict:
     """Check the first argument set against the reference, then time the pool."""
     device = device_of()
     gen = torch.Generator(device=device).manual_seed(0)
-    first = _argument_set(case, gen, device)
+    first = argument_set(case, gen, device)
     want = reference.fused_moe_lora(
         first["y"], first["x"], first["lora_a"], first["lora_b"], first["topk_ids"],
         first["topk_weights"], first["slots"], mul_routed_weight=case.by_pair,
@@ -169,7 +169,7 @@ def run_case(case: MoECase, bandwidth: float) -> dict:
         for t in (first["x"], first["y"], *first["lora_a"], *first["lora_b"])
     )
     pool = [first] + [
-        _argument_set(case, gen, device) for _ in range(bench.pool_size(set_bytes) - 1)
+        argument_set(case, gen, device) for _ in range(bench.pool_size(set_bytes) - 1)
     ]
     us = bench.time_calls([_call(case, args) for args in pool])
     floor = floor_bytes(case, first)

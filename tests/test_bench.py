@@ -117,3 +117,36 @@ def test_bench_moe_floor_counts_each_adapter_and_expert_once():
     weights = 3 * 2 * 2 * (8 + 6)  # (adapter, expert)s x slices x rank x (K + N)
     rows, outputs = 2 * 8, 2 * (2 * 2) * 2 * 6  # x; read + write of 4 pairs x 2 slices x N
     assert bench_moe.floor_bytes(case, args) == 2 * (weights + rows + outputs)
+
+
+def _peer_script():
+    """docs/benchmarks/peers/vllm_moe_lora.py, loaded by path (a script, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "docs" / "benchmarks" / "peers" / "vllm_moe_lora.py"
+    spec = importlib.util.spec_from_file_location("vllm_moe_lora", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_vllm_peer_script_picks_the_configurations_vllm_would(tmp_path):
+    """The entry nearest the token count; the shrink's BLOCK_SIZE_N and the expand's
+    BLOCK_SIZE_K capped at the next power of two of the rank, the latter at least 16."""
+    peer = _peer_script()
+    folder = tmp_path / "vllm" / "model_executor" / "layers" / "fused_moe" / "configs"
+    folder.mkdir(parents=True)
+    table = {
+        "1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "num_warps": 4},
+        "64": {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "num_warps": 8},
+    }
+    (folder / "E=128,N=768,device_name=NVIDIA_H200.json").write_text(json.dumps(table))
+    case = bench_moe.MoECase("w13", 48, 4, rank=16)  # nearest entry: 64
+    shrink, expand = peer.configs(tmp_path, case)
+    assert shrink == {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 64, "NUM_WARPS": 8}
+    assert expand == {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 16, "NUM_WARPS": 8}
+    shrink, expand = peer.configs(tmp_path, bench_moe.MoECase("w2", 2, 1, rank=64))
+    assert shrink["BLOCK_SIZE_N"] == 64 and expand["BLOCK_SIZE_K"] == 64  # (entry "1")
+    shrink, expand = peer.configs(tmp_path, bench_moe.MoECase("w2", 2, 1, rank=4))
+    assert shrink["BLOCK_SIZE_N"] == 4 and expand["BLOCK_SIZE_K"] == 16
