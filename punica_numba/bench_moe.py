@@ -32,7 +32,15 @@ from ._cuda import SIMULATOR, device_of
 from .moe_meta import align_pairs
 from .ops.moe import fused_moe_lora
 
-__all__ = ["MoECase", "argument_set", "default_cases", "floor_bytes", "main", "run_case"]
+__all__ = [
+    "MoECase",
+    "argument_set",
+    "default_cases",
+    "floor_bytes",
+    "main",
+    "measure",
+    "run_case",
+]
 
 #: The layer measured: Qwen3-30B-A3B's MoE block.
 HIDDEN, EXPERTS, TOP_K, INTERMEDIATE = 2048, 128, 8, 768
@@ -148,8 +156,11 @@ def floor_bytes(case: MoECase, args: dict) -> int:
     return (weights + rows + outputs) * size
 
 
-def run_case(case: MoECase, bandwidth: float) -> dict:
-    """Check the first argument set against the reference, then time the pool."""
+def measure(case: MoECase, make_call) -> tuple[float, float, dict, int]:
+    """``(µs, relative error, first argument set, pool size)``: ``make_call(args)`` (a
+    call of some implementation on one argument set) checked against the reference on a
+    first set, then timed over a pool of sets (the benchmark's method). The peer scripts
+    under ``docs/benchmarks/peers`` measure theirs with it too."""
     device = device_of()
     gen = torch.Generator(device=device).manual_seed(0)
     first = argument_set(case, gen, device)
@@ -162,7 +173,7 @@ def run_case(case: MoECase, bandwidth: float) -> dict:
         [b.abs() for b in first["lora_b"]], first["topk_ids"], first["topk_weights"],
         first["slots"], mul_routed_weight=case.by_pair,
     )  # fmt: skip
-    _call(case, first)()
+    make_call(first)()
     error = bench.checked_error(case, first["y"], want, size)
     set_bytes = sum(
         t.numel() * t.element_size()
@@ -171,7 +182,13 @@ def run_case(case: MoECase, bandwidth: float) -> dict:
     pool = [first] + [
         argument_set(case, gen, device) for _ in range(bench.pool_size(set_bytes) - 1)
     ]
-    us = bench.time_calls([_call(case, args) for args in pool])
+    us = bench.time_calls([make_call(args) for args in pool])
+    return us, error, first, len(pool)
+
+
+def run_case(case: MoECase, bandwidth: float) -> dict:
+    """Check the first argument set against the reference, then time the pool."""
+    us, error, first, pool = measure(case, lambda args: _call(case, args))
     floor = floor_bytes(case, first)
     return {
         **asdict(case),
@@ -183,7 +200,7 @@ def run_case(case: MoECase, bandwidth: float) -> dict:
         if bandwidth
         else None,
         "relative_error": error,
-        "pool": len(pool),
+        "pool": pool,
     }
 
 

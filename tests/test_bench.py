@@ -150,3 +150,43 @@ def test_the_vllm_peer_script_picks_the_configurations_vllm_would(tmp_path):
     assert shrink["BLOCK_SIZE_N"] == 64 and expand["BLOCK_SIZE_K"] == 64  # (entry "1")
     shrink, expand = peer.configs(tmp_path, bench_moe.MoECase("w2", 2, 1, rank=4))
     assert shrink["BLOCK_SIZE_N"] == 4 and expand["BLOCK_SIZE_K"] == 16
+
+
+def test_the_vllm_peer_script_runs_its_cases_through_an_op_of_vllms_signature(tmp_path):
+    """The script's plumbing on the simulator: an op with the signature of vLLM 0.33's
+    ``_fused_moe_lora``, here ours behind it, gets the blocks (or, sparse, each pair's
+    expert) and the configurations, and its result passes the benchmark's check."""
+    from punica_numba import fused_moe_lora
+    from punica_numba.moe_meta import align_pairs
+
+    peer = _peer_script()
+    seen = []
+
+    def op(y, x, a, b, weights, sorted_ids, expert_ids, post, mapping, rank, top_k, lora_ids,
+           active, enabled, *settings, mul_routed_weight=False):  # fmt: skip
+        assert len(settings) == 14 and rank == a[0].shape[2] and int(active) == a[0].shape[0]
+        block = settings[0]
+        if sorted_ids is None:  # one block a pair: each pair's expert
+            pairs = expert_ids.view(y.shape[0], top_k)
+            sorted_ids, expert_ids, post = align_pairs(
+                pairs, mapping, a[0].shape[1], 1, a[0].shape[0], enabled
+            )
+            block = 1
+        seen.append(block)
+        fused_moe_lora(
+            y, x, a, b, weights, sorted_ids, expert_ids, post, enabled, block_size=block,
+            mul_routed_weight=mul_routed_weight,
+        )  # fmt: skip
+
+    folder = tmp_path / "vllm" / "model_executor" / "layers" / "fused_moe" / "configs"
+    folder.mkdir(parents=True)
+    small = dict(hidden=8, top_k=2, intermediate=6, rank=2, block_size=2)
+    sparse_case = bench_moe.MoECase("w2", 1, 4, experts=32, **small)  # 1 x 2 x 8 <= 32 x 4
+    for case in [*bench_moe.default_cases(quick=True), sparse_case]:
+        name = f"E={case.experts},N={case.intermediate},device_name=NVIDIA_H200.json"
+        (folder / name).write_text(json.dumps({"1": {"BLOCK_SIZE_M": 2, "num_warps": 4}}))
+        record = peer.run(tmp_path, case, op, bandwidth=1.0)
+        assert record["relative_error"] <= 1e-2 and record["us"] > 0
+        sparse = case.T * case.top_k * peer.SPARSITY_FACTOR <= case.experts * case.loras
+        assert record["one_block_per_pair"] == sparse
+    assert {1, 2} <= set(seen)  # both kinds of block were taken

@@ -37,8 +37,7 @@ from pathlib import Path
 
 import torch
 
-from punica_numba import bench, bench_moe, reference
-from punica_numba._cuda import device_of
+from punica_numba import bench, bench_moe
 from punica_numba.moe_meta import align_pairs
 
 SPARSITY_FACTOR = 8  # vLLM 0.33's rule for one block per pair (lab notes)
@@ -173,30 +172,10 @@ def vllm_call(op, case, args, shrink: dict, expand: dict):
 
 
 def run(source: Path, case: bench_moe.MoECase, op, bandwidth: float) -> dict:
-    device = device_of()
-    gen = torch.Generator(device=device).manual_seed(0)
     shrink, expand = configs(source, case)
-    first = bench_moe.argument_set(case, gen, device)
-    want = reference.fused_moe_lora(
-        first["y"], first["x"], first["lora_a"], first["lora_b"], first["topk_ids"],
-        first["topk_weights"], first["slots"], mul_routed_weight=case.by_pair,
-    )  # fmt: skip
-    size = reference.fused_moe_lora(
-        first["y"].abs(), first["x"].abs(), [a.abs() for a in first["lora_a"]],
-        [b.abs() for b in first["lora_b"]], first["topk_ids"], first["topk_weights"],
-        first["slots"], mul_routed_weight=case.by_pair,
-    )  # fmt: skip
-    call, naive = vllm_call(op, case, first, shrink, expand)
-    call()
-    error = bench.checked_error(case, first["y"], want, size)
-    set_bytes = sum(
-        t.numel() * t.element_size()
-        for t in (first["x"], first["y"], *first["lora_a"], *first["lora_b"])
+    us, error, first, _ = bench_moe.measure(
+        case, lambda args: vllm_call(op, case, args, shrink, expand)[0]
     )
-    pool = [first] + [
-        bench_moe.argument_set(case, gen, device) for _ in range(bench.pool_size(set_bytes) - 1)
-    ]
-    us = bench.time_calls([vllm_call(op, case, args, shrink, expand)[0] for args in pool])
     floor = bench_moe.floor_bytes(case, first)
     return {
         "name": case.name,
@@ -207,7 +186,7 @@ def run(source: Path, case: bench_moe.MoECase, op, bandwidth: float) -> dict:
         "floor_bytes": floor,
         "of_copy_bandwidth": round(floor / (us * 1e-6) / (bandwidth * 1e12), 3),
         "relative_error": error,
-        "one_block_per_pair": naive,
+        "one_block_per_pair": vllm_call(op, case, first, shrink, expand)[1],
         "shrink_config": shrink,
         "expand_config": expand,
     }
