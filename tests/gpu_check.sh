@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # What a change to the kernels or the wrapper must pass on a GPU, in one command:
 #
-#   tests/gpu_check.sh [STEP ...]     # steps: bench ab suite sanitize demo (default: all but ab)
+#   tests/gpu_check.sh [STEP ...]     # steps: bench ab moe suite sanitize demo (default: all
+#                                     # but ab and moe)
 #
 # * bench     python -m punica_numba bench, alone on the GPU (its times are the point)
 # * ab        the benchmark at $BASE (a commit) and here, alternately, $ROUNDS times each,
 #             then `bench --compare` of the two sides (ab.txt; exit 1 if a case is > 3 %
 #             slower): a change against the code before it, on one machine in one hour
+# * moe       python -m punica_numba bench --moe, alone on the GPU; with $VLLM_SRC (vLLM
+#             0.33.0's extracted source release) also docs/benchmarks/peers/vllm_moe_lora.py
 # * demo      python -m punica_numba demo with --json and --plot, alone on the GPU
 # * suite     the whole pytest suite under HYPOTHESIS_PROFILE=gpu
 # * sanitize  tests/sanitize.sh, its four tools side by side
@@ -25,6 +28,7 @@
 #                   over 10 minutes on an H200 with 8 workers (at 5d81db4): run it in parts
 #   SAN_WORKERS     pytest-xdist workers for each sanitizer tool (default 2)
 #   BASE, ROUNDS    ab: the commit to compare with (required), rounds of each side (default 2)
+#   VLLM_SRC        moe: vLLM 0.33.0's source release, extracted (vllm-0.33.0/, with vllm/ in it)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 GIVEN_PYTHONPATH="${PYTHONPATH:-}"
@@ -72,6 +76,16 @@ if want ab; then
             >"$OUT/ab.txt" 2>&1 || status=1
         git worktree remove --force "$base" >>"$OUT/ab.log" 2>&1
         note "ab: $(tail -n 1 "$OUT/ab.txt")"
+    fi
+fi
+if want moe; then
+    "$PYTHON" -m punica_numba bench --moe --commit "$COMMIT" --json "$OUT/moe.json" \
+        >"$OUT/moe.log" 2>&1 || status=1
+    note "moe: $(tail -n 1 "$OUT/moe.log")"
+    if [ -n "${VLLM_SRC:-}" ]; then
+        "$PYTHON" docs/benchmarks/peers/vllm_moe_lora.py --vllm-src "$VLLM_SRC" \
+            --json "$OUT/moe_vllm.json" >"$OUT/moe_vllm.log" 2>&1 || status=1
+        note "moe, vLLM 0.33: $(tail -n 1 "$OUT/moe_vllm.log")"
     fi
 fi
 if want demo; then
