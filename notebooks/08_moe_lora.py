@@ -265,7 +265,9 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # tiny shapes on the simulator; 64-128 experts, top-8, hidden 2048-4096, rank 16-64 on
 # a GPU), and the align step and both calls are captured in a CUDA graph there. They
 # are not yet fast: a thread per output reads its rows of A or B with no reuse beyond
-# the caches. The next rungs are those of notebooks 3, 4 and 6: several outputs a
-# thread, rows of A and B in shared memory, the tensor cores where a block's pairs are
-# many, each measured on the H200 against vLLM's `fused_moe_lora` at Qwen3-30B-A3B's
-# shape.
+# the caches. A second shrink (`fused_moe_lora(..., version=2)`,
+# `kernels.moe_shrink_tiled`) already reads a block's pairs and its A once, in
+# shared-memory tiles, and is checked the same way. The next rungs are those of
+# notebooks 3, 4 and 6: several outputs a thread, the tensor cores where a block's pairs
+# are many, each measured on the H200 (`bench --moe`) against vLLM's `fused_moe_lora`
+# at Qwen3-30B-A3B's shape (`docs/benchmarks/peers/vllm_moe_lora.py`).

@@ -127,7 +127,7 @@ def argument_set(case: MoECase, gen: torch.Generator, device) -> dict:
     )
 
 
-def _call(case: MoECase, args: dict):
+def _call(case: MoECase, args: dict, version: int = 1):
     def call() -> None:
         fused_moe_lora(
             args["y"],
@@ -139,6 +139,7 @@ def _call(case: MoECase, args: dict):
             args["enabled"],
             block_size=case.block_size,
             mul_routed_weight=case.by_pair,
+            version=version,
         )
 
     return call
@@ -186,9 +187,10 @@ def measure(case: MoECase, make_call) -> tuple[float, float, dict, int]:
     return us, error, first, len(pool)
 
 
-def run_case(case: MoECase, bandwidth: float) -> dict:
-    """Check the first argument set against the reference, then time the pool."""
-    us, error, first, pool = measure(case, lambda args: _call(case, args))
+def run_case(case: MoECase, bandwidth: float, version: int = 1) -> dict:
+    """Check the first argument set against the reference, then time the pool, with the
+    shrink of ``version`` (``ops.moe.fused_moe_lora``)."""
+    us, error, first, pool = measure(case, lambda args: _call(case, args, version))
     floor = floor_bytes(case, first)
     return {
         **asdict(case),
@@ -201,6 +203,7 @@ def run_case(case: MoECase, bandwidth: float) -> dict:
         else None,
         "relative_error": error,
         "pool": pool,
+        "shrink_version": version,
     }
 
 
@@ -222,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git HEAD)")
     parser.add_argument("--quick", action="store_true", help="tiny cases (the simulator's)")
+    parser.add_argument(
+        "--shrink-version",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="the shrink kernel: 1 a thread per output, 2 shared-memory tiles",
+    )
     args = parser.parse_args(argv)
     cases = default_cases(quick=args.quick or SIMULATOR)
     from tqdm import tqdm
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = 0.0 if SIMULATOR else bench.copy_bandwidth_tbps()
     records = []
     for case in tqdm(cases, desc="bench --moe", unit="case", file=sys.stderr):
-        records.append(run_case(case, bandwidth))
+        records.append(run_case(case, bandwidth, args.shrink_version))
         if not SIMULATOR:
             torch.cuda.empty_cache()
     print(_table(records))

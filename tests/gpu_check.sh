@@ -79,9 +79,11 @@ if want ab; then
     fi
 fi
 if want moe; then
-    "$PYTHON" -m punica_numba bench --moe --commit "$COMMIT" --json "$OUT/moe.json" \
-        >"$OUT/moe.log" 2>&1 || status=1
-    note "moe: $(tail -n 1 "$OUT/moe.log")"
+    for version in 1 2; do
+        "$PYTHON" -m punica_numba bench --moe --shrink-version "$version" --commit "$COMMIT" \
+            --json "$OUT/moe_v$version.json" >"$OUT/moe_v$version.log" 2>&1 || status=1
+        note "moe, shrink version $version: $(tail -n 1 "$OUT/moe_v$version.log")"
+    done
     if [ -n "${VLLM_SRC:-}" ]; then
         "$PYTHON" docs/benchmarks/peers/vllm_moe_lora.py --vllm-src "$VLLM_SRC" \
             --json "$OUT/moe_vllm.json" >"$OUT/moe_vllm.log" 2>&1 || status=1

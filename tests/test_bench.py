@@ -95,13 +95,14 @@ def test_timing_settles_the_process_graphs_once(monkeypatch):
 def test_bench_moe_writes_json(tmp_path, capsys):
     """``bench --moe``: every case checked against the reference, then timed."""
     out = tmp_path / "moe.json"
-    assert bench.main(["--moe", "--quick", "--json", str(out)]) == 0
+    assert bench.main(["--moe", "--quick", "--json", str(out), "--shrink-version", "2"]) == 0
     result = json.loads(out.read_text())
     assert {"commit", "gpu", "copy_bandwidth_tbps", "cases"} <= set(result)
     cases = result["cases"]
     assert {c["projection"] for c in cases} == {"w13", "w2"}
     for c in cases:
         assert c["us"] > 0 and c["floor_bytes"] > 0 and c["relative_error"] <= 1e-2
+        assert c["shrink_version"] == 2
     assert "moe w13" in capsys.readouterr().out
 
 

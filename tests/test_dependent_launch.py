@@ -53,6 +53,7 @@ KERNEL_MODULES = {
     "expand_tiled",
     "moe_expand",
     "moe_shrink",
+    "moe_shrink_tiled",
     "shrink",
     "shrink_mma",
     "shrink_token",

@@ -325,6 +325,7 @@ class MoECase:
         self.K, self.N = (hidden, inter) if self.projection == "w13" else (inter, hidden)
         self.offset = draw(st.integers(0, 2), label="offset")
         self.add_inputs = draw(st.booleans(), label="add_inputs")
+        self.version = draw(st.sampled_from([1, 2]), label="shrink version")
         self.dtype = draw(st.sampled_from(DTYPES), label="dtype")
         self.slots = draw(st.lists(st.integers(-1, self.L - 1), min_size=self.M, max_size=self.M))
         self.enabled = draw(st.lists(st.booleans(), min_size=self.L, max_size=self.L))
@@ -394,7 +395,7 @@ def test_fused_moe_lora_matches_the_reference(case):
     fused_moe_lora(
         y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
         block_size=case.B, mul_routed_weight=case.mul, offset=case.offset,
-        add_inputs=case.add_inputs,
+        add_inputs=case.add_inputs, version=case.version,
     )  # fmt: skip
     check_against_reference(case, y, d, before)
 
@@ -560,10 +561,11 @@ def _named_result(mul_routed_weight: bool = False, **options):
     (``adapter_enabled``, ``add_inputs``)."""
     d, blocks, B = _named_call(mul_routed_weight)
     enabled = options.pop("adapter_enabled", d["enabled"])
+    version = options.pop("version", 1)
     y = d["y"].clone()
     fused_moe_lora(
         y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, enabled,
-        block_size=B, mul_routed_weight=mul_routed_weight, **options,
+        block_size=B, mul_routed_weight=mul_routed_weight, version=version, **options,
     )  # fmt: skip
     want = reference.fused_moe_lora(
         d["y"], d["x"], d["lora_a"], d["lora_b"], d["topk_ids"], d["topk_weights"], d["slots"],
@@ -573,10 +575,12 @@ def _named_result(mul_routed_weight: bool = False, **options):
     return y, want, d
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("mul_routed_weight", [False, True], ids=["w13", "w2"])
-def test_each_pair_reads_its_own_row_of_the_down_projection(mul_routed_weight):
-    """w13 reads a token's row for each of its pairs; w2 (mul_routed_weight) the pair's."""
-    _named_result(mul_routed_weight)
+def test_each_pair_reads_its_own_row_of_the_down_projection(mul_routed_weight, version):
+    """w13 reads a token's row for each of its pairs; w2 (mul_routed_weight) the pair's;
+    with either shrink."""
+    _named_result(mul_routed_weight, version=version)
 
 
 def test_a_slot_turned_off_after_the_blocks_were_made_is_skipped():
@@ -673,3 +677,39 @@ def test_blocks_of_experts_that_are_not_local_add_nothing():
     want = reference.fused_moe_lora(y, x, a, b, local, w, slots)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[local == -1], y[local == -1])
+
+
+def test_the_tiled_shrink_takes_blocks_up_to_its_tiles_and_leaves_larger_ones(monkeypatch):
+    """Version 2 where a block fits its tiles; a larger block falls back to version 1,
+    and both give the reference."""
+    from punica_numba.kernels import moe_shrink_tiled
+    from punica_numba.ops import moe as moe_ops
+
+    built = []
+    real = moe_shrink_tiled.build_moe_tiled_shrink_kernel
+    monkeypatch.setattr(
+        moe_ops.tiled_shrink,
+        "build_moe_tiled_shrink_kernel",
+        lambda *a: built.append(a) or real(*a),
+    )
+    for block_size in (moe_shrink_tiled.MAX_PAIRS, moe_shrink_tiled.MAX_PAIRS + 1):
+        topk = torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)
+        slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        on = torch.ones(1, dtype=torch.int32, device=DEVICE)
+        x, w = torch.randn(2, 3, device=DEVICE), torch.rand(2, 1, device=DEVICE)
+        a, b = [torch.randn(1, 1, 2, 3, device=DEVICE)], [torch.randn(1, 1, 4, 2, device=DEVICE)]
+        y = torch.zeros(2, 1, 4, device=DEVICE)
+        blocks = align_pairs(topk, slots, 1, block_size, 1, on)
+        fused_moe_lora(y, x, a, b, w, *blocks, on, block_size=block_size, version=2)
+        want = reference.fused_moe_lora(torch.zeros_like(y), x, a, b, topk, w, slots)
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    assert len(built) == 1  # the first block size only
+
+
+def test_an_unknown_version_is_rejected_by_name():
+    d, blocks, B = _named_call(False)
+    with pytest.raises(ValueError, match="version"):
+        fused_moe_lora(
+            d["y"], d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+            block_size=B, version=3,
+        )  # fmt: skip

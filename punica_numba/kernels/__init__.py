@@ -14,7 +14,8 @@
 * :mod:`.shrink_mma`, :mod:`.expand_mma` both ops on the tensor cores, for many tokens
   per slot;
 * :mod:`.moe_blocks`, :mod:`.moe_shrink`, :mod:`.moe_expand` MoE LoRA: both ops over blocks
-  of (token, expert) pairs, one (slot, expert) a block;
+  of (token, expert) pairs, one (slot, expert) a block; :mod:`.moe_shrink_tiled` the
+  shrink's second version, in shared-memory tiles;
 * :mod:`.dependent_launch` every kernel's first step, ``begin()``: on Hopper, wait for the
   kernels before it (which a dependent launch does not).
 """

@@ -19,6 +19,7 @@ import torch
 
 from .._checks import check_bool, check_int, check_sequence, check_tensor
 from .._cuda import KERNEL_DTYPES, SIMULATOR
+from ..kernels import moe_shrink_tiled as tiled_shrink
 from ..kernels.moe_blocks import MAX_MOE_SLICES
 from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
@@ -30,6 +31,9 @@ __all__ = ["fused_moe_lora"]
 THREADS = 8 if SIMULATOR else 128
 
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+#: The shrink's kernel versions (``version``).
+VERSIONS = (1, 2)
 
 
 @torch.no_grad()
@@ -48,6 +52,7 @@ def fused_moe_lora(
     mul_routed_weight: bool = False,
     offset: int = 0,
     add_inputs: bool = True,
+    version: int = 1,
 ) -> None:
     """``y[t, k, slice s] += w * (row @ A_s[l, e]^T) @ B_s[l, e]^T`` for every pair in a block.
 
@@ -67,6 +72,11 @@ def fused_moe_lora(
         In fp32; the shrink's product is kept in fp32 (vLLM rounds it to y's dtype). Pairs
         in no block are untouched.
 
+    ``version`` picks the shrink kernel: 1, a thread per output (:mod:`..kernels.moe_shrink`);
+    2, the block's pairs and A in shared-memory tiles (:mod:`..kernels.moe_shrink_tiled`),
+    where a block holds at most its ``MAX_PAIRS`` pairs and the rank is at most its
+    ``MAX_RANK`` (else 1). The same sums in another order; 1 until 2 is measured.
+
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
             launch.
@@ -75,6 +85,8 @@ def fused_moe_lora(
     mul_routed_weight = check_bool("mul_routed_weight", mul_routed_weight)
     add_inputs = check_bool("add_inputs", add_inputs)
     offset = check_int("offset", offset, minimum=0)
+    if check_int("version", version) not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS}, got {version}")
     check_tensor("y", y, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
     num_tokens, top_k, columns = y.shape
     num_pairs = num_tokens * top_k
@@ -145,7 +157,9 @@ def fused_moe_lora(
     grid = (expert_ids.shape[1], L, len(a))
     metadata = (sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled)
     w0, w1 = a[0], a[-1]  # (one slice: the same weight twice, never read twice)
-    shrink = launcher_of(build_moe_shrink_kernel(x.dtype, a[0].dtype, THREADS))
+    tiled = version == 2 and block_size <= tiled_shrink.MAX_PAIRS and rank <= tiled_shrink.MAX_RANK
+    build = tiled_shrink.build_moe_tiled_shrink_kernel if tiled else build_moe_shrink_kernel
+    shrink = launcher_of(build(x.dtype, a[0].dtype, THREADS))
     shrink(grid, THREADS, (x, w0, w1, buffer, *metadata, top_k, block_size, mul_routed_weight))
     expand = launcher_of(build_moe_expand_kernel(torch.float32, b[0].dtype, y.dtype, THREADS))
     out = y.view(num_pairs, columns)  # [P, W]
