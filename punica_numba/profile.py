@@ -19,6 +19,10 @@ mixed batch, and the same prompts without adapters) and measures its decode step
    part that launched them; and the kernels by name.
 4. **Device, graphs** (GPU only, where the engine replays graphs). The kernels of
    the replayed decode graphs, by name, under ``torch.profiler``.
+5. **Before decode step 1, by part.** Once more as served, with the engine's
+   ``update_metadata`` for the prefill and for decoding, its prefill and the prefill's
+   LoRA calls wrapped: the host's time in each, per ``generate``
+   (:data:`BEFORE_PARTS`).
 
 A decode step is the time between two ``on_step`` calls: one forward pass over
 the batch, its sampling, and whatever the loop does before the next step. Steps
@@ -280,6 +284,8 @@ class StepProfile:
     graph_device_step_ms: float | None = None  # the kernels' time per replayed step
     graph_kernels: list[dict] = field(default_factory=list)  # in the replayed graphs, by name
     device_error: str | None = None  # why the device's part could not be measured
+    # ``before_ms`` in parts (host ms per generate, :func:`_before_parts`)
+    before_parts: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -344,6 +350,69 @@ def _plain_seconds(engine, requests, new_tokens: int, repeats: int, eager: bool)
     return decode, before
 
 
+#: The parts of the time before decode step 1 (:func:`_before_parts`), in order.
+BEFORE_PARTS = (
+    "update_metadata for the prefill",
+    "prefill: its LoRA calls",
+    "prefill: the rest of the forward pass",
+    "update_metadata for decoding",
+    "the rest (the batch's set-up, the first token)",
+)
+
+
+def _before_parts(engine, requests, new_tokens: int, repeats: int) -> dict[str, float]:
+    """Host ms per generate of each part of what comes before decode step 1
+    (:data:`BEFORE_PARTS`), the device drained at the start and at step 1: the engine's
+    ``_prepare`` for the prefill and for decoding, its ``_prefill`` and, within that, the
+    wrapper's ``add_lora_linear`` calls (timed by wrapping them; an engine without these
+    methods gives an empty table)."""
+    if not all(hasattr(engine, name) for name in ("_prepare", "_prefill", "punica")):
+        return {}
+    spent = dict.fromkeys(BEFORE_PARTS, 0.0)
+    inside = [False]  # within the prefill
+    prepare, prefill = engine._prepare, engine._prefill
+    lora = engine.punica.add_lora_linear
+
+    def timed(part, fn, when=lambda: True):
+        def call(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if when():
+                    spent[part] += time.perf_counter() - begin
+
+        return call
+
+    def prepared(ids, lengths, *, prefill):
+        part = BEFORE_PARTS[0] if prefill else BEFORE_PARTS[3]
+        return timed(part, prepare)(ids, lengths, prefill=prefill)
+
+    def prefilled(*args, **kwargs):
+        inside[0] = True
+        try:
+            return timed(BEFORE_PARTS[2], prefill)(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    engine._prepare, engine._prefill = prepared, prefilled
+    engine.punica.add_lora_linear = timed(BEFORE_PARTS[1], lora, when=lambda: inside[0])
+    before = 0.0
+    try:
+        for _ in range(repeats):
+            _sync(engine.device)
+            clock = _Clock(1, new_tokens - 1, engine.device)
+            begin = time.perf_counter()
+            engine.generate(requests, new_tokens, on_step=clock)
+            before += clock.starts[1] - begin
+    finally:
+        del engine._prepare, engine._prefill, engine.punica.add_lora_linear
+    spent[BEFORE_PARTS[2]] -= spent[BEFORE_PARTS[1]]  # (the calls are within the prefill)
+    # the decode metadata's time runs into step 1's start: what is not a part is the rest
+    spent[BEFORE_PARTS[4]] = before - sum(spent[p] for p in BEFORE_PARTS[:4])
+    return {part: 1e3 * seconds / repeats for part, seconds in spent.items()}
+
+
 def profile_decode(
     engine, requests: Sequence, new_tokens: int, *, label: str = "engine", repeats: int = 1
 ) -> StepProfile:
@@ -389,12 +458,14 @@ def profile_decode(
                 graph_step_ms, graph_kernels = _graph_kernels(engine, requests, new_tokens)
             except Exception as err:
                 errors.append(f"graphs: {type(err).__name__}: {err}")
+    before_parts = _before_parts(engine, requests, new_tokens, repeats)
     return StepProfile(
         label=label,
         steps=steps,
         batch=len(requests),
         step_ms=1e3 * step_s / steps,
         before_ms=1e3 * before_s / repeats,
+        before_parts=before_parts,
         eager_step_ms=None if eager_s is None else 1e3 * eager_s / steps,
         probed_step_ms=1e3 * probed_s / steps,
         parts=parts,
@@ -513,6 +584,13 @@ def print_profile(profile: StepProfile, rows: int = 12) -> None:
         f"  before decode step 1 (metadata, prefill, the batch's set-up): "
         f"{profile.before_ms:.3f} ms per generate"
     )
+    if profile.before_parts:
+        print(
+            f"    in a run with its parts timed: {sum(profile.before_parts.values()):.3f} ms "
+            "per generate, of which (host time)"
+        )
+        for part, ms in profile.before_parts.items():
+            print(f"      {part}: {ms:.3f} ms")
     if profile.eager_step_ms is not None:
         print(f"  eagerly (no CUDA graphs): {profile.eager_step_ms:.3f} ms/step")
     print(f"  with a probe on every part (eager): {profile.probed_step_ms:.3f} ms/step")

@@ -114,11 +114,18 @@ def test_demo_profile_times_every_part_of_a_decode_step(capsys, tmp_path):
     for p in (mixed, base):
         assert p["steps"] == (3 - 2) * repeats and p["batch"] == 4
         assert p["step_ms"] > 0 and p["before_ms"] > 0
+        assert list(p["before_parts"]) == list(profile.BEFORE_PARTS)
+        assert all(ms >= 0 for ms in list(p["before_parts"].values())[:4])
         shares = {row["part"]: row["host_share"] for row in p["parts"]}
         assert sum(shares.values()) == pytest.approx(1.0, abs=1e-6)
         for part in ("attention", "base GEMMs", "norms", "LM head", profile.LOOP):
             assert part in shares, (part, shares)
         assert "update_metadata" not in shares, "the decode steps' metadata is prepared once"
+    # Before the first decode step, the prefill's LoRA calls: only with adapters do they
+    # launch (on the simulator, Python threads that dwarf everything else).
+    prefill_lora = [p["before_parts"]["prefill: its LoRA calls"] for p in (mixed, base)]
+    assert prefill_lora[0] > prefill_lora[1]
+    assert "in a run with its parts timed" in out
     lora = {p["label"]: _part(p, "LoRA (add_lora_linear)")["host_ms"] for p in (mixed, base)}
     # Without adapters the wrapper launches nothing; on the simulator the LoRA kernels
     # (Python threads) dwarf the rest, on a GPU their launches still cost the host more.
