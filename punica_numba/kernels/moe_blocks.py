@@ -35,14 +35,17 @@ MAX_MOE_SLICES = 2
 
 
 @cuda.jit(device=True)
-def block_in_use(b, slot, block_size, num_post_pad, enabled, expert_ids, num_experts):
-    """``(start, expert)`` of block b of row ``slot``: its first entry in the row, and its
-    expert, or -1 when the CUDA block has nothing to do (past the row's last block, a
-    slot turned off, expert -1, or an expert the weights do not hold)."""
+def block_in_use(b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, num_experts):
+    """``(start, pairs, expert)`` of block b of row ``slot``: its first entry in the row,
+    how many entries it has there (block_size, or fewer at the row's end, whatever
+    ``num_post_pad`` says: ``align_pairs``' never passes it), and its expert, or -1 when
+    the CUDA block has nothing to do (past the row's last block, a slot turned off,
+    expert -1, or an expert the weights do not hold)."""
     start = b * block_size
+    pairs = min(block_size, sorted_ids.shape[1] - start)
     if start >= num_post_pad[slot] or enabled[slot] == 0:
-        return start, -1
+        return start, pairs, -1
     expert = expert_ids[slot, b]
     if expert < 0 or expert >= num_experts:
-        return start, -1
-    return start, expert
+        return start, pairs, -1
+    return start, pairs, expert

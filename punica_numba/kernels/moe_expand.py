@@ -45,15 +45,15 @@ def build_moe_expand_kernel(
         begin()
         slot, s = cuda.blockIdx.y, cuda.blockIdx.z
         w = w0 if s == 0 else w1
-        start, expert = block_in_use(
-            cuda.blockIdx.x, slot, block_size, num_post_pad, enabled, expert_ids, w.shape[1]
-        )
+        start, pairs, expert = block_in_use(
+            cuda.blockIdx.x, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids,
+            w.shape[1],
+        )  # fmt: skip
         if expert == -1:
             return
         width, rank = w.shape[2], w.shape[3]
         num_pairs = out.shape[0]
         column0 = offset + s * width
-        pairs = min(block_size, sorted_ids.shape[1] - start)
         n = cuda.threadIdx.x
         while n < width:  # n in [0, N): this thread's column
             for i in range(pairs):  # the block's pairs

@@ -38,15 +38,14 @@ def build_moe_shrink_kernel(x_dtype: torch.dtype, w_dtype: torch.dtype, threads:
         begin()  # wait for the kernels before this one (dependent_launch)
         slot, s = cuda.blockIdx.y, cuda.blockIdx.z
         w = w0 if s == 0 else w1
-        start, expert = block_in_use(
-            cuda.blockIdx.x, slot, block_size, num_post_pad, enabled, expert_ids, w.shape[1]
-        )
+        start, pairs, expert = block_in_use(
+            cuda.blockIdx.x, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids,
+            w.shape[1],
+        )  # fmt: skip
         if expert == -1:
             return
         rank, hidden = w.shape[2], w.shape[3]
         num_pairs = out.shape[1]
-        # (within the row, whatever num_post_pad says: align_pairs' never passes it)
-        pairs = min(block_size, sorted_ids.shape[1] - start)
         o = cuda.threadIdx.x
         while o < pairs * rank:  # o in [0, pairs * r): (pair i, rank j)
             i, j = o // rank, o % rank
