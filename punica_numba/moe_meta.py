@@ -34,7 +34,7 @@ import torch
 
 from ._checks import check_bool, check_int, check_tensor
 
-__all__ = ["MoEBlocks", "align_pairs", "aligned_sizes"]
+__all__ = ["MoEBlocks", "align_pairs", "aligned_sizes", "check_adapter_enabled"]
 
 
 class MoEBlocks(NamedTuple):
@@ -99,7 +99,7 @@ def align_pairs(
             f"token_lora_mapping has {token_lora_mapping.shape[0]} entries, fewer than the "
             f"{num_tokens} tokens of topk_ids"
         )
-    _check_flags(adapter_enabled, max_loras, device)
+    check_adapter_enabled(adapter_enabled, max_loras, device)
     if expert_map is not None:
         _check_index_tensor("expert_map", expert_map, ndim=1, device=device)
         if expert_map.shape[0] != num_experts:
@@ -153,19 +153,20 @@ def _check_index_tensor(name: str, t, *, ndim: int, device=None) -> None:
         raise ValueError(f"{name} is on {t.device}, but topk_ids is on {device}")
 
 
-def _check_flags(adapter_enabled, max_loras: int, device) -> None:
-    if not isinstance(adapter_enabled, torch.Tensor):
-        raise TypeError(
-            f"adapter_enabled must be a torch.Tensor, got {type(adapter_enabled).__name__}"
-        )
-    if adapter_enabled.dtype not in (*_INDEX_DTYPES, torch.bool):
-        raise TypeError(f"adapter_enabled must hold integers or bools, got {adapter_enabled.dtype}")
-    if adapter_enabled.ndim != 1 or adapter_enabled.shape[0] < max_loras:
+def check_adapter_enabled(
+    adapter_enabled, slots: int, device, *, dtypes=_INDEX_DTYPES, beside: str = "topk_ids"
+) -> None:
+    """``adapter_enabled``: a 1-D tensor of integer (of ``dtypes``) or bool flags, at
+    least one per slot, on ``device`` (where ``beside`` is)."""
+    check_tensor(
+        "adapter_enabled", adapter_enabled, ndim=1, dtypes=(*dtypes, torch.bool),
+        on_kernel_device=False,
+    )  # fmt: skip
+    if adapter_enabled.shape[0] < slots:
         raise ValueError(
-            f"adapter_enabled must be 1-D with at least max_loras={max_loras} entries, got "
-            f"shape {tuple(adapter_enabled.shape)}"
+            f"adapter_enabled must have an entry per slot ({slots}), got {adapter_enabled.shape[0]}"
         )
     if adapter_enabled.device != device:
         raise ValueError(
-            f"adapter_enabled is on {adapter_enabled.device}, but topk_ids is on {device}"
+            f"adapter_enabled is on {adapter_enabled.device}, but {beside} is on {device}"
         )

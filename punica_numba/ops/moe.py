@@ -23,6 +23,7 @@ from ..kernels import moe_shrink_tiled as tiled_shrink
 from ..kernels.moe_blocks import MAX_MOE_SLICES
 from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
+from ..moe_meta import check_adapter_enabled
 from .launching import launcher_of
 
 __all__ = ["fused_moe_lora"]
@@ -143,12 +144,7 @@ def fused_moe_lora(
             f"expert_ids has {expert_ids.shape[1]} blocks a row, but sorted_token_ids' "
             f"{sorted_token_ids.shape[1]} entries make {blocks} blocks of block_size={block_size}"
         )
-    check_tensor("adapter_enabled", adapter_enabled, ndim=1, dtypes=(*_INDEX_DTYPES, torch.bool))
-    _same_device("adapter_enabled", adapter_enabled, device)
-    if adapter_enabled.shape[0] < L:
-        raise ValueError(
-            f"adapter_enabled must have an entry per slot ({L}), got {adapter_enabled.shape[0]}"
-        )
+    check_adapter_enabled(adapter_enabled, L, device, dtypes=_INDEX_DTYPES, beside="y")
     if num_pairs == 0 or rank == 0 or width == 0:
         return
 
