@@ -515,15 +515,15 @@ class LaunchRecord:
             raise RuntimeError("this record cannot be made at other addresses")
         pointers = [t.data_ptr() for t in tensors]
         stream = _current_stream_handle()
-        fields = [(self.launches[n].values[i], pointers[k]) for n, i, k in self.moving]
-        for field, pointer in fields:
-            field.value = pointer
+        fields = [(self.launches[n].values[i], k) for n, i, k in self.moving]
+        for field, k in fields:
+            field.value = pointers[k]
         try:
             for launch in self.launches:
                 _driver_launch(stream, launch)
         finally:
-            for n, i, k in self.moving:
-                self.launches[n].values[i].value = self.pointers[k]
+            for field, k in fields:
+                field.value = self.pointers[k]
 
     def replay(self, capturing: bool | None = None) -> None:
         """Make the recorded launches again, on torch's current stream; ``capturing``
