@@ -137,12 +137,16 @@ def configs(source: Path, case: bench_moe.MoECase) -> tuple[dict, dict]:
     return shrink, expand
 
 
+def one_block_per_pair(case: bench_moe.MoECase) -> bool:
+    """Whether vLLM 0.33 gives each pair a block of its own at this case (lab notes)."""
+    return case.T * case.top_k * SPARSITY_FACTOR <= case.experts * case.loras
+
+
 def vllm_call(op, case, args, shrink: dict, expand: dict):
     """One call of vLLM's op on ``args`` (a set of ``bench_moe.argument_set``)."""
-    L, T, k = case.loras, case.T, case.top_k
-    naive = T * k * SPARSITY_FACTOR <= case.experts * L
+    L, k = case.loras, case.top_k
     block = shrink.get("BLOCK_SIZE_M", 64)
-    if naive:
+    if one_block_per_pair(case):
         sorted_ids, expert_ids, post = None, args["topk_ids"].reshape(-1).to(torch.int32), None
     else:
         blocks = align_pairs(
@@ -168,13 +172,13 @@ def vllm_call(op, case, args, shrink: dict, expand: dict):
             mul_routed_weight=case.by_pair,
         )  # fmt: skip
 
-    return call, naive
+    return call
 
 
 def run(source: Path, case: bench_moe.MoECase, op, bandwidth: float) -> dict:
     shrink, expand = configs(source, case)
     us, error, first, _ = bench_moe.measure(
-        case, lambda args: vllm_call(op, case, args, shrink, expand)[0]
+        case, lambda args: vllm_call(op, case, args, shrink, expand)
     )
     floor = bench_moe.floor_bytes(case, first)
     return {
@@ -186,7 +190,7 @@ def run(source: Path, case: bench_moe.MoECase, op, bandwidth: float) -> dict:
         "floor_bytes": floor,
         "of_copy_bandwidth": round(floor / (us * 1e-6) / (bandwidth * 1e12), 3),
         "relative_error": error,
-        "one_block_per_pair": vllm_call(op, case, first, shrink, expand)[1],
+        "one_block_per_pair": one_block_per_pair(case),
         "shrink_config": shrink,
         "expand_config": expand,
     }
