@@ -629,9 +629,11 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
         steps = args.new_tokens - 1
         step_ms = 1e3 * (checked_end - starts[1]) / steps if steps else None
         mixed = EngineTiming(checked_seconds, step_ms)
+        base = time_engine(engine, base_requests, args.new_tokens, repeats)
     else:
-        mixed = time_engine(engine, requests, args.new_tokens, repeats)
-    base = time_engine(engine, base_requests, args.new_tokens, repeats)
+        mixed, base = time_engines_in_turn(
+            engine, (requests, base_requests), args.new_tokens, repeats
+        )
     if not SIMULATOR:  # warm up each path once
         hf_generate(peft_model, requests, 2, adapter_names=names)
         with peft_model.disable_adapter():
@@ -676,7 +678,7 @@ def _run(args: argparse.Namespace, folder: Path) -> int:
 
 #: Timed runs of each engine path on a GPU (the median is reported); PEFT's and
 #: transformers' ``generate`` run once each (PEFT's takes seconds).
-ENGINE_REPEATS = 5
+ENGINE_REPEATS = 9
 
 #: The numbers of distinct adapters in the batch that ``--plot`` / ``--sweep`` time
 #: (those up to ``--adapters``).
@@ -709,19 +711,37 @@ def time_engine(engine, requests: Sequence[Request], new_tokens: int, repeats: i
     The decode steps start once the decode metadata is ready (``on_step(1)``; its
     ``update_metadata`` waited for the prefill) and end when the tokens are back.
     """
+    return time_engines_in_turn(engine, (requests,), new_tokens, repeats)[0]
+
+
+def time_engines_in_turn(
+    engine, batches: Sequence[Sequence[Request]], new_tokens: int, repeats: int
+) -> list[EngineTiming]:
+    """:func:`time_engine` of each batch, the batches' runs taken in turn: every round
+    runs each batch once, and each round starts one batch later than the last. The
+    engine's time before its first decode step is mostly the host's, and a host's speed
+    drifts over seconds (on the H200's host a fixed Python loop took 0.196 s at one
+    moment and 0.115 s a few seconds later, in one process): batches timed one after
+    the other would each see a different host, batches timed in turn see the same."""
     device = engine.device
-    wholes, steps = [], []
-    for _ in range(repeats):
-        starts: dict[int, float] = {}
-        _sync(device)
-        begin = time.perf_counter()
-        engine.generate(requests, new_tokens, on_step=functools.partial(_stamp, starts))
-        _sync(device)
-        end = time.perf_counter()
-        wholes.append(end - begin)
-        if new_tokens > 1:
-            steps.append(1e3 * (end - starts[1]) / (new_tokens - 1))
-    return EngineTiming(statistics.median(wholes), statistics.median(steps) if steps else None)
+    wholes: list[list[float]] = [[] for _ in batches]
+    steps: list[list[float]] = [[] for _ in batches]
+    for round_ in range(repeats):
+        for i in range(len(batches)):
+            b = (round_ + i) % len(batches)
+            starts: dict[int, float] = {}
+            _sync(device)
+            begin = time.perf_counter()
+            engine.generate(batches[b], new_tokens, on_step=functools.partial(_stamp, starts))
+            _sync(device)
+            end = time.perf_counter()
+            wholes[b].append(end - begin)
+            if new_tokens > 1:
+                steps[b].append(1e3 * (end - starts[1]) / (new_tokens - 1))
+    return [
+        EngineTiming(statistics.median(w), statistics.median(s) if s else None)
+        for w, s in zip(wholes, steps)
+    ]
 
 
 def _stamp(starts: dict[int, float], step: int) -> None:

@@ -198,6 +198,28 @@ def test_demo_says_what_to_install_without_peft(capsys, monkeypatch):
     assert "pip install 'punica-numba[peft]'" in capsys.readouterr().err
 
 
+def test_engine_paths_are_timed_in_turn_and_each_gets_its_own_median(monkeypatch):
+    """Each round runs every batch once, starting one batch later than the round before,
+    and each batch's median comes from its own runs only."""
+    calls = []
+    clock = iter(range(0, 10_000, 10))  # perf_counter: +10 s a reading
+
+    class Engine:
+        device = torch.device("cpu")
+
+        def generate(self, batch, new_tokens, on_step):
+            calls.append(batch)
+            on_step(1)
+            if batch == "slow":  # 3 more readings: the slow batch's run takes 30 s longer
+                next(clock), next(clock), next(clock)
+
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: next(clock))
+    fast, slow = demo.time_engines_in_turn(Engine(), ("fast", "slow"), 3, repeats=3)
+    assert calls == ["fast", "slow", "slow", "fast", "fast", "slow"]
+    assert (fast.seconds, slow.seconds) == (20, 50)  # begin, stamp, end: 2 steps of 10 s
+    assert (fast.step_ms, slow.step_ms) == (1e3 * 10 / 2, 1e3 * 40 / 2)
+
+
 def test_format_table_aligns_columns():
     lines = demo.format_table(["name", "n"], [("a", 1), ("bcd", 22)])
     assert lines == ["name   n", "----  --", "a      1", "bcd   22"]
