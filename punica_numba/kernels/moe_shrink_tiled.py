@@ -38,6 +38,9 @@ __all__ = ["CHUNK", "MAX_PAIRS", "MAX_RANK", "build_moe_tiled_shrink_kernel"]
 MAX_PAIRS, MAX_RANK = 64, 64
 #: Elements of K a tile holds (the simulator's blocks are a few threads: small tiles).
 CHUNK = 4 if SIMULATOR else 32
+#: A tile's row: the chunk and one more element (a constant: Numba sizes shared arrays only
+#: from constants, not from expressions of them).
+_ROW = CHUNK + 1
 
 
 @functools.cache
@@ -69,8 +72,8 @@ def build_moe_tiled_shrink_kernel(x_dtype: torch.dtype, w_dtype: torch.dtype, th
         tid = cuda.threadIdx.x
 
         rows = cuda.shared.array(MAX_PAIRS, int64)  # each pair's input row, -1: padding
-        x_tile = cuda.shared.array((MAX_PAIRS, CHUNK + 1), float32)  # [pairs, CHUNK]
-        a_tile = cuda.shared.array((MAX_RANK, CHUNK + 1), float32)  # [r, CHUNK]
+        x_tile = cuda.shared.array((MAX_PAIRS, _ROW), float32)  # [pairs, CHUNK]
+        a_tile = cuda.shared.array((MAX_RANK, _ROW), float32)  # [r, CHUNK]
         i = tid
         while i < pairs:  # i in [0, pairs)
             pair = sorted_ids[slot, start + i]

@@ -84,8 +84,11 @@ def _stand_ins() -> None:
             lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device)
         )
 
-    def to_device(data, dtype, target_device, pin_memory=False):
-        return torch.tensor(data, dtype=dtype).to(target_device, non_blocking=True)
+    def to_device(data, dtype, target_device=None, pin_memory=False, device=None):
+        # (vLLM's callers name the device either way: utils.py by position,
+        # fused_moe_lora_op.py as device=)
+        where = device if target_device is None else target_device
+        return torch.tensor(data, dtype=dtype).to(where, non_blocking=True)
 
     def collective(*args, **kwargs):
         raise RuntimeError("no tensor parallelism in this script")
