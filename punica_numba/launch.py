@@ -299,7 +299,7 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=128,
             from_rank=33,
         ),
-        # Tensor cores (bf16, where the call's layout allows), from 8 tokens per slot: the
+        # Tensor cores (bf16 or fp16, where the call's layout allows), from 8 tokens per slot: the
         # FFMA kernels above are bound by issuing instructions (v8's run of every
         # configuration: 64/8 4.9 -> 4.6 µs, 256/16 8.8 -> 5.9, 256/1 7.5 -> 5.3, 1024/32
         # 23.2 -> 12.8, 4096 on one LoRA 77 -> 32). One warp of two 8-column tiles per

@@ -174,10 +174,16 @@ class ExpandCase:
 
 
 def serving_expand_case(
-    problem: Problem, rank: int, widths: list[int], offset_start: int = 0, extra_columns: int = 0
+    problem: Problem,
+    rank: int,
+    widths: list[int],
+    offset_start: int = 0,
+    extra_columns: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> ExpandCase:
-    """An expand as a served layer makes it: the fp32 shrink buffer in, bf16 weights and
-    output, added to the output, 3-D weights, a contiguous buffer."""
+    """An expand as a served layer makes it: the fp32 shrink buffer in, weights and output
+    of ``dtype`` (bf16 unless given), added to the output, 3-D weights, a contiguous
+    buffer."""
     return ExpandCase(
         problem,
         rank,
@@ -185,8 +191,8 @@ def serving_expand_case(
         offset_start,
         extra_columns,
         torch.float32,
-        torch.bfloat16,
-        torch.bfloat16,
+        dtype,
+        dtype,
         add_inputs=True,
         four_d=False,
         strided_input=False,
@@ -196,8 +202,8 @@ def serving_expand_case(
 @st.composite
 def expand_cases(draw, limits=KERNEL_LIMITS, tensor_cores: bool = False) -> ExpandCase:
     """Any expand the op takes; with ``tensor_cores``, only those the tensor-core expand
-    takes (``ops.operands.mma_expand_operands``: bf16 B and output, an even rank, slices of
-    whole 4-column words), which a free draw rarely makes."""
+    takes (``ops.operands.mma_expand_operands``: bf16 or fp16 B with an output of its
+    dtype, an even rank, slices of whole 4-column words), which a free draw rarely makes."""
     problem = draw(problems(limits))
     word = 4 if tensor_cores else 1  # columns
     rank = draw(st.integers(1, limits.rank // (1 + tensor_cores)), label="r") * (1 + tensor_cores)
@@ -205,9 +211,8 @@ def expand_cases(draw, limits=KERNEL_LIMITS, tensor_cores: bool = False) -> Expa
     widths = [
         draw(st.integers(1, limits.width // word), label=f"N_{s}") * word for s in range(num_slices)
     ]
-    w_dtype = (
-        torch.bfloat16 if tensor_cores else draw(st.sampled_from(DTYPES), label="weight dtype")
-    )
+    w_dtypes = (torch.bfloat16, torch.float16) if tensor_cores else DTYPES
+    w_dtype = draw(st.sampled_from(w_dtypes), label="weight dtype")
     out_dtypes = (w_dtype,) if tensor_cores else (w_dtype, w_dtype, torch.float32)
     return ExpandCase(
         problem=problem,

@@ -156,18 +156,23 @@ def test_a_forced_configuration_the_call_cannot_use_counts_as_what_ran(monkeypat
     check_deterministic("shrink", case)
 
 
-def test_tensor_core_expand_bits_do_not_depend_on_its_passes(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tensor_core_expand_bits_do_not_depend_on_its_passes(dtype, monkeypatch):
     """A block that walks several column groups (``passes``) adds the same products as one
     block per group: twins of the table's first tensor-core expand with 1 and 3 passes
-    (the same arithmetic key) give the same bits; each is right. Slices of 72, 24 and 8
-    columns: several groups for the widest, one for the narrowest."""
-    first = next(c for c in launch_configs("expand") if c.kernel == "mma")
+    (the same arithmetic key) give the same bits, and so does every other tensor-core
+    expand of this machine's table; each is right. Slices of 72, 24 and 8 columns: several
+    groups for the widest, one for the narrowest. B and the output bf16 or fp16: every
+    configuration takes both."""
+    table = [c for c in launch_configs("expand") if c.kernel == "mma"]
+    first = table[0]
     twins = [dataclasses.replace(first, passes=p, from_tokens_per_slot=1e9) for p in (1, 3)]
     _add_configs(monkeypatch, "expand", *twins)
     problem = Problem([0] * 12 + [1] * 8, 20, 2, seed=3)  # tiles of several tokens
-    case = serving_expand_case(problem, 16, [72, 24, 8])
-    runs = [_run_under("expand", config, case) for config in (first, *twins)]
-    assert [config for config, _ in runs] == [first, *twins]  # the tensor cores ran each
+    case = serving_expand_case(problem, 16, [72, 24, 8], dtype=dtype)
+    configs = [*table, *twins]
+    runs = [_run_under("expand", config, case) for config in configs]
+    assert [config for config, _ in runs] == configs  # the tensor cores ran each
     (_, want), *others = runs
     for config, got in others:
         assert torch.equal(got, want), f"{config} and {first} give different bits"
@@ -289,11 +294,13 @@ def test_only_one_slice_found_in_the_tile_table_asks_ahead(monkeypatch):
         build_mma_expand_kernel(torch.float32, 32, 1, 8, 4, True, one_slot=True, ask_ahead=True)
 
 
-def test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first(dtype, monkeypatch):
     """At r=64 a warp of 64 columns holds 32 words of B a lane; built for one pass (a block
     per column group) it reads the buffer's rows before B, and walking two groups after
     it (``expand_mma``, "The buffer before B"). The two give the same bits on a slice of
-    128 columns, each is right, and the first was built to read the buffer first."""
+    128 columns, each is right, and the first was built to read the buffer first; with
+    bf16 or fp16 B and output."""
     from punica_numba.kernels.expand_mma import EARLY_B_WORDS
 
     one_pass, two_passes = (
@@ -303,11 +310,11 @@ def test_tensor_core_expand_bits_do_not_depend_on_reading_the_buffer_first(monke
     _add_configs(monkeypatch, "expand", one_pass, two_passes)
     built = record_mma_expand_builds(monkeypatch)
     problem = Problem([0] * 12 + [1] * 8, 20, 2, seed=3)  # tiles of several tokens
-    case = serving_expand_case(problem, 64, [128])
+    case = serving_expand_case(problem, 64, [128], dtype=dtype)
     runs = [_run_under("expand", config, case) for config in (one_pass, two_passes)]
     assert [config for config, _ in runs] == [one_pass, two_passes]
     assert torch.equal(runs[0][1], runs[1][1]), "reading the buffer first changed the bits"
     # (n_tiles, k_steps, wide_x, one_pass) of each build: the first reads the buffer first
-    shapes = [(a[3], a[4], a[8], a[10]) for a, _ in built]
-    assert shapes == [(8, 4, True, True), (8, 4, True, False)], shapes
+    shapes = [(a[3], a[4], a[8], a[10], a[14]) for a, _ in built]
+    assert shapes == [(8, 4, True, True, dtype), (8, 4, True, False, dtype)], shapes
     assert 8 * 4 > EARLY_B_WORDS

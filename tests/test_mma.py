@@ -5,6 +5,9 @@ hardware uses; on the simulator, that the emulation adds the same products. The
 operands are small integers times powers of two, so every product and every sum is
 exact in fp32: the result must equal the float64 product bit for bit, whatever the
 order of the additions.
+
+Then the splits that put fp32 and fp16 values on the bf16 tensor cores, and the fp16
+pairs the tensor-core expand writes (``kernels.expand_mma``, "Precision").
 """
 
 from __future__ import annotations
@@ -14,8 +17,15 @@ import pytest
 import torch
 from numba import uint32
 
-from punica_numba._cuda import cuda, device_of, kernel_array, launch_stream
-from punica_numba.kernels.mma import FRAGMENT_WORDS, mma_m16n8k16, pair_of, split_pair
+from punica_numba._cuda import SIMULATOR, cuda, device_of, kernel_array, launch_stream
+from punica_numba.kernels.dtypes import f16_pair, f16_pair_values
+from punica_numba.kernels.mma import (
+    FRAGMENT_WORDS,
+    mma_m16n8k16,
+    pair_of,
+    split_f16_pair,
+    split_pair,
+)
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -113,3 +123,113 @@ def test_split_keeps_sixteen_bits_and_special_values():
     assert hi[202:204].tolist() == [float("inf"), float("-inf")] and lo[202:204].tolist() == [0, 0]
     assert np.isnan(hi[204].item())
     assert hi[205].item() + lo[205].item() == pytest.approx(3.4e38, rel=2.0**-16)  # no inf
+
+
+def _fp16_patterns() -> torch.Tensor:
+    """fp16 bit patterns as int32 in [0, 65536), an even number of them: on the GPU every
+    one; on the simulator (a Python thread a pair) every zero, subnormal, infinity and
+    quiet NaN, every pattern of the smallest normal binade and of the largest (65504
+    among them) and a spread sample. (A signalling NaN widens to one in numpy, whose
+    subtraction then warns; the GPU's ``cvt.f32.f16`` makes it quiet.)"""
+    every = torch.arange(65536, dtype=torch.int32)
+    if not SIMULATOR:
+        return every
+    exponent = every & 0x7C00
+    signalling = (exponent == 0x7C00) & (every & 0x3FF != 0) & (every & 0x200 == 0)
+    edges = (exponent == 0) | (exponent == 0x0400) | (exponent >= 0x7800)
+    sample = torch.zeros_like(edges)
+    sample[::97] = True
+    chosen = every[(edges | sample) & ~signalling]
+    return chosen[: chosen.numel() // 2 * 2]
+
+
+def _f16_split_kernel():
+    @cuda.jit
+    def split(pairs, hi, lo):
+        # pairs: [N] int32, two fp16 each (the first in bits 0-15); hi, lo: [N] int64
+        i = cuda.grid(1)
+        if i < pairs.shape[0]:
+            hi[i], lo[i] = split_f16_pair(pairs[i])
+
+    return split
+
+
+def test_fp16_splits_into_two_bf16_exactly():
+    """``split_f16_pair``, which puts fp16 B on the bf16 tensor cores: ``hi`` is the fp16
+    value cut to bf16 and ``hi + lo`` is the value exactly, for every finite pattern
+    (subnormals and +-65504 included); an infinity is (inf, 0) and a NaN stays a NaN."""
+    patterns = _fp16_patterns()
+    as_int16 = patterns.to(torch.int16)
+    device = device_of()
+    pairs = as_int16.view(torch.int32).to(device)
+    hi = torch.zeros(pairs.numel(), dtype=torch.int64, device=device)
+    lo = torch.zeros_like(hi)
+    _f16_split_kernel()[(pairs.numel() + 63) // 64, 64, launch_stream()](
+        kernel_array(pairs), kernel_array(hi), kernel_array(lo)
+    )
+    hi, lo = _halves(hi.cpu()), _halves(lo.cpu())
+    values = as_int16.view(torch.float16).double()
+    finite = torch.isfinite(values)
+    cut = (values.float().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(hi[finite], cut.double()[finite])  # hi: the cut
+    exact = (hi + lo)[finite] == values[finite]
+    assert bool(exact.all()), [
+        (hex(int(p)), float(v))
+        for p, v in zip(patterns[finite][~exact][:8], values[finite][~exact])
+    ]
+    assert bool((lo[finite] != 0).any())  # lo carries the bits hi dropped
+    infinite = torch.isinf(values)
+    assert torch.equal(hi[infinite], values[infinite]) and bool((lo[infinite] == 0).all())
+    nan = torch.isnan(values)
+    assert bool((torch.isnan(hi[nan]) | torch.isnan(lo[nan])).all())
+    drawn = set(values[finite].abs().tolist())
+    assert {65504.0, 2.0**-24, 1023 * 2.0**-24, 2.0**-14} <= drawn  # the edges were split
+
+
+def _f16_pair_kernel():
+    @cuda.jit
+    def round_pairs(values, pairs, back):
+        # values: [2N] fp32; pairs: [N] int64 (the uint32 pairs); back: [2N] fp32
+        i = cuda.grid(1)
+        if 2 * i + 1 < values.shape[0]:
+            pair = f16_pair(values[2 * i], values[2 * i + 1])
+            pairs[i] = pair
+            back[2 * i], back[2 * i + 1] = f16_pair_values(pair)
+
+    return round_pairs
+
+
+def test_f16_pair_rounds_like_torch():
+    """``f16_pair``, which rounds the tensor-core expand's fp16 outputs two at a time
+    (``cvt.rn.f16x2.f32`` on the GPU): the first value in bits 0-15, each rounded to
+    nearest, ties to even, as torch rounds: halfway cases, fp16 subnormals and the
+    underflow below them, 65504 and the overflow past it, signed zeros and NaN.
+    ``f16_pair_values`` widens the pair back exactly."""
+    generator = torch.Generator().manual_seed(4)
+    spread = torch.randn(400, generator=generator) * 2.0 ** torch.randint(-28, 17, (400,))
+    ulp = 2.0**-10
+    edges = [1 + ulp / 2, 1 + 3 * ulp / 2, -(1 + ulp / 2), 65504.0, 65519.99, 65520.0, -7e4]
+    edges += [2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 3 * 2.0**-25, 2.0**-14 - 2.0**-25, 0.0, -0.0]
+    edges += [float("inf"), float("nan"), 3.4e38, 1e-40]
+    values = torch.cat([spread, torch.tensor(edges)]).float()
+    values = values[: values.numel() // 2 * 2]
+    device = device_of()
+    pairs = torch.zeros(values.numel() // 2, dtype=torch.int64, device=device)
+    back = torch.zeros(values.numel(), device=device)
+    _f16_pair_kernel()[(pairs.numel() + 63) // 64, 64, launch_stream()](
+        kernel_array(values.to(device)), kernel_array(pairs), kernel_array(back)
+    )
+    pairs = pairs.cpu()
+    bits = torch.stack([pairs & 0xFFFF, (pairs >> 16) & 0xFFFF], dim=1).flatten()
+    got = bits.to(torch.int16).view(torch.float16)
+    want = values.to(torch.float16)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    same = got[~nan].view(torch.int16) == want[~nan].view(torch.int16)
+    assert bool(same.all()), [
+        (float(v), float(g), float(w))
+        for v, g, w in zip(values[~nan][~same][:8], got[~nan][~same], want[~nan][~same])
+    ]
+    widened = back.cpu()
+    assert torch.equal(torch.isnan(widened), nan)
+    assert torch.equal(widened[~nan].view(torch.int32), got[~nan].float().view(torch.int32))

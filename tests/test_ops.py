@@ -41,7 +41,8 @@ def _tensor_core_configs():
 @given(expand_cases(tensor_cores=True), st.data())
 def test_tensor_core_expand_matches_reference(case, data):
     """A tensor-core expand configuration (drawn, then forced) on a call it takes (a
-    free draw rarely makes one: bf16, an even rank, slices of whole 4-column words). One
+    free draw rarely makes one: bf16 or fp16, an even rank, slices of whole 4-column
+    words). One
     configuration per example: on the GPU each check computes a float64 reference of up
     to 4096 x 6144 outputs, and the draws of ranks compile several kernels each."""
     config = data.draw(st.sampled_from(_tensor_core_configs()), label="configuration")
@@ -213,15 +214,17 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
     assert built and set(built) == {aligned}, built
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
 )
-def test_tensor_core_expand_writes_16_or_8_byte_words(config, monkeypatch):
+def test_tensor_core_expand_writes_16_or_8_byte_words(config, dtype, monkeypatch):
     """The tensor-core expand reads and writes its output 16 bytes at a time where the
     output's rows start at multiples of 16 bytes and the slices at multiples of 8 columns
     (and a warp has a multiple of 4 tiles), 8 at a time otherwise (here: the same slices
     4 columns further right in a 4-column wider output). Both right, and the same bits:
-    only the rows of B fed to each tensor-core column differ."""
+    only the rows of B fed to each tensor-core column differ. B and the output bf16 or
+    fp16 (whose words are rounded and widened by their own pairs)."""
     from punica_numba import reference
     from punica_numba.meta import LoRAKernelMeta
 
@@ -234,10 +237,10 @@ def test_tensor_core_expand_writes_16_or_8_byte_words(config, monkeypatch):
     meta = LoRAKernelMeta.make(L, T, DEVICE)
     meta.prepare_tensors(slots.to(DEVICE))
     x = torch.randn(len(widths), T, r, generator=gen).to(DEVICE)
-    weights = [torch.randn(L, n, r, generator=gen).to(DEVICE, torch.bfloat16) for n in widths]
+    weights = [torch.randn(L, n, r, generator=gen).to(DEVICE, dtype) for n in widths]
     outputs = []
     for shift in (0, 4):  # 16-byte words, then 8-byte ones
-        out = torch.randn(T, sum(widths) + shift, generator=gen).to(DEVICE, torch.bfloat16)
+        out = torch.randn(T, sum(widths) + shift, generator=gen).to(DEVICE, dtype)
         if outputs:  # the same old outputs, 4 columns further right
             out[:, shift:] = outputs[0][1]
         old = out.clone()
@@ -250,6 +253,7 @@ def test_tensor_core_expand_writes_16_or_8_byte_words(config, monkeypatch):
     n_tiles = config.tile_n // (config.threads // 4)
     wide = [a[6] for a, _ in builds]
     assert wide == [n_tiles % 4 == 0, False], wide
+    assert [a[14] for a, _ in builds] == [dtype, dtype]  # (the tensor cores took both)
     assert torch.equal(outputs[0][0], outputs[1][0])
 
 
@@ -292,10 +296,11 @@ def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypat
     assert torch.equal(outputs[0], outputs[1])
 
 
-def _expand_problem(slots, num_loras, rank, widths, seed, meta_tokens=None):
+def _expand_problem(slots, num_loras, rank, widths, seed, meta_tokens=None, dtype=torch.bfloat16):
     """``(meta, x, weights, old, want)`` on the test device: metadata for ``slots`` (made
-    for ``meta_tokens`` tokens, all of them by default), an fp32 buffer, bf16 B for each
-    width, old bf16 outputs, and the reference's result of adding into them."""
+    for ``meta_tokens`` tokens, all of them by default), an fp32 buffer, B for each width
+    and old outputs of ``dtype`` (bf16 unless given), and the reference's result of adding
+    into them."""
     from punica_numba import reference
     from punica_numba.meta import LoRAKernelMeta
 
@@ -305,24 +310,23 @@ def _expand_problem(slots, num_loras, rank, widths, seed, meta_tokens=None):
     meta = LoRAKernelMeta.make(num_loras, meta_tokens or len(slots), DEVICE)
     meta.prepare_tensors(slots.to(DEVICE))
     x = torch.randn(len(widths), len(slots), rank, generator=gen).to(DEVICE)
-    weights = [
-        torch.randn(num_loras, n, rank, generator=gen).to(DEVICE, torch.bfloat16) for n in widths
-    ]
-    old = torch.randn(len(slots), sum(widths), generator=gen).to(DEVICE, torch.bfloat16)
+    weights = [torch.randn(num_loras, n, rank, generator=gen).to(DEVICE, dtype) for n in widths]
+    old = torch.randn(len(slots), sum(widths), generator=gen).to(DEVICE, dtype)
     want = reference.lora_expand(x, weights, old, slots.to(DEVICE), 0, True)
     return meta, x, weights, old, want
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
 )
-def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypatch):
+def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, dtype, monkeypatch):
     """At r=32 the tensor-core expand reads the buffer and B 16 bytes at a time where their
     rows start at multiples of 16 bytes (``wide_x``, ``wide_b``), and where the grid has a
     block for every column group (a slice no wider than a block's columns here) it is built
     for one pass (``one_pass``: B loaded ahead, no second group). Right, and the same bits
     as the build with all three off (forced), and as the call whose buffer and B start 8
-    bytes past (where the ops must turn the loads off)."""
+    bytes past (where the ops must turn the loads off); for bf16 and fp16 B alike."""
     forced_off = []  # [True] while the builds are forced to turn the three off
     builds = record_mma_expand_builds(
         monkeypatch, lambda a: a[:8] + (False, False, False) + a[11:] if forced_off else a
@@ -330,7 +334,7 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
     slots = torch.tensor([2, 0, 1, -1, 1, 0, 2, 2, 0, 1, 1, 2, 0, 0, 1, 2, 2, 1])
     width = config.columns_per_block("expand")
     rank = min(32, config.to_rank or 32)  # (B's 16-byte words need a rank of 32)
-    meta, x, weights, old, want = _expand_problem(slots, 3, rank, [width], seed=13)
+    meta, x, weights, old, want = _expand_problem(slots, 3, rank, [width], 13, dtype=dtype)
     outputs = []
     for run in ("aligned", "forced off", "8 bytes past"):
         forced_off[:] = [True] if run == "forced off" else []
@@ -346,6 +350,7 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, monkeypa
     aligned = (True, rank % 32 == 0, True)
     built = [a[8:11] for a, _ in builds]  # wide_x, wide_b, one_pass
     assert built == [aligned, (False, False, False), (False, False, True)], built
+    assert {a[14] for a, _ in builds} == {dtype}
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
@@ -369,6 +374,136 @@ def test_tensor_core_expand_on_metadata_made_elsewhere(config):
         assert error < 1e-2, (len(outputs), error)
         outputs.append(out)
     assert torch.equal(outputs[0], outputs[1])
+
+
+BUFFERS = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("x_dtype", BUFFERS, ids=["fp32-buffer", "fp16-buffer"])
+def test_fp16_expand_of_8_tokens_a_slot_takes_the_tensor_cores(x_dtype, monkeypatch):
+    """An fp16 expand (B and output fp16, the buffer fp32 or fp16) of 8 tokens a slot, the
+    tensor cores' threshold on the GPU, is chosen for the tensor-core expand (its
+    configuration's kernel is "mma") and built for fp16: the configuration a bf16 call of
+    the same shapes gets. Right within the suite's fp16 tolerance."""
+    from .op_cases import ExpandCase, Problem
+
+    builds = record_mma_expand_builds(monkeypatch)
+    problem = Problem([0] * 8 + [2] * 8 + [1] * 8, 24, 3, seed=17)
+    chosen = []
+
+    def expand(*args, **kwargs):
+        launch = ops.prepare_expand(*args, **kwargs)
+        launch()
+        chosen.append(launch.config)
+
+    for dtype in (torch.float16, torch.bfloat16):
+        buffer = x_dtype if dtype == torch.float16 else torch.float32
+        case = ExpandCase(problem, 16, [64, 32], 4, 4, buffer, dtype, dtype, True, False, False)
+        check_expand(expand, case)
+    fp16, bf16 = chosen
+    assert fp16.kernel == "mma" and fp16 == bf16, (fp16, bf16)
+    assert [(a[0], a[14]) for a, _ in builds] == [
+        (x_dtype, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ]
+
+
+def _at_scale(gen: torch.Generator, shape, exponents) -> torch.Tensor:
+    """float64 values of random sign and significand in [1, 2) times ``2 ** (exponents +
+    j)``, j drawn from -2..2 per element (``exponents`` broadcast to ``shape``)."""
+    significand = 1 + torch.rand(shape, generator=gen, dtype=torch.float64)
+    sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
+    jitter = torch.randint(-2, 3, shape, generator=gen)
+    return sign * significand * 2.0 ** (exponents + jitter)
+
+
+def _fp16_b_at_its_edges(gen: torch.Generator, slots: int, width: int, rank: int):
+    """fp16 B ``[slots, width, rank]`` in four bands of columns: large (up to 65504, which
+    every eighth element is), around the smallest normal (2**-14, every eighth), subnormal
+    (multiples of 2**-24: 2**-24 and 1023 * 2**-24 among them), and every element of the
+    last band from any of these or ordinary (2**-8 .. 2**9). Full significands elsewhere, so
+    that most elements need the bits a bf16 drops; even columns positive."""
+    shape = (slots, width, rank)
+    largest = torch.tensor(65504.0, dtype=torch.float64)
+    large = _at_scale(gen, shape, 14).clamp(-largest, largest)
+    large[..., ::8] = largest * torch.sign(large[..., ::8])
+    smallest_normal = _at_scale(gen, shape, -13)
+    smallest_normal[..., 1::8] = 2.0**-14 * torch.sign(smallest_normal[..., 1::8])
+    subnormal = torch.randint(1, 1024, shape, generator=gen).double() * 2.0**-24
+    subnormal[..., 2::8], subnormal[..., 3::8] = 2.0**-24, 1023 * 2.0**-24
+    subnormal *= torch.randint(0, 2, shape, generator=gen) * 2 - 1
+    ordinary = _at_scale(gen, shape, torch.randint(-6, 7, shape, generator=gen))
+    kinds = torch.stack([large, smallest_normal, subnormal, ordinary])  # [4, L, N, r]
+    band = torch.arange(width) * 4 // width  # 0..3 across the columns
+    kind = torch.where(band[:, None] == 3, torch.randint(0, 4, shape, generator=gen), band[:, None])
+    b = kinds.gather(0, kind.expand(shape)[None])[0]
+    b[:, ::2] = b[:, ::2].abs()  # even columns positive (see the caller)
+    return b.to(torch.float16)
+
+
+@pytest.mark.parametrize("x_dtype", BUFFERS, ids=["fp32-buffer", "fp16-buffer"])
+def test_fp16_tensor_core_expand_at_the_range_edges(x_dtype):
+    """The fp16 tensor-core expand splits the buffer and B into bf16 halves
+    (``kernels.expand_mma``, "Precision"). Against the float64 reference, at the edges of
+    both ranges: buffer rows from fp32's subnormals (2**-140) through 2**-126 and tiny
+    rows (2**-44 ..) to large ones (2**40, and 2**100), or for an fp16 buffer from its
+    subnormals to 65504; B large (65504), at fp16's smallest normal and subnormal
+    (2**-24); zeros and values exact in bf16 (whose low half is zero) in the buffer.
+    Where the result is inside fp16's range (its magnitude at most 2**15) it meets the
+    suite's fp16 tolerance (subnormal results too); where it is far past it, it is the
+    infinity of the reference's sign."""
+    from punica_numba import reference
+    from punica_numba.meta import LoRAKernelMeta
+
+    from .strategies import DEVICE
+    from .tolerance import assert_close
+
+    gen = torch.Generator().manual_seed(23)
+    T, r, width, L = 32, 32, 64, 2
+    slots = torch.tensor([0] * 16 + [1] * 16)  # a tile of 16 tokens each
+    if x_dtype == torch.float32:
+        rows = torch.linspace(-44, 40, T).round().double()
+        rows[0], rows[1], rows[16], rows[-1] = -140, -126, -130, 100
+        x = _at_scale(gen, (1, T, r), rows[:, None])
+        x[..., 5::16] = 0.0
+        x[..., 6::16] = x[..., 6::16].to(torch.bfloat16).double()  # lo = 0
+    else:
+        rows = torch.linspace(-24, 15, T).round().double()
+        x = _at_scale(gen, (1, T, r), rows[:, None]).clamp(-65504.0, 65504.0)
+        x[..., 5::16] = 0.0
+    # Even rows positive, like B's even columns: their products all have one sign, so that
+    # an error of the split (a dropped low half: a cut toward zero) adds up, not cancels.
+    x[:, ::2] = x[:, ::2].abs()
+    x = x.to(x_dtype)
+    b = _fp16_b_at_its_edges(gen, L, width, r)
+    old = torch.zeros(T, width, dtype=torch.float64)
+    old[:, 48:] = _at_scale(gen, (T, 16), torch.randint(-26, 10, (T, 16), generator=gen))
+    old = old.to(torch.float16)
+    want = reference.lora_expand(x, [b], old, slots, 0, True)
+    magnitude = reference.lora_expand(x.abs(), [b.abs()], old.abs(), slots, 0, True)
+
+    meta = LoRAKernelMeta.make(L, T, DEVICE)
+    meta.prepare_tensors(slots.to(DEVICE))
+    out = old.to(DEVICE)
+    launch = ops.prepare_expand(
+        x.to(DEVICE), [b.to(DEVICE)], out, *meta.meta_args(T), offset_start=0, add_inputs=True
+    )
+    launch()
+    assert launch.config.kernel == "mma", launch.config
+    out = out.cpu()
+
+    inside = magnitude <= 2**15
+    normal = inside & (magnitude >= 2**-14)  # (below, the error is fp16's fixed spacing)
+    assert_close(out[normal], want[normal], magnitude[normal], r, "expand fp16 range edges")
+    small = inside & ~normal
+    assert_close(out[small], want[small], magnitude[small], r, "expand fp16 edges, subnormal")
+    far_past = (want.abs() >= 2**17) & (want.abs() >= magnitude / 64)
+    infinity = torch.sign(want[far_past]) * float("inf")
+    assert torch.equal(out[far_past].double(), infinity)
+    # what the data reached: most results inside, some past, some fp16 subnormals
+    assert int(inside.sum()) >= T * width // 2 and int(far_past.sum()) > 0
+    tiny = inside & (want.abs() < 2**-14) & (want.abs() >= 2**-22)
+    assert int(tiny.sum()) > 0
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["rows-at-16-bytes", "rows-at-8-bytes"])

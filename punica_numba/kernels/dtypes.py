@@ -39,6 +39,8 @@ __all__ = [
     "bf16_pair",
     "bf16_pair_values",
     "bf16_word",
+    "f16_pair",
+    "f16_pair_values",
     "word_halves",
     "words_loader",
     "words_storer",
@@ -208,7 +210,8 @@ bf16_pair = _bf16_pair_in_software if SIMULATOR else _bf16_pair_on_gpu()
 @cuda.jit(device=True)
 def bf16_word(low_pair, high_pair):
     """Two :func:`bf16_pair` results as one int64 word of four bf16, ``low_pair`` in bits
-    0-31: the packed form :func:`word_loader` reads."""
+    0-31: the packed form :func:`word_loader` reads. The packing looks only at the bits,
+    so two :func:`f16_pair` results make a word of four fp16 the same way."""
     return np.int64(low_pair) | (np.int64(high_pair) << np.int64(32))
 
 
@@ -224,6 +227,60 @@ def bf16_pair_values(pair):
 def word_halves(word):
     """An int64 word as its two 32-bit halves (uint32): bits 0-31, then bits 32-63."""
     return np.uint32(word & np.int64(0xFFFFFFFF)), np.uint32(word >> np.int64(32))
+
+
+# -- two fp16 in 32 bits ---------------------------------------------------------------
+#
+# The same pairs for fp16 output (the tensor-core expand of fp16 B): one
+# ``cvt.rn.f16x2.f32`` rounds two fp32 values into one register on the GPU, and the two
+# halves of a pair are widened by ``cvt.f32.f16`` (:data:`_f16_lane`).
+
+
+def _f16_pair_on_gpu():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def cvt_f16x2(typingctx, high, low):
+        signature = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            asm_type = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
+            # cvt.rn.f16x2.f32 d, a, b: a rounded into the upper half of d, b the lower
+            asm = ir.InlineAsm(asm_type, "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, args)
+
+        return signature, codegen
+
+    @cuda.jit(device=True)
+    def f16_pair(low, high):
+        return cvt_f16x2(float32(high), float32(low))
+
+    return f16_pair
+
+
+@cuda.jit(device=True)
+def _f16_pair_in_software(low, high):
+    # Simulator only: numpy rounds fp32 to fp16 to nearest even (subnormals too); past
+    # fp16's largest value that is an infinity, as on the GPU, which numpy would warn of.
+    with np.errstate(over="ignore"):
+        halves = np.array([low, high], dtype=np.float32).astype(np.float16)
+    bits = halves.view(np.uint16).astype(np.uint32)
+    return np.uint32(bits[0] | (bits[1] << np.uint32(16)))
+
+
+#: ``f16_pair(low, high) -> uint32``: two fp32 values rounded to fp16 (nearest, ties to
+#: even; past 65504 an infinity; a NaN stays a NaN), ``low`` in bits 0-15. One instruction
+#: on the GPU; numpy's own rounding on the simulator (which cannot run PTX).
+f16_pair = _f16_pair_in_software if SIMULATOR else _f16_pair_on_gpu()
+
+
+@cuda.jit(device=True)
+def f16_pair_values(pair):
+    """The two fp16 of a 32-bit pair as fp32 (exact): bits 0-15, then bits 16-31."""
+    word = np.int64(pair)
+    return _f16_lane(word, 0), _f16_lane(word, 1)
 
 
 @cuda.jit(device=True)

@@ -27,7 +27,7 @@ the output column ::
     16 * (j // 2) + 4 * (c // 2) + 2 * (j % 2) + c % 2
 
 (:func:`output_column`). Tiles ``2i`` and ``2i + 1`` then leave lane ``t`` the four
-neighbouring columns ``16 i + 4t .. 16 i + 4t + 3``: one 8-byte word of four bf16,
+neighbouring columns ``16 i + 4t .. 16 i + 4t + 3``: one 8-byte word of four bf16 (or fp16),
 and the warp's 4 lanes of a row cover 32 neighbouring bytes, a whole sector, in one
 access. The renumbering only chooses which row of B feeds which tensor-core column;
 every output is still the same dot product.
@@ -44,10 +44,41 @@ words. Again only the rows of B fed to each tensor-core column change: the same 
 
 **Precision.** The buffer is fp32 but the tensor cores take 16-bit operands. Each
 buffer element is split into two bf16 values, ``hi + lo`` (:func:`.mma.split_pair`),
-and each product tile is two ``mma``: ``lo @ B`` first, then ``hi @ B``, into the same
-fp32 accumulator. That keeps 16 significant bits of each buffer element (relative error
-<= 2**-16), far below the rounding of the bf16 output (2**-9). A bf16 buffer is used as
-it is, in one ``mma``. The old output is added last, and the sum rounded once.
+and with bf16 B each product tile is two ``mma``: ``lo @ B`` first, then ``hi @ B``, into
+the same fp32 accumulator. That keeps 16 significant bits of each buffer element
+(relative error <= 2**-16), far below the rounding of the bf16 output (2**-9). A bf16
+buffer is used as it is, in one ``mma``. The old output is added last, and the sum
+rounded once.
+
+*fp16 B and output* (``dtype``; the buffer fp32 or fp16). There were two ways to put
+them on the tensor cores: their fp16 product (``mma ... f32.f16.f16.f32``, as the
+tensor-core shrink does) with the buffer split into two fp16, or the bf16 product above
+with B split as well. This kernel takes the second, for range. fp16 holds magnitudes from
+2**-24 (6.0e-8, subnormal; normal from 6.1e-5) to 65504, while a shrink's fp32 buffer
+may hold anything fp32 does: above 65504 an fp16 ``hi`` is infinite, and below about
+2**-3 the bits of an fp16 ``lo`` fall into fp16's subnormals and then to zero. A kernel
+cannot look at the values before it splits them without a device sync, or scale them
+without another pass over the buffer. bf16 has fp32's exponents, so the buffer's split
+above holds for every finite fp32 value; and an fp16 element of B is exactly the sum of
+two bf16 (:func:`.mma.split_f16_pair`): of its 11 significant bits ``B_hi`` takes 8 and
+``B_lo`` the other 3, and bf16's exponents cover fp16's, subnormals included. So each
+product tile is three ``mma``, small terms first: ``lo @ B_hi``, ``hi @ B_lo``, then
+``hi @ B_hi``. The term left out, ``lo @ B_lo``, is at most 2**-7 * 2**-7 of ``|x| |B|``
+(each ``lo`` is at most 2**-7 of its value), and the buffer's split errs by 2**-16 more:
+together under 2**-13.6 of the magnitude ``sum_k |x_k| |B_k|``, over six times below
+fp16's own rounding of the result (2**-11), which the output then adds. (A fourth ``mma`` for
+``lo @ B_lo`` would leave only the buffer's 2**-16.) An fp16 buffer is split the same
+way, exactly (its 11 bits as B's). At the ends of fp32's range the split changes nothing
+that fp16's output would show: a buffer value so small that its ``lo`` becomes a bf16
+subnormal (below 2**-118) gives products below 2**-102, far under fp16's smallest
+subnormal; ``hi`` never rounds up to infinity (it is cut, not rounded); and a product
+past fp32's range is past fp16's by far, infinite in the FFMA kernels too. As with bf16
+B, an infinite element of B or of the buffer may give NaN rather than an infinity (a
+zero ``lo`` times it, in one of the terms). The cost against bf16 B: one ``mma`` more a
+product tile, and a split of each register of two fp16 of B (two ``cvt.f32.f16``, two
+cuts, two infinity checks, two subtractions and one ``cvt.rn.bf16x2.f32``); the outputs
+are rounded two at a time by ``cvt.rn.f16x2.f32`` (:func:`.dtypes.f16_pair`) and the old
+ones widened by ``cvt.f32.f16``. Its speed is not yet measured on a GPU.
 
 The sum is a tensor-core sum, not the FFMA kernels' sequential one, so this kernel has
 an arithmetic key of its own (:meth:`..launch.LaunchConfig.arithmetic`); it does not
@@ -310,6 +341,8 @@ from .dtypes import (
     bf16_pair,
     bf16_pair_values,
     bf16_word,
+    f16_pair,
+    f16_pair_values,
     four_float32_loader,
     loader,
     word_halves,
@@ -317,12 +350,12 @@ from .dtypes import (
     words_storer,
 )
 from .l2_prefetch import bytes_asker, line_asker
-from .mma import FRAGMENT_WORDS, mma_into, pair_of, split_pair
+from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into, pair_of, split_f16_pair, split_pair
 from .segments import read_tile, slice_of
 
 __all__ = ["build_mma_expand_kernel", "output_column"]
 
-#: Output columns per word of output (four bf16 in 8 bytes).
+#: Output columns per word of output (four bf16 or fp16 in 8 bytes).
 WORD_COLUMNS = 4
 #: Words of B (two registers each) a lane loads ahead, before the tokens are known.
 EARLY_B_WORDS = 16
@@ -360,8 +393,10 @@ def build_mma_expand_kernel(
     one_slot: bool = False,
     ask_ahead: bool = False,
     b_before_the_wait: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ):
-    """Compile-time specialisation: the buffer's dtype (fp32, split in two, or bf16),
+    """Compile-time specialisation: the buffer's dtype (fp32 or fp16, split in two bf16, or
+    bf16),
     warps per block (``threads // 32``), 16-token tiles and 8-column tiles per warp
     (``n_tiles`` even: two tiles make a lane's word), the rank in steps of 16 (``k_steps
     = ceil(r / 16)``), and:
@@ -396,16 +431,18 @@ def build_mma_expand_kernel(
       launch just ahead of this one on the stream is one of this package's kernels that
       waits before it ends and writes neither (the wrapper's own shrink).
       The same loads, products and stores: the same bits.
+    * ``dtype``: the dtype of B and of the output, bf16 or fp16 (then B is split into two
+      bf16 too, and each product tile is three ``mma``: "Precision"); the buffer is fp32
+      or of this dtype.
 
     The rank itself is read at run time, so that a test drawing many ranks compiles a
     handful of kernels, not one per rank.
-    B and the output are bf16.
 
-    The kernel takes the buffer as fp32, or as the int16 bits of its bf16 elements; B
-    as int64 words of four elements (``[L, N, r/4]``, r a multiple of 4); the output as
-    int64 words of four bf16 (``[T, W/4]``: the output's width, every slice's first
-    column and every slice's width are multiples of 4), and where each slice starts as
-    the index of its first word."""
+    The kernel takes the buffer as fp32 or fp16, or as the int16 bits of its bf16
+    elements; B as int64 words of four elements (``[L, N, r/4]``, r a multiple of 4); the
+    output as int64 words of four elements (``[T, W/4]``: the output's width, every
+    slice's first column and every slice's width are multiples of 4), and where each
+    slice starts as the index of its first word."""
     if threads % 32:
         raise ValueError(f"threads must be whole warps, got {threads}")
     if n_tiles % 2:
@@ -414,10 +451,15 @@ def build_mma_expand_kernel(
         raise ValueError(
             f"16-byte words take 4 tiles each: n_tiles must be a multiple of 4, got {n_tiles}"
         )
-    SPLIT = x_dtype == torch.float32
-    if not SPLIT and x_dtype != torch.bfloat16:
-        raise ValueError(f"the buffer must be fp32 or bf16, got {x_dtype}")
-    if wide_x and not (SPLIT and whole):
+    if dtype not in MMA_DTYPES:
+        raise ValueError(f"B and the output must be bf16 or fp16, got {dtype}")
+    if x_dtype not in (torch.float32, dtype):
+        raise ValueError(f"the buffer must be fp32 or {dtype} (B's dtype), got {x_dtype}")
+    SPLIT = x_dtype != torch.bfloat16  # fp32 or fp16: split into bf16 hi + lo ("Precision")
+    HALF = dtype == torch.float16  # fp16 B, split into bf16 hi + lo too; fp16 outputs
+    round_pair = f16_pair if HALF else bf16_pair  # two fp32 outputs -> one 32-bit pair
+    pair_values = f16_pair_values if HALF else bf16_pair_values  # and back (old outputs)
+    if wide_x and not (x_dtype == torch.float32 and whole):
         raise ValueError("16-byte loads of the buffer take an fp32 buffer and a whole rank")
     WIDE_X = wide_x
     if ask_ahead and one_slot:
@@ -441,7 +483,7 @@ def build_mma_expand_kernel(
     load_b_pair = words_loader(wide_b)
     WARP_N = 8 * N_TILES
     BLOCK_N = WARPS * WARP_N
-    TERMS = 2 if SPLIT else 1  # products per tile: lo and hi, or the buffer as it is
+    TERMS = 2 if SPLIT else 1  # A fragments per k step: lo and hi, or the buffer as it is
     A_WORDS = K_STEPS * M_TILES * 4 * TERMS  # the lane's A fragments, every k step
     OUTPUTS = M_TILES * N_TILES * 4
     OLD_WORDS = ROWS * WORDS
@@ -462,8 +504,8 @@ def build_mma_expand_kernel(
 
     @cuda.jit(device=True)
     def element(row, k):
-        """Element k of a buffer row (zero past the rank): its fp32 value to be split, or
-        the bits of a bf16 one."""
+        """Element k of a buffer row (zero past the rank): its fp32 value (of an fp32 or
+        fp16 element) to be split, or the bits of a bf16 one."""
         if SPLIT:
             return load_x(row[k]) if WHOLE_STEPS or k < row.shape[0] else float32(0.0)
         return row[k] if WHOLE_STEPS or k < row.shape[0] else 0
@@ -476,15 +518,15 @@ def build_mma_expand_kernel(
     @cuda.jit(device=True, inline="always")
     def new_word(acc, old, mi, half, i, v):
         """Word v of token row i (row ``half`` of m-tile ``mi``): tiles 2v and 2v + 1 of
-        the products plus the old word, rounded to four bf16."""
+        the products plus the old word, rounded to four bf16 (or fp16) two at a time."""
         p0 = (mi * N_TILES + 2 * v) * 4 + 2 * half
         p1 = p0 + 4  # tile 2v + 1
         old_low, old_high = word_halves(old[i * WORDS + v])
-        o0, o1 = bf16_pair_values(old_low)
-        o2, o3 = bf16_pair_values(old_high)
-        return bf16_word(
-            bf16_pair(acc[p0] + o0, acc[p0 + 1] + o1),
-            bf16_pair(acc[p1] + o2, acc[p1 + 1] + o3),
+        o0, o1 = pair_values(old_low)
+        o2, o3 = pair_values(old_high)
+        return bf16_word(  # (the packing of four 16-bit elements, whichever their dtype)
+            round_pair(acc[p0] + o0, acc[p0 + 1] + o1),
+            round_pair(acc[p1] + o2, acc[p1 + 1] + o3),
         )
 
     @cuda.jit(device=True, inline="always")
@@ -527,11 +569,23 @@ def build_mma_expand_kernel(
     def add_step(acc, a, kk, nj, word, my_scratch):
         """Add rank step kk of tile nj's products, from the lane's word of B, into acc."""
         b0, b1 = word_halves(word)  # k = KQ t + 4 kk ..
-        for mi in range(M_TILES):
-            p = (mi * N_TILES + nj) * 4
-            for term in range(TERMS):  # lo first, then hi
-                q = ((kk * M_TILES + mi) * TERMS + term) * 4
-                add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, my_scratch)
+        if HALF:  # fp16 B: each register as bf16 hi + lo, exactly ("Precision")
+            b0_hi, b0_lo = split_f16_pair(b0)
+            b1_hi, b1_lo = split_f16_pair(b1)
+            for mi in range(M_TILES):
+                p = (mi * N_TILES + nj) * 4
+                q = (kk * M_TILES + mi) * 8  # the buffer's lo halves at q, its hi at q + 4
+                # lo x B_hi, hi x B_lo, then hi x B_hi: the small terms first
+                add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0_hi, b1_hi, my_scratch)
+                q += 4
+                add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0_lo, b1_lo, my_scratch)
+                add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0_hi, b1_hi, my_scratch)
+        else:
+            for mi in range(M_TILES):
+                p = (mi * N_TILES + nj) * 4
+                for term in range(TERMS):  # lo first, then hi
+                    q = ((kk * M_TILES + mi) * TERMS + term) * 4
+                    add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, my_scratch)
 
     @cuda.jit(device=True, inline="always")
     def load_old(old, out, token, n0, lane_word, last_start, add_inputs):
@@ -590,7 +644,7 @@ def build_mma_expand_kernel(
     let_next = next_launch()
     ask_line, ask_bytes = line_asker(), bytes_asker()
     ASK_AHEAD = ask_ahead and dependent_launch()  # (no launch to overlap: nothing to ask)
-    X_LINE = 32 if SPLIT else 64  # buffer elements in a 128-byte line
+    X_LINE = 128 // x_dtype.itemsize  # buffer elements in a 128-byte line
     OUT_LINE = 16  # output words in a 128-byte line
 
     @cuda.jit(device=True, inline="always")

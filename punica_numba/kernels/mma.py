@@ -40,7 +40,7 @@ import torch
 from numba import float32, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .dtypes import bf16_pair
+from .dtypes import bf16_pair, f16_pair_values
 
 __all__ = [
     "FRAGMENT_WORDS",
@@ -48,6 +48,7 @@ __all__ = [
     "mma_into",
     "mma_m16n8k16",
     "pair_of",
+    "split_f16_pair",
     "split_pair",
 ]
 
@@ -83,6 +84,18 @@ def split_pair(v0, v1):
     rest0 = float32(0.0) if math.isinf(v0) else v0 - cut0
     rest1 = float32(0.0) if math.isinf(v1) else v1 - cut1
     return hi, bf16_pair(rest0, rest1)
+
+
+@cuda.jit(device=True)
+def split_f16_pair(pair):
+    """A fragment register of two fp16 (bits 0-15, 16-31) as two of bf16, ``(hi, lo)``,
+    with ``hi + lo`` each fp16 value **exactly**: :func:`split_pair` of their fp32 values.
+    An fp16 value has 11 significant bits, ``hi`` keeps the top 8 and ``lo`` the other 3,
+    which bf16 holds whole; bf16 has fp32's exponents, so the fp16 subnormals (down to
+    2**-24) and 65504 split as exactly as the rest. An infinity is ``(inf, 0)``, a NaN
+    stays a NaN in ``hi`` or ``lo``."""
+    v0, v1 = f16_pair_values(pair)
+    return split_pair(v0, v1)
 
 
 @functools.cache

@@ -107,15 +107,17 @@ def mma_expand_operands(
     are multiples of 8); ``wide_x``: the buffer in 16-byte loads (fp32, a rank that is a
     multiple of 16, contiguous rows that start at multiples of 16 bytes); ``wide_b``: B
     in 16-byte loads (a rank that is a multiple of 32, rows at multiples of 16 bytes).
-    It takes bf16 B and output, a buffer of fp32 (split in two bf16 halves) or
-    bf16 (as its int16 bits), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole int64 words
-    (four elements: ``packed``, from :func:`weight_words`, None where there are none), and
-    an output it can read and write in words of four columns: every slice's first column
-    and width a multiple of 4 (:mod:`..kernels.expand_mma`)."""
+    It takes B and an output of one dtype, bf16 or fp16 (fp16 B split in two bf16 halves,
+    exactly), a buffer of fp32 (split in two bf16 halves) or of B's dtype (bf16 as its
+    int16 bits, fp16 split as fp32 is), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole
+    int64 words (four elements: ``packed``, from :func:`weight_words`, None where there are
+    none), and an output it can read and write in words of four columns: every slice's
+    first column and width a multiple of 4 (:mod:`..kernels.expand_mma`, "Precision")."""
+    dtype = weights[0].dtype
     if (
-        weights[0].dtype != torch.bfloat16
-        or output.dtype != torch.bfloat16
-        or inputs.dtype not in (torch.float32, torch.bfloat16)
+        dtype not in MMA_DTYPES
+        or output.dtype != dtype
+        or inputs.dtype not in (torch.float32, dtype)
         or not 0 < weights[0].cols <= MMA_MAX_RANK
         or any(c % 4 or w.rows % 4 for c, w in zip(columns, weights))
     ):
@@ -123,7 +125,7 @@ def mma_expand_operands(
     out = words(output)
     if packed is None or out is None:
         return None
-    x = inputs if inputs.dtype == torch.float32 else inputs.view(torch.int16)
+    x = inputs.view(torch.int16) if inputs.dtype == torch.bfloat16 else inputs
     wide = rows_start_at(output, 16) and all(
         c % 8 == 0 and w.rows % 8 == 0 for c, w in zip(columns, weights)
     )
