@@ -10,7 +10,9 @@ at random. What is timed is the op of ``add_lora_fused_moe``
 before (:func:`punica_numba.moe_meta.align_pairs`, block size 16), as vLLM's
 ``fused_moe_lora`` is timed, the same way as the linear ops (:mod:`punica_numba.bench`:
 a pool of argument sets larger than twice the L2, checked against the float64
-reference on the first, CUDA-graph replays timed with CUDA events).
+reference on the first, CUDA-graph replays timed with CUDA events), with the kernels of
+``--version`` (:data:`punica_numba.ops.moe.VERSIONS`; 1 by default), which each record
+names.
 
 The byte floor of a case is what the op must move at the least: the A and B of every
 (adapter, expert) its pairs use, once; the input rows; the output rows of every pair,
@@ -30,7 +32,7 @@ import torch
 from . import bench, reference
 from ._cuda import SIMULATOR, device_of
 from .moe_meta import align_pairs
-from .ops.moe import fused_moe_lora
+from .ops.moe import VERSIONS, fused_moe_lora
 
 __all__ = [
     "MoECase",
@@ -189,7 +191,7 @@ def measure(case: MoECase, make_call) -> tuple[float, float, dict, int]:
 
 def run_case(case: MoECase, bandwidth: float, version: int = 1) -> dict:
     """Check the first argument set against the reference, then time the pool, with the
-    shrink of ``version`` (``ops.moe.fused_moe_lora``)."""
+    kernels of ``version`` (``ops.moe.fused_moe_lora``)."""
     us, error, first, pool = measure(case, lambda args: _call(case, args, version))
     floor = floor_bytes(case, first)
     return {
@@ -203,7 +205,8 @@ def run_case(case: MoECase, bandwidth: float, version: int = 1) -> dict:
         else None,
         "relative_error": error,
         "pool": pool,
-        "shrink_version": version,
+        "version": version,
+        "shrink_version": version,  # (the key of records made before version 3)
     }
 
 
@@ -226,11 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="the commit measured (default: git HEAD)")
     parser.add_argument("--quick", action="store_true", help="tiny cases (the simulator's)")
     parser.add_argument(
+        "--version",
         "--shrink-version",
+        dest="version",
         type=int,
-        choices=(1, 2),
+        choices=VERSIONS,
         default=1,
-        help="the shrink kernel: 1 a thread per output, 2 shared-memory tiles",
+        help="the kernels (ops.moe): 1 a thread per output, 2 the shrink in shared-memory "
+        "tiles, 3 the shrink with K split across a block and the expand with B in registers "
+        "(--shrink-version: the same, its earlier name)",
     )
     args = parser.parse_args(argv)
     cases = default_cases(quick=args.quick or SIMULATOR)
@@ -239,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = 0.0 if SIMULATOR else bench.copy_bandwidth_tbps()
     records = []
     for case in tqdm(cases, desc="bench --moe", unit="case", file=sys.stderr):
-        records.append(run_case(case, bandwidth, args.shrink_version))
+        records.append(run_case(case, bandwidth, args.version))
         if not SIMULATOR:
             torch.cuda.empty_cache()
     print(_table(records))

@@ -9,21 +9,28 @@
    projection (rows per token) and the down projection (rows per pair, weighted).
 3. On a GPU: no sync with the host, and a CUDA graph of it replays what it computes
    eagerly for new routings.
+4. The op, with the kernels of every version, and the wrapper's calls give the
+   reference; version 3's tiles are crossed (rank groups, chunks of a block's pairs,
+   column groups, K in whole words or not).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import types
+import warnings
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from punica_numba import reference
+from punica_numba import bench_moe, reference
 from punica_numba.mapping import LoRAMapping
 from punica_numba.moe_meta import MoEBlocks, align_pairs, aligned_sizes
-from punica_numba.ops.moe import fused_moe_lora
+from punica_numba.ops import moe as moe_ops
+from punica_numba.ops.moe import VERSIONS, fused_moe_lora
 from punica_numba.wrapper import PunicaWrapperNumba
 
 from .strategies import DEVICE, LARGE
@@ -275,7 +282,9 @@ def test_align_pairs_never_syncs_and_replays_in_a_cuda_graph():
 
     topk_ids, slots = routing()
     on = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # (torch warns that the debug mode is a prototype)
+        warnings.filterwarnings("ignore", "Synchronization debug mode", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
     try:
         align_pairs(topk_ids, slots, E, B, L, on)  # (warm-up: raises on any sync)
     finally:
@@ -325,7 +334,6 @@ class MoECase:
         self.K, self.N = (hidden, inter) if self.projection == "w13" else (inter, hidden)
         self.offset = draw(st.integers(0, 2), label="offset")
         self.add_inputs = draw(st.booleans(), label="add_inputs")
-        self.version = draw(st.sampled_from([1, 2]), label="shrink version")
         self.dtype = draw(st.sampled_from(DTYPES), label="dtype")
         self.slots = draw(st.lists(st.integers(-1, self.L - 1), min_size=self.M, max_size=self.M))
         self.enabled = draw(st.lists(st.booleans(), min_size=self.L, max_size=self.L))
@@ -386,16 +394,17 @@ def check_against_reference(case: MoECase, y, d, before) -> None:
 MOE_EXAMPLES = settings(max_examples=min(settings().max_examples, 40))
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @MOE_EXAMPLES
 @given(moe_cases())
-def test_fused_moe_lora_matches_the_reference(case):
+def test_fused_moe_lora_matches_the_reference(version, case):
     d = case.data()
     blocks = align_pairs(d["topk_ids"], d["slots"], case.E, case.B, case.L, d["enabled"])
     y, before = d["y"], d["y"].clone()
     fused_moe_lora(
         y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
         block_size=case.B, mul_routed_weight=case.mul, offset=case.offset,
-        add_inputs=case.add_inputs, version=case.version,
+        add_inputs=case.add_inputs, version=version,
     )  # fmt: skip
     check_against_reference(case, y, d, before)
 
@@ -575,19 +584,20 @@ def _named_result(mul_routed_weight: bool = False, **options):
     return y, want, d
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("mul_routed_weight", [False, True], ids=["w13", "w2"])
 def test_each_pair_reads_its_own_row_of_the_down_projection(mul_routed_weight, version):
     """w13 reads a token's row for each of its pairs; w2 (mul_routed_weight) the pair's;
-    with either shrink."""
+    with the kernels of every version."""
     _named_result(mul_routed_weight, version=version)
 
 
-def test_a_slot_turned_off_after_the_blocks_were_made_is_skipped():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_slot_turned_off_after_the_blocks_were_made_is_skipped(version):
     """The kernels read ``adapter_enabled`` themselves: blocks made while slot 1 was on
     add nothing for it once it is off."""
     off = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
-    y, _, d = _named_result(adapter_enabled=off)
+    y, _, d = _named_result(adapter_enabled=off, version=version)
     assert torch.equal(y[1], d["y"][1])  # token 1 is slot 1's
 
 
@@ -651,12 +661,14 @@ def test_the_wrapper_aligns_the_mapping_it_is_given_and_global_experts():
     assert int(want.num_tokens_post_padded[0]) == 0
 
 
-def test_without_add_inputs_each_pair_in_a_block_holds_its_delta_alone():
-    _, want, d = _named_result(add_inputs=False)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_without_add_inputs_each_pair_in_a_block_holds_its_delta_alone(version):
+    _, want, d = _named_result(add_inputs=False, version=version)
     assert not torch.equal(want, d["y"].double())  # (the old values are gone)
 
 
-def test_blocks_of_experts_that_are_not_local_add_nothing():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_blocks_of_experts_that_are_not_local_add_nothing(version):
     """Under expert parallelism ``expert_map`` names the experts held here; a block of an
     expert held elsewhere is -1, and the kernels skip it."""
     gen = torch.Generator().manual_seed(11)
@@ -672,7 +684,7 @@ def test_blocks_of_experts_that_are_not_local_add_nothing():
     y = torch.randn(M, top_k, N, generator=gen).to(DEVICE)
     blocks = align_pairs(topk, slots, E_global, B, L, on, expert_map)
     got = y.clone()
-    fused_moe_lora(got, x, a, b, w, *blocks, on, block_size=B)
+    fused_moe_lora(got, x, a, b, w, *blocks, on, block_size=B, version=version)
     local = torch.where(topk >= 0, expert_map[topk.clamp(min=0)], -1)  # -1: elsewhere
     want = reference.fused_moe_lora(y, x, a, b, local, w, slots)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -706,10 +718,113 @@ def test_the_tiled_shrink_takes_blocks_up_to_its_tiles_and_leaves_larger_ones(mo
     assert len(built) == 1  # the first block size only
 
 
-def test_an_unknown_version_is_rejected_by_name():
+@pytest.mark.parametrize("version", [0, max(VERSIONS) + 1])
+def test_an_unknown_version_is_rejected_by_name(version):
     d, blocks, B = _named_call(False)
+    before = d["y"].clone()
     with pytest.raises(ValueError, match="version"):
         fused_moe_lora(
             d["y"], d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
-            block_size=B, version=3,
+            block_size=B, version=version,
         )  # fmt: skip
+    assert torch.equal(d["y"], before)
+
+
+# -- 5. version 3's tiles --------------------------------------------------------------------
+
+
+def _recording_builds(monkeypatch) -> list:
+    """``(builder, arguments)`` of every kernel version 3's two builders are asked for."""
+    built = []
+    for module, name in (
+        (moe_ops.split_shrink, "build_moe_split_shrink_kernel"),
+        (moe_ops.columns_expand, "build_moe_columns_expand_kernel"),
+    ):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, real=real, name=name: built.append((name, a)) or real(*a)
+        )
+    return built
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("projection", ["w13", "w2"])
+@pytest.mark.parametrize("whole_words", [False, True], ids=["K-odd", "K-in-int64-words"])
+def test_version_3_crosses_its_rank_groups_chunks_of_pairs_and_column_groups(
+    whole_words, projection, dtype, monkeypatch
+):
+    """Sizes just past each of version 3's tiles, from its own parameters (the
+    simulator's or the GPU's): a rank of more than TILE_N ranks and no multiple of them,
+    blocks of more pairs than TILE_P (and blocks of one pair, then padding), more columns
+    than a column group, and K longer than one step of a block's loads, odd (a word per
+    element) or in whole int64 words one past the step."""
+    shrink, expand = moe_ops.SPLIT_SHRINK, moe_ops.COLUMNS_EXPAND
+    step = shrink.threads * shrink.unroll  # words of K a block loads at once
+    rank = 2 * shrink.tile_n + 1
+    vec, _ = moe_ops.columns_shape(rank)
+    K = 4 * (step + 1) if whole_words else step + 5
+    N = 2 * expand.threads * vec + 1
+    B = 2 * shrink.tile_p + 1  # pairs a block
+    M, top_k, E, L = B + 3, 2, 2, 2
+    mul, S = projection == "w2", 2 if projection == "w13" else 1
+    gen = torch.Generator().manual_seed(5)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    d = dict(
+        x=randn(M * top_k if mul else M, K),
+        lora_a=[randn(L, E, rank, K) for _ in range(S)],
+        lora_b=[randn(L, E, N, rank) for _ in range(S)],
+        topk_ids=torch.tensor([[0, 1]] * M, device=DEVICE),  # every token on both experts
+        topk_weights=torch.rand(M, top_k, generator=gen).to(DEVICE),
+        # B + 1 tokens on slot 0: a full block and a block of one pair per expert; one
+        # token on slot 1, one on none
+        slots=torch.tensor([0] * (B + 1) + [1, -1], device=DEVICE),
+        enabled=torch.ones(L, dtype=torch.int32, device=DEVICE),
+    )
+    blocks = align_pairs(d["topk_ids"], d["slots"], E, B, L, d["enabled"])
+    ids, P = blocks.sorted_token_ids, M * top_k
+    real = torch.stack(
+        [(ids[:, i : i + B] < P).sum(1) for i in range(0, ids.shape[1], B)], 1
+    )  # [L, NB] the pairs of each block
+    assert real.max() > shrink.tile_p and real.max() > expand.tile_p and (real == 1).any()
+    assert rank > shrink.tile_n and rank % shrink.tile_n and N > expand.threads * vec
+    case = types.SimpleNamespace(
+        mul=mul, offset=1, add_inputs=True, K=K, r=rank, S=S, N=N, dtype=dtype
+    )
+    y = randn(M, top_k, 1 + S * N + 1)
+    before = y.clone()
+    built = _recording_builds(monkeypatch)
+    fused_moe_lora(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+        block_size=B, mul_routed_weight=mul, offset=1, version=3,
+    )  # fmt: skip
+    check_against_reference(case, y, d, before)
+    (shrink_name, shrink_args), (expand_name, _) = built
+    assert (shrink_name, expand_name) == (
+        "build_moe_split_shrink_kernel",
+        "build_moe_columns_expand_kernel",
+    )
+    assert shrink_args[-1] == whole_words  # x and A as int64 words, or element by element
+    words = K // (8 // dtype.itemsize) if whole_words else K
+    assert words > step and words % step, "K must end in a part of a step"
+
+
+def test_version_3s_expand_holds_at_most_its_values_of_b_and_of_buffer_rows():
+    config = moe_ops.ColumnsExpand(threads=128, vec=4, tile_p=4, values=64)
+    assert moe_ops.columns_shape(1, config) == (4, 4)
+    assert moe_ops.columns_shape(16, config) == (4, 4)
+    assert moe_ops.columns_shape(24, config) == (2, 2)
+    assert moe_ops.columns_shape(64, config) == (1, 1)
+    assert moe_ops.columns_shape(128, config) == (1, 1)  # at least 1 (a larger rank spills)
+    assert moe_ops.columns_shape(8, config._replace(vec=2, tile_p=8)) == (2, 8)
+
+
+def test_the_moe_benchmark_runs_the_version_it_is_given(tmp_path, capsys):
+    """``bench --moe --version 3``: every case checked, then timed, and recorded as 3's."""
+    out = tmp_path / "moe.json"
+    assert bench_moe.main(["--quick", "--json", str(out), "--version", "3"]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert cases and all(c["version"] == 3 for c in cases)
+    assert "moe w2" in capsys.readouterr().out

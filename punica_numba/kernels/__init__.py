@@ -15,7 +15,9 @@
   per slot;
 * :mod:`.moe_blocks`, :mod:`.moe_shrink`, :mod:`.moe_expand` MoE LoRA: both ops over blocks
   of (token, expert) pairs, one (slot, expert) a block; :mod:`.moe_shrink_tiled` the
-  shrink's second version, in shared-memory tiles;
+  shrink's second version, in shared-memory tiles; :mod:`.moe_shrink_split` and
+  :mod:`.moe_expand_columns` the third, K split over a block's threads and columns
+  whose rows of B stay in registers;
 * :mod:`.dependent_launch` every kernel's first step, ``begin()``: on Hopper, wait for the
   kernels before it (which a dependent launch does not).
 """

@@ -2,8 +2,16 @@
 
 The op of vLLM's ``add_lora_fused_moe``: a shrink of every pair's input row into an fp32
 buffer ``[S, P, r]`` by its slot's and expert's A, then an expand of that buffer by the
-same B into the pair's row of ``y`` (:mod:`..kernels.moe_shrink`,
-:mod:`..kernels.moe_expand`). The pairs arrive in blocks
+same B into the pair's row of ``y``, by the kernels of one ``version``:
+
+1. a thread per output (:mod:`..kernels.moe_shrink`, :mod:`..kernels.moe_expand`);
+2. the shrink in shared-memory tiles (:mod:`..kernels.moe_shrink_tiled`), the expand of 1;
+3. the shrink with K split across a CUDA block's threads
+   (:mod:`..kernels.moe_shrink_split`), the expand with a thread's columns of B in
+   registers (:mod:`..kernels.moe_expand_columns`); their compile-time parameters are
+   :data:`SPLIT_SHRINK` and :data:`COLUMNS_EXPAND`.
+
+The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
 made with the same ``block_size``. Every argument is checked before anything is
 launched; the metadata's values are not (that would need a sync), but the kernels read
@@ -14,17 +22,21 @@ out of bounds.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from .._checks import check_bool, check_int, check_sequence, check_tensor
 from .._cuda import KERNEL_DTYPES, SIMULATOR
+from ..kernels import moe_expand_columns as columns_expand
+from ..kernels import moe_shrink_split as split_shrink
 from ..kernels import moe_shrink_tiled as tiled_shrink
 from ..kernels.moe_blocks import MAX_MOE_SLICES
 from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
 from ..moe_meta import check_adapter_enabled
 from .launching import launcher_of
+from .operands import words
 
 __all__ = ["fused_moe_lora"]
 
@@ -33,8 +45,56 @@ THREADS = 8 if SIMULATOR else 128
 
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
-#: The shrink's kernel versions (``version``).
-VERSIONS = (1, 2)
+#: The kernel versions (``version``; module docstring).
+VERSIONS = (1, 2, 3)
+
+
+class SplitShrink(NamedTuple):
+    """Version 3's shrink (:mod:`..kernels.moe_shrink_split`): threads per CUDA block (a
+    power of two, at least ``tile_n * tile_p``), the ranks and the pairs of one chunk's
+    sums, and the strides of K whose loads a thread issues together."""
+
+    threads: int
+    tile_n: int
+    tile_p: int
+    unroll: int
+
+
+class ColumnsExpand(NamedTuple):
+    """Version 3's expand (:mod:`..kernels.moe_expand_columns`): threads per CUDA block,
+    the columns a thread owns and the pairs whose loads it issues together, each lowered
+    (to 1 at the least) until it holds at most ``values`` fp32 of B, and as many of the
+    buffer rows, in registers (:func:`columns_shape`)."""
+
+    threads: int
+    vec: int
+    tile_p: int
+    values: int
+
+
+#: Version 3's compile-time parameters, in one place. On the simulator, where every CUDA
+#: thread is a Python thread, a few threads and small tiles (that rank groups, chunks of
+#: pairs and column groups are crossed at test sizes). The GPU's are a first choice from
+#: one short sweep of ``bench --moe --version 3`` on an H200 (not yet recorded in
+#: docs/benchmarks): to be tuned here.
+SPLIT_SHRINK = (
+    SplitShrink(threads=4, tile_n=2, tile_p=2, unroll=2)
+    if SIMULATOR
+    else SplitShrink(threads=64, tile_n=4, tile_p=2, unroll=2)
+)
+COLUMNS_EXPAND = (
+    ColumnsExpand(threads=2, vec=2, tile_p=2, values=64)
+    if SIMULATOR
+    else ColumnsExpand(threads=128, vec=4, tile_p=2, values=64)
+)
+
+
+def columns_shape(rank: int, config: ColumnsExpand = COLUMNS_EXPAND) -> tuple[int, int]:
+    """``(vec, tile_p)`` of version 3's expand at ``rank``: ``config``'s, lowered until a
+    thread's rows of B (``vec * rank`` fp32) and its chunk's buffer rows (``tile_p *
+    rank``) each fit ``config.values`` (at least 1 each: a larger rank spills)."""
+    fit = max(1, config.values // rank)
+    return min(config.vec, fit), min(config.tile_p, fit)
 
 
 @torch.no_grad()
@@ -73,10 +133,14 @@ def fused_moe_lora(
         In fp32; the shrink's product is kept in fp32 (vLLM rounds it to y's dtype). Pairs
         in no block are untouched.
 
-    ``version`` picks the shrink kernel: 1, a thread per output (:mod:`..kernels.moe_shrink`);
-    2, the block's pairs and A in shared-memory tiles (:mod:`..kernels.moe_shrink_tiled`),
-    where a block holds at most its ``MAX_PAIRS`` pairs and the rank is at most its
-    ``MAX_RANK`` (else 1). The same sums in another order; 1 until 2 is measured.
+    ``version`` picks the kernels: 1, a thread per output (:mod:`..kernels.moe_shrink`,
+    :mod:`..kernels.moe_expand`); 2, the shrink in shared-memory tiles of the block's
+    pairs and A (:mod:`..kernels.moe_shrink_tiled`), where a block holds at most its
+    ``MAX_PAIRS`` pairs and the rank is at most its ``MAX_RANK`` (else 1's), with 1's
+    expand; 3, the shrink with K split across a CUDA block's threads
+    (:mod:`..kernels.moe_shrink_split`) and the expand with each thread's columns of B
+    in registers (:mod:`..kernels.moe_expand_columns`). The same sums in other orders;
+    1 by default until timings of 2 and 3 are recorded.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
@@ -152,6 +216,13 @@ def fused_moe_lora(
     weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
     grid = (expert_ids.shape[1], L, len(a))
     metadata = (sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled)
+    if version == 3:
+        _split_and_columns(
+            y.view(num_pairs, columns), x, a, b, buffer, weights, metadata, top_k=top_k,
+            block_size=block_size, by_pair=mul_routed_weight, offset=offset,
+            add_inputs=add_inputs,
+        )  # fmt: skip
+        return
     w0, w1 = a[0], a[-1]  # (one slice: the same weight twice, never read twice)
     tiled = version == 2 and block_size <= tiled_shrink.MAX_PAIRS and rank <= tiled_shrink.MAX_RANK
     build = tiled_shrink.build_moe_tiled_shrink_kernel if tiled else build_moe_shrink_kernel
@@ -174,6 +245,59 @@ def fused_moe_lora(
             mul_routed_weight,
             add_inputs,
         ),
+    )
+
+
+def _split_and_columns(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    buffer: torch.Tensor,
+    weights: torch.Tensor,
+    metadata: tuple,
+    *,
+    top_k: int,
+    block_size: int,
+    by_pair: bool,
+    offset: int,
+    add_inputs: bool,
+) -> None:
+    """Version 3's two launches on checked arguments: ``out`` [P, W] (y's rows of pairs),
+    ``buffer`` [S, P, r] fp32, ``weights`` [P] fp32. x and A go as packed int64 words
+    where every one of them allows it, B likewise (:func:`.operands.words`)."""
+    blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
+    slices, rank, width = len(a), a[0].shape[2], b[0].shape[2]
+
+    shrink_config, dtype = SPLIT_SHRINK, a[0].dtype
+    x_words, a_words = words(x), [words(w) for w in a]
+    packed = x_words is not None and all(w is not None for w in a_words)
+    if packed:
+        x, a = x_words, a_words
+    shrink = launcher_of(split_shrink.build_moe_split_shrink_kernel(dtype, *shrink_config, packed))
+    rank_groups = -(-rank // shrink_config.tile_n)
+    shrink(
+        (blocks, slots, slices * rank_groups),
+        shrink_config.threads,
+        (x, a[0], a[-1], buffer, *metadata, top_k, block_size, by_pair),
+    )
+
+    expand_config = COLUMNS_EXPAND
+    vec, tile_p = columns_shape(rank, expand_config)
+    b_words = [words(w) for w in b]
+    packed_b = all(w is not None for w in b_words)
+    wide = rank % 4 == 0 and buffer.data_ptr() % 16 == 0  # every buffer row at 16 bytes
+    shape = (expand_config.threads, vec, tile_p, rank)
+    options = (packed_b, wide, by_pair, add_inputs)
+    expand = launcher_of(
+        columns_expand.build_moe_columns_expand_kernel(b[0].dtype, out.dtype, *shape, *options)
+    )
+    kernel_b = b_words if packed_b else b
+    column_groups = -(-width // (expand_config.threads * vec))
+    expand(
+        (blocks, slots, slices * column_groups),
+        expand_config.threads,
+        (buffer, kernel_b[0], kernel_b[-1], out, weights, *metadata, block_size, offset),
     )
 
 

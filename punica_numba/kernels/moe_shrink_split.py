@@ -1,0 +1,179 @@
+"""The MoE LoRA shrink, third rung: K split across a CUDA block's threads.
+
+The same sums as :mod:`.moe_shrink` (each pair's input row times ``A[l, e]`` of its
+block, stored into the fp32 buffer ``[S, P, r]``). The first rung gives each dot product
+of length K to one thread, which runs K dependent steps; here a CUDA block shares each
+one, the way the linear shrink does (:mod:`.shrink`), so a thread runs K / THREADS.
+
+Work split:
+
+* ``blockIdx.x``: the block b of pairs of the row (:mod:`.moe_blocks`);
+* ``blockIdx.y``: the row, the slot l;
+* ``blockIdx.z``: the slice s and a group of ``TILE_N`` ranks, ``z = s * G + g`` with
+  ``G = ceil(r / TILE_N)`` groups a slice, so that even one token, whose ``top_k`` pairs
+  sit in ``top_k`` blocks of one pair each, makes ``top_k * S * G`` CUDA blocks.
+
+Inside a CUDA block the block's pairs go in chunks of ``TILE_P``. For a chunk, thread
+``tid`` walks K one *word* at a time, ``k = tid, tid + THREADS, ...`` (a word: one
+element, or an int64 of ``PACK`` elements read with one 8-byte load, :mod:`.dtypes`),
+issuing ``UNROLL`` strides' loads before it uses any, and keeps the chunk's ``TILE_P x
+TILE_N`` partial dot products in registers. The block then adds its threads' partials
+in a fixed order (:func:`.shrink.block_sum`), and thread ``i * TILE_N + j`` stores the
+sum of pair i and rank ``g * TILE_N + j``. A chunk whose entries are all padding is
+skipped (every thread reads the same entries, so the whole block skips it together);
+padding inside a chunk (an entry ``>= P``) reads row 0 of x, in bounds, and stores
+nothing. Deterministic: every output is stored by one thread, and its sum's order
+depends only on ``THREADS``.
+
+**Two trips at once.** A block must find its pairs (``sorted_token_ids``) and its
+expert (``expert_ids``, in :func:`.moe_blocks.block_in_use`) before it loads anything
+else: the rows of x depend on the pairs, the rows of A on the expert. The first
+chunk's entries are read before the block's expert is, so the two lookups, and then
+the loads of x and of A, are in flight together rather than one after the other.
+
+Memory traffic per CUDA block in use (pairs ``p <= block_size``, ``c = ceil(p /
+TILE_P)`` chunks): ``c * TILE_N * K`` of A (the same ``TILE_N`` rows for every chunk,
+from L1 after the first), ``c * TILE_P * K`` of x (padding rows included), and ``p *
+TILE_N`` fp32 stores; a launch reads each pair's input row once per rank group and
+slice. No GPU timing of it is recorded yet (docs/benchmarks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from numba import float32, int64
+
+from .._cuda import cuda, jit_kernel
+from .dependent_launch import prologue
+from .dtypes import memory_type, packing, word_loader
+from .moe_blocks import block_in_use
+from .shrink import block_sum
+
+__all__ = ["build_moe_split_shrink_kernel"]
+
+
+@functools.cache
+def build_moe_split_shrink_kernel(
+    dtype: torch.dtype, threads: int, tile_n: int, tile_p: int, unroll: int, packed: bool
+):
+    """The shrink, specialised on the dtype of x and A, the threads per block, the ranks
+    (``tile_n``) and pairs (``tile_p``) of one chunk's products, the strides of K whose
+    loads are issued together (``unroll``), and whether x and A arrive as packed int64
+    words.
+
+    They must be constants: they size the local (register) and shared arrays and the
+    loops over them, which Numba unrolls only when the trip count is known.
+    """
+    if threads & (threads - 1):
+        raise ValueError(f"threads must be a power of two for the block's sum, got {threads}")
+    if tile_n * tile_p > threads:
+        raise ValueError(
+            f"a chunk's {tile_p} x {tile_n} sums need as many threads to store them, got {threads}"
+        )
+    load = word_loader(dtype, packed)
+    WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
+    THREADS, TILE_N, TILE_P, UNROLL = threads, tile_n, tile_p, unroll
+    PACK = packing(dtype, packed)
+    PARTIALS = TILE_P * TILE_N  # a chunk's dot products: partials[i * TILE_N + j]
+    X_WORDS, A_WORDS = UNROLL * TILE_P, UNROLL * TILE_N  # words a thread holds at once
+    STEP = THREADS * UNROLL  # words of K a block's loads cover at once
+    # The threads' partial sums, added in an order fixed for THREADS.
+    add_up, TREE_WIDTH = block_sum(threads, PARTIALS)
+
+    @cuda.jit(device=True, inline="always")
+    def read_chunk(rows, sorted_ids, slot, start, first, pairs, num_pairs, top_k, by_pair, tid):
+        """Entries ``first .. first + TILE_P - 1`` of the block: each one's input row into
+        ``rows`` (row 0 for padding and past the block: in bounds, never stored), and
+        ``(mine, any_pair)``: the pair whose sums thread ``tid`` stores (-1: none), and
+        whether the chunk holds a pair at all."""
+        mine = int64(-1)
+        any_pair = False
+        for i in range(TILE_P):  # i in [0, TILE_P), unrolled
+            entry = first + i
+            pair = sorted_ids[slot, start + min(entry, pairs - 1)]
+            real = entry < pairs and 0 <= pair < num_pairs  # (padding is num_pairs)
+            rows[i] = (pair if by_pair else pair // top_k) if real else 0
+            any_pair = any_pair or real
+            if real and i == tid // TILE_N:
+                mine = pair
+        return mine, any_pair
+
+    begin = prologue()
+
+    @jit_kernel(THREADS)
+    def moe_shrink_split(
+        x, w0, w1, out, sorted_ids, expert_ids, num_post_pad, enabled, top_k, block_size, by_pair
+    ):
+        # x: [M or P, K/PACK] words; w*: [L, E, r, K/PACK] words; out: [S, P, r] fp32,
+        # stored; sorted_ids: [L, EM]; expert_ids: [L, NB]; num_post_pad: [L]; enabled: [>= L]
+        begin()  # wait for the kernels before this one (dependent_launch)
+        b, slot = cuda.blockIdx.x, cuda.blockIdx.y
+        rank, words = w0.shape[2], x.shape[1]
+        groups = (rank + TILE_N - 1) // TILE_N  # rank groups a slice
+        s = 1 if cuda.blockIdx.z >= groups else 0  # (at most two slices: no division)
+        n0 = (cuda.blockIdx.z - s * groups) * TILE_N  # the group's first rank
+        w = w0 if s == 0 else w1
+        num_pairs = out.shape[1]
+        tid = cuda.threadIdx.x
+        start = b * block_size
+        pairs = min(block_size, sorted_ids.shape[1] - start)  # (the grid keeps start in the row)
+
+        rows = cuda.local.array(TILE_P, int64)  # the chunk's input rows
+        partial = cuda.local.array(PARTIALS, float32)
+        xw = cuda.local.array(X_WORDS, WORD)  # xw[u * TILE_P + i]: pair i, stride u
+        aw = cuda.local.array(A_WORDS, WORD)  # aw[u * TILE_N + j]: rank n0 + j, stride u
+        xv = cuda.local.array(TILE_P, float32)  # one element of each pair's word
+        tree = cuda.shared.array((PARTIALS, TREE_WIDTH), float32)
+
+        # The first chunk's entries, then the block's expert: two trips to memory in flight
+        # together (module notes).
+        mine, any_pair = read_chunk(
+            rows, sorted_ids, slot, start, 0, pairs, num_pairs, top_k, by_pair, tid
+        )
+        _, _, expert = block_in_use(
+            b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, w.shape[1]
+        )
+        if expert == -1:
+            return  # the whole block leaves together, before any barrier
+
+        first = 0
+        while True:  # chunks: entries first .. first + TILE_P - 1 of the block
+            if any_pair:
+                for q in range(PARTIALS):
+                    partial[q] = float32(0.0)
+                # k in [0, K/PACK), strided by THREADS; UNROLL strides' loads are issued
+                # together (past the end: a repeat of the last word, never added).
+                for k0 in range(tid, words, STEP):
+                    for u in range(UNROLL):
+                        k = min(k0 + u * THREADS, words - 1)
+                        for j in range(TILE_N):  # rank n0 + j; past the rank: a repeat
+                            aw[u * TILE_N + j] = w[slot, expert, min(n0 + j, rank - 1), k]
+                        for i in range(TILE_P):
+                            xw[u * TILE_P + i] = x[rows[i], k]
+                    for u in range(UNROLL):
+                        if k0 + u * THREADS < words:
+                            for lane in range(PACK):  # the elements of one word, unrolled
+                                for i in range(TILE_P):
+                                    xv[i] = load(xw[u * TILE_P + i], lane)
+                                for j in range(TILE_N):
+                                    a = load(aw[u * TILE_N + j], lane)
+                                    for i in range(TILE_P):
+                                        partial[i * TILE_N + j] += xv[i] * a
+
+                add_up(partial, tree, tid)  # the THREADS partials of each sum, in order
+
+                if tid < PARTIALS:
+                    n = n0 + tid % TILE_N
+                    if mine != -1 and n < rank:
+                        out[s, mine, n] = tree[tid, 0]
+                cuda.syncthreads()  # the tree is reused by the next chunk
+            first += TILE_P
+            if first >= pairs:
+                break
+            mine, any_pair = read_chunk(
+                rows, sorted_ids, slot, start, first, pairs, num_pairs, top_k, by_pair, tid
+            )
+
+    return moe_shrink_split
