@@ -39,8 +39,10 @@ from punica_numba import _cuda, kernels, ops
 from punica_numba.kernels import dependent_launch as prologue_module
 from punica_numba.launch import force_launch_config, launch_configs
 from punica_numba.ops import launching
+from punica_numba.ops import moe as moe_ops
 
 from .op_cases import Problem, ShrinkCase, check_expand, check_shrink, serving_expand_case
+from .test_moe import _named_result
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNELS = pathlib.Path(kernels.__file__).parent
@@ -263,16 +265,17 @@ def recorded_launchers():
         made.append(real(kernel))
         return made[-1]
 
-    launching.launcher_of = recorded
+    launching.launcher_of = moe_ops.launcher_of = recorded  # (ops.moe imports it by name)
     try:
         yield made
     finally:
-        launching.launcher_of = real
+        launching.launcher_of = moe_ops.launcher_of = real
 
 
 def _one_of_each_kernel() -> None:
-    """Run a shrink and an expand under every launch configuration of the GPU's table, and
-    a one-token shrink on a stack of one LoRA (the one-token kernel), each checked."""
+    """Run a shrink and an expand under every launch configuration of the GPU's table, a
+    one-token shrink on a stack of one LoRA (the one-token kernel), and the MoE op of every
+    version on both projections, each checked."""
     problem = Problem(slots=[0, 1] * 16, prepared=32, num_loras=2, seed=5)
     for config in launch_configs("shrink"):
         case = ShrinkCase(problem, 512, 16, 1, 0, torch.bfloat16, torch.float32, 0.5, False)
@@ -288,6 +291,9 @@ def _one_of_each_kernel() -> None:
         ops.lora_shrink,
         ShrinkCase(one, 512, 16, 1, 0, torch.bfloat16, torch.float32, 0.5, False),
     )
+    for version in moe_ops.VERSIONS:
+        for mul_routed_weight in (False, True):
+            _named_result(mul_routed_weight, version=version)
 
 
 def _module_of(kernel) -> str:
