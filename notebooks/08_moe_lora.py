@@ -264,10 +264,14 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # These kernels are correct on every case the property tests draw (`tests/test_moe.py`:
 # tiny shapes on the simulator; 64-128 experts, top-8, hidden 2048-4096, rank 16-64 on
 # a GPU), and the align step and both calls are captured in a CUDA graph there. They
-# are not yet fast: a thread per output reads its rows of A or B with no reuse beyond
-# the caches. A second shrink (`fused_moe_lora(..., version=2)`,
-# `kernels.moe_shrink_tiled`) already reads a block's pairs and its A once, in
-# shared-memory tiles, and is checked the same way. The next rungs are those of
-# notebooks 3, 4 and 6: several outputs a thread, the tensor cores where a block's pairs
-# are many, each measured on the H200 (`bench --moe`) against vLLM's `fused_moe_lora`
-# at Qwen3-30B-A3B's shape (`docs/benchmarks/peers/vllm_moe_lora.py`).
+# are not fast: a thread per output reads its rows of A or B with no reuse beyond the
+# caches. The package's later versions are the next rungs, each checked the same way:
+# 2 reads a block's pairs and its A once, in shared-memory tiles
+# (`kernels.moe_shrink_tiled`); 3, the op's default (the wrapper's call above ran it),
+# splits K across a CUDA block's threads in the shrink and keeps each thread's columns of
+# B in registers in the expand (`kernels.moe_shrink_split`, `kernels.moe_expand_columns`).
+# On an H200 at Qwen3-30B-A3B's layer (`bench --moe`) version 3 takes 0.06-0.23x this
+# rung's time, and beats vLLM's Triton `fused_moe_lora`
+# (`docs/benchmarks/peers/vllm_moe_lora.py`) with few tokens or many adapters but not
+# from 256 tokens on one to four adapters, where a block's pairs are many enough for the
+# tensor cores: the rung still to build (`docs/benchmarks/lab_notes.md`).

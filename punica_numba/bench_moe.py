@@ -11,8 +11,8 @@ before (:func:`punica_numba.moe_meta.align_pairs`, block size 16), as vLLM's
 ``fused_moe_lora`` is timed, the same way as the linear ops (:mod:`punica_numba.bench`:
 a pool of argument sets larger than twice the L2, checked against the float64
 reference on the first, CUDA-graph replays timed with CUDA events), with the kernels of
-``--version`` (:data:`punica_numba.ops.moe.VERSIONS`; 1 by default), which each record
-names.
+``--version`` (:data:`punica_numba.ops.moe.VERSIONS`; by default the op's own,
+``DEFAULT_VERSION``), which each record names.
 
 The byte floor of a case is what the op must move at the least: the A and B of every
 (adapter, expert) its pairs use, once; the input rows; the output rows of every pair,
@@ -32,7 +32,7 @@ import torch
 from . import bench, reference
 from ._cuda import SIMULATOR, device_of
 from .moe_meta import align_pairs
-from .ops.moe import VERSIONS, fused_moe_lora
+from .ops.moe import DEFAULT_VERSION, VERSIONS, fused_moe_lora
 
 __all__ = [
     "MoECase",
@@ -129,7 +129,7 @@ def argument_set(case: MoECase, gen: torch.Generator, device) -> dict:
     )
 
 
-def _call(case: MoECase, args: dict, version: int = 1):
+def _call(case: MoECase, args: dict, version: int = DEFAULT_VERSION):
     def call() -> None:
         fused_moe_lora(
             args["y"],
@@ -189,7 +189,7 @@ def measure(case: MoECase, make_call) -> tuple[float, float, dict, int]:
     return us, error, first, len(pool)
 
 
-def run_case(case: MoECase, bandwidth: float, version: int = 1) -> dict:
+def run_case(case: MoECase, bandwidth: float, version: int = DEFAULT_VERSION) -> dict:
     """Check the first argument set against the reference, then time the pool, with the
     kernels of ``version`` (``ops.moe.fused_moe_lora``)."""
     us, error, first, pool = measure(case, lambda args: _call(case, args, version))
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         dest="version",
         type=int,
         choices=VERSIONS,
-        default=1,
+        default=DEFAULT_VERSION,
         help="the kernels (ops.moe): 1 a thread per output, 2 the shrink in shared-memory "
         "tiles, 3 the shrink with K split across a block and the expand with B in registers "
         "(--shrink-version: the same, its earlier name)",

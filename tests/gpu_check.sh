@@ -8,8 +8,9 @@
 # * ab        the benchmark at $BASE (a commit) and here, alternately, $ROUNDS times each,
 #             then `bench --compare` of the two sides (ab.txt; exit 1 if a case is > 3 %
 #             slower): a change against the code before it, on one machine in one hour
-# * moe       python -m punica_numba bench --moe, alone on the GPU; with $VLLM_SRC (vLLM
-#             0.33.0's extracted source release) also docs/benchmarks/peers/vllm_moe_lora.py
+# * moe       python -m punica_numba bench --moe of each kernel version, alone on the GPU;
+#             with $VLLM_SRC (vLLM 0.33.0's extracted source release) also
+#             docs/benchmarks/peers/vllm_moe_lora.py
 # * demo      python -m punica_numba demo with --json and --plot, alone on the GPU
 # * suite     the whole pytest suite under HYPOTHESIS_PROFILE=gpu
 # * sanitize  tests/sanitize.sh, its four tools side by side
@@ -79,10 +80,10 @@ if want ab; then
     fi
 fi
 if want moe; then
-    for version in 1 2; do
-        "$PYTHON" -m punica_numba bench --moe --shrink-version "$version" --commit "$COMMIT" \
+    for version in 1 2 3; do
+        "$PYTHON" -m punica_numba bench --moe --version "$version" --commit "$COMMIT" \
             --json "$OUT/moe_v$version.json" >"$OUT/moe_v$version.log" 2>&1 || status=1
-        note "moe, shrink version $version: $(tail -n 1 "$OUT/moe_v$version.log")"
+        note "moe, version $version: $(tail -n 1 "$OUT/moe_v$version.log")"
     done
     if [ -n "${VLLM_SRC:-}" ]; then
         "$PYTHON" docs/benchmarks/peers/vllm_moe_lora.py --vllm-src "$VLLM_SRC" \

@@ -47,6 +47,10 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
 VERSIONS = (1, 2, 3)
+#: The version a call takes unless it asks for another: 3, which took 0.06-0.23x version
+#: 1's time on every case of ``bench --moe`` on an H200 (docs/benchmarks/h200_moe_v1.json
+#: at 00c41e9, h200_moe_v3.json at 282eaa9); version 2 has no GPU timing of its own.
+DEFAULT_VERSION = 3
 
 
 class SplitShrink(NamedTuple):
@@ -75,8 +79,8 @@ class ColumnsExpand(NamedTuple):
 #: Version 3's compile-time parameters, in one place. On the simulator, where every CUDA
 #: thread is a Python thread, a few threads and small tiles (that rank groups, chunks of
 #: pairs and column groups are crossed at test sizes). The GPU's are a first choice from
-#: one short sweep of ``bench --moe --version 3`` on an H200 (not yet recorded in
-#: docs/benchmarks): to be tuned here.
+#: one short sweep of ``bench --moe --version 3`` on an H200 (the sweep itself is not
+#: recorded; the run at 282eaa9 with these is docs/benchmarks/h200_moe_v3.json): to be tuned.
 SPLIT_SHRINK = (
     SplitShrink(threads=4, tile_n=2, tile_p=2, unroll=2)
     if SIMULATOR
@@ -113,7 +117,7 @@ def fused_moe_lora(
     mul_routed_weight: bool = False,
     offset: int = 0,
     add_inputs: bool = True,
-    version: int = 1,
+    version: int = DEFAULT_VERSION,
 ) -> None:
     """``y[t, k, slice s] += w * (row @ A_s[l, e]^T) @ B_s[l, e]^T`` for every pair in a block.
 
@@ -140,7 +144,7 @@ def fused_moe_lora(
     expand; 3, the shrink with K split across a CUDA block's threads
     (:mod:`..kernels.moe_shrink_split`) and the expand with each thread's columns of B
     in registers (:mod:`..kernels.moe_expand_columns`). The same sums in other orders;
-    1 by default until timings of 2 and 3 are recorded.
+    :data:`DEFAULT_VERSION` (3) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
