@@ -18,7 +18,9 @@ and ``--slices`` change them. On the CUDA simulator it runs a tiny smoke version
 ``--moe`` times MoE LoRA instead (:mod:`punica_numba.bench_moe`). ``--grid`` runs the
 grid of real model shapes instead (:mod:`punica_numba.bench_grid`:
 ranks 8-256, five hidden sizes, their QKV, MLP-in and MLP-out layers, 1-8192 tokens, three
-LoRA mixes, bf16 and fp16), in parts that each fit a 10-minute device limit.
+LoRA mixes, bf16 and fp16), in parts that each fit a 10-minute device limit. ``--peers``
+times the ten layers where the strongest peers were timed, beside their figures
+(:mod:`punica_numba.bench_peers`).
 """
 
 from __future__ import annotations
@@ -550,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import bench_grid
 
         return bench_grid.main([a for a in argv if a != "--grid"])
+    if "--peers" in argv:  # the layers where the strongest peers were timed
+        from . import bench_peers
+
+        return bench_peers.main([a for a in argv if a != "--peers"])
     if "--moe" in argv:  # MoE LoRA at Qwen3-30B-A3B's shape: a command of its own
         from . import bench_moe
 
@@ -585,6 +591,12 @@ def main(argv: list[str] | None = None) -> int:
         "--grid",
         action="store_true",
         help="run the grid of real model shapes instead: see `bench --grid --help`",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="time the ten layers where the strongest peers were timed, beside their "
+        "figures, instead: see `bench --peers --help`",
     )
     parser.add_argument(
         "--moe",
