@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What a change to the kernels or the wrapper must pass on a GPU, in one command:
 #
-#   tests/gpu_check.sh [STEP ...]     # steps: bench ab moe suite sanitize demo (default: all
-#                                     # but ab and moe)
+#   tests/gpu_check.sh [STEP ...]     # steps: bench ab moe peers tune grid suite sanitize demo
+#                                     # (default: bench demo suite sanitize)
 #
 # * bench     python -m punica_numba bench, alone on the GPU (its times are the point)
 # * ab        the benchmark at $BASE (a commit) and here, alternately, $ROUNDS times each,
@@ -11,6 +11,12 @@
 # * moe       python -m punica_numba bench --moe of each kernel version, alone on the GPU;
 #             with $VLLM_SRC (vLLM 0.33.0's extracted source release) also
 #             docs/benchmarks/peers/vllm_moe_lora.py
+# * peers     python -m punica_numba bench --peers: the layers the strongest peers were timed on
+# * tune      python -m punica_numba tune --quick into $OUT/configs (resumed if there), the
+#             table to copy into punica_numba/configs/ once it is whole (about 5 minutes)
+# * grid      python -m punica_numba bench --grid, the parts in $GRID_PARTS (default "1/3 2/3
+#             3/3", about 4 minutes each: split them over calls of a 10-minute limit), one
+#             JSON a part, to join with `bench --grid --merge`
 # * demo      python -m punica_numba demo with --json and --plot, alone on the GPU
 # * suite     the whole pytest suite under HYPOTHESIS_PROFILE=gpu
 # * sanitize  tests/sanitize.sh, its four tools side by side
@@ -90,6 +96,26 @@ if want moe; then
             --json "$OUT/moe_vllm.json" >"$OUT/moe_vllm.log" 2>&1 || status=1
         note "moe, vLLM 0.33: $(tail -n 1 "$OUT/moe_vllm.log")"
     fi
+fi
+if want peers; then
+    "$PYTHON" -m punica_numba bench --peers --commit "$COMMIT" --json "$OUT/peers.json" \
+        >"$OUT/peers.log" 2>&1 || status=1
+    note "peers: $(tail -n 1 "$OUT/peers.log")"
+fi
+if want tune; then
+    resume=()
+    [ -d "$OUT/configs" ] && resume=(--resume)
+    "$PYTHON" -m punica_numba tune --quick "${resume[@]}" --commit "$COMMIT" \
+        --out "$OUT/configs" >"$OUT/tune.log" 2>&1 || status=1
+    note "tune: $(tail -n 1 "$OUT/tune.log")"
+fi
+if want grid; then
+    for part in ${GRID_PARTS:-1/3 2/3 3/3}; do
+        name="grid_${part/\//of}"
+        "$PYTHON" -m punica_numba bench --grid --part "$part" --commit "$COMMIT" \
+            --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
+        note "grid $part: $(tail -n 1 "$OUT/$name.log")"
+    done
 fi
 if want demo; then
     "$PYTHON" -m punica_numba demo --no-progress --json "$OUT/demo.json" \
