@@ -274,4 +274,8 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # rung's time, and beats vLLM's Triton `fused_moe_lora`
 # (`docs/benchmarks/peers/vllm_moe_lora.py`) with few tokens or many adapters but not
 # from 256 tokens on one to four adapters, where a block's pairs are many enough for the
-# tensor cores: the rung still to build (`docs/benchmarks/lab_notes.md`).
+# tensor cores (`docs/benchmarks/lab_notes.md`). Version 4 is that rung: a block's pairs
+# as the rows of `mma.sync` tiles in both kernels (`kernels.moe_shrink_mma`,
+# `kernels.moe_expand_mma`, the fp32 buffer split into two bf16 for the expand), for bf16
+# or fp16 with K and the rank multiples of 4 (other calls run version 3's kernels); it is
+# checked like the others, but not yet timed on a GPU, so 3 stays the default.

@@ -11,7 +11,9 @@
    eagerly for new routings.
 4. The op, with the kernels of every version, and the wrapper's calls give the
    reference; version 3's tiles are crossed (rank groups, chunks of a block's pairs,
-   column groups, K in whole words or not).
+   column groups, K in whole words or not), and version 4's (rank groups, passes and
+   m-tiles of a block's pairs, column groups, K and ranks past whole tiles), with its
+   gate: what the tensor cores cannot take runs version 3's kernels.
 """
 
 from __future__ import annotations
@@ -828,3 +830,166 @@ def test_the_moe_benchmark_runs_the_version_it_is_given(tmp_path, capsys):
     cases = json.loads(out.read_text())["cases"]
     assert cases and all(c["version"] == 3 for c in cases)
     assert "moe w2" in capsys.readouterr().out
+
+
+# -- 6. version 4: the tensor cores ----------------------------------------------------------
+
+
+def _recording_all_builds(monkeypatch) -> list:
+    """``(builder, arguments)`` of every kernel versions 3's and 4's builders are asked for."""
+    built = _recording_builds(monkeypatch)
+    for module, name in (
+        (moe_ops.mma_shrink, "build_moe_mma_shrink_kernel"),
+        (moe_ops.mma_expand, "build_moe_mma_expand_kernel"),
+    ):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, real=real, name=name: built.append((name, a)) or real(*a)
+        )
+    return built
+
+
+def _one_block_call(dtype, *, rank, K, N, B, projection, offset, slices=None, pairs=None):
+    """A call whose slot 0 puts ``pairs`` pairs (B + 1 unless given) on each of two
+    experts (a full block and a block of the rest, with padding), one token on slot 1
+    and one on none: ``(case, data, blocks)``."""
+    mul = projection == "w2"
+    S = slices or (1 if mul else 2)
+    tokens = B + 1 if pairs is None else pairs
+    M, top_k, E, L = tokens + 2, 2, 2, 2
+    gen = torch.Generator().manual_seed(rank * 1000 + K * 10 + B)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    d = dict(
+        x=randn(M * top_k if mul else M, K),
+        lora_a=[randn(L, E, rank, K) for _ in range(S)],
+        lora_b=[randn(L, E, N, rank) for _ in range(S)],
+        topk_ids=torch.tensor([[0, 1]] * M, device=DEVICE),  # every token on both experts
+        topk_weights=torch.rand(M, top_k, generator=gen).to(DEVICE),
+        slots=torch.tensor([0] * tokens + [1, -1], device=DEVICE),
+        enabled=torch.ones(L, dtype=torch.int32, device=DEVICE),
+        y=randn(M, top_k, offset + S * N + 1),
+    )
+    case = types.SimpleNamespace(
+        mul=mul, offset=offset, add_inputs=True, K=K, r=rank, S=S, N=N, dtype=dtype
+    )
+    return case, d, align_pairs(d["topk_ids"], d["slots"], E, B, L, d["enabled"])
+
+
+def _run_version_4(case, d, blocks, B, monkeypatch) -> list:
+    """The op's version 4 on the call, checked against the reference; the builds asked for."""
+    y, before = d["y"], d["y"].clone()
+    built = _recording_all_builds(monkeypatch)
+    fused_moe_lora(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+        block_size=B, mul_routed_weight=case.mul, offset=case.offset, version=4,
+    )  # fmt: skip
+    check_against_reference(case, y, d, before)
+    return built
+
+
+@pytest.mark.parametrize(
+    "projection, dtype, rank",
+    [("w13", torch.bfloat16, 12), ("w2", torch.float16, 24)],
+    ids=["w13-bf16-r12", "w2-fp16-r24"],
+)
+def test_version_4_crosses_its_tiles(projection, dtype, rank, monkeypatch):
+    """Sizes past each of version 4's tiles, from its own parameters: a rank of several
+    rank groups and no multiple of 16 (the expand's last rank step half zeros; 12 not
+    even of 8: the shrink's last tile stores half its ranks), K of an odd number of words
+    and past one chunk a warp (the shrink's 16-byte loads off, its last chunk partial),
+    blocks of more than 16 pairs (two passes of the shrink, two m-tiles of the expand on
+    the simulator) and of one, more columns than a column group, and an offset."""
+    shrink, expand = moe_ops.MMA_SHRINK, moe_ops.MMA_EXPAND
+    K = 4 * (8 * shrink.threads // 32 + 1)  # words: one past a chunk for every warp
+    N = 8 * expand.n_tiles * (expand.threads // 32) * 2 + 4
+    B = 17
+    case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=N, B=B, projection=projection,
+                                      offset=1)  # fmt: skip
+    built = _run_version_4(case, d, blocks, B, monkeypatch)
+    (shrink_name, shrink_args), (expand_name, expand_args) = built
+    assert (shrink_name, expand_name) == (
+        "build_moe_mma_shrink_kernel",
+        "build_moe_mma_expand_kernel",
+    )
+    assert shrink_args == (dtype, shrink.threads, min(shrink.m_tiles, 2), shrink.n_tiles, False)
+    assert expand_args[:6] == (dtype, dtype, expand.threads, min(expand.m_tiles, 2),
+                               expand.n_tiles, rank)  # fmt: skip
+    assert rank % 16 and rank > 8 * shrink.n_tiles and N > 8 * expand.n_tiles
+
+
+@pytest.mark.parametrize(
+    "rank, B, slices, dtype",
+    [
+        (8, 1, 1, torch.bfloat16),  # blocks of one pair: 15 rows of padding a tile
+        (16, 16, 2, torch.float16),  # one whole tile, two slices
+        (32, 33, 1, torch.bfloat16),  # more pairs than two tiles: passes in both kernels
+    ],
+)
+def test_version_4_takes_ranks_and_block_sizes(rank, B, slices, dtype, monkeypatch):
+    """Ranks 8, 16, 32 (one, two and four rank tiles), K in whole 16-byte pairs of words
+    (the shrink's 16-byte loads), and blocks of 1, 16 and 33 pairs."""
+    K, N = 32, 8
+    case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=N, B=B, projection="w13",
+                                      offset=2, slices=slices, pairs=min(B + 1, 34))  # fmt: skip
+    built = _run_version_4(case, d, blocks, B, monkeypatch)
+    assert [name for name, _ in built] == [
+        "build_moe_mma_shrink_kernel",
+        "build_moe_mma_expand_kernel",
+    ]
+    assert built[0][1][-1] is True  # 16-byte loads of x and A
+
+
+@pytest.mark.parametrize(
+    "dtype, rank, K, why",
+    [
+        (torch.float32, 8, 8, "fp32: no exact 16-bit operands"),
+        (torch.bfloat16, 6, 8, "a rank that is no multiple of 4: B not in words"),
+        (torch.float16, 8, 6, "K no multiple of 4: x and A not in words"),
+    ],
+)
+def test_version_4_runs_version_3_where_the_tensor_cores_cannot(dtype, rank, K, why, monkeypatch):
+    """The gate (``ops.moe.tensor_core_words``): such calls take version 3's kernels, and
+    give the reference."""
+    case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=5, B=2, projection="w2", offset=0)
+    assert moe_ops.tensor_core_words(d["x"], d["lora_a"], d["lora_b"]) is None, why
+    built = _run_version_4(case, d, blocks, 2, monkeypatch)
+    assert [name for name, _ in built] == [
+        "build_moe_split_shrink_kernel",
+        "build_moe_columns_expand_kernel",
+    ], why
+
+
+def test_version_4s_shrink_writes_only_the_pairs_of_its_blocks():
+    """Foreign metadata: padding (P, and values past it) between a block's pairs, a block
+    of expert -1 and one past the row's end. The shrink stores the listed pairs' buffer
+    rows and no other (a sentinel stays), and those rows are the products."""
+    from punica_numba.ops.launching import launcher_of
+
+    gen = torch.Generator().manual_seed(9)
+    P, K, rank, B, L, E = 6, 16, 8, 4, 1, 2
+    x = torch.randn(P, K, generator=gen).to(DEVICE, torch.bfloat16)  # rows per pair (w2)
+    a = torch.randn(L, E, rank, K, generator=gen).to(DEVICE, torch.bfloat16)
+    sorted_ids = torch.tensor([[4, P, 1, P + 3, 0, 2, 5, 3]], dtype=torch.int32, device=DEVICE)
+    expert_ids = torch.tensor([[1, -1]], dtype=torch.int32, device=DEVICE)  # block 1: none
+    post = torch.tensor([8], dtype=torch.int32, device=DEVICE)
+    on = torch.ones(L, dtype=torch.int32, device=DEVICE)
+    buffer = torch.full((1, P, rank), 7.0, device=DEVICE)  # [S, P, r] fp32, a sentinel
+    config = moe_ops.MMA_SHRINK
+    kernel = moe_ops.mma_shrink.build_moe_mma_shrink_kernel(
+        torch.bfloat16, config.threads, 1, config.n_tiles, True
+    )
+    groups = -(-rank // (8 * config.n_tiles))
+    launcher_of(kernel)(
+        (2, L, groups),
+        config.threads,
+        (x.view(torch.int64), a.view(torch.int64), a.view(torch.int64), buffer, sorted_ids,
+         expert_ids, post, on, 1, B, True),
+    )  # fmt: skip
+    listed = [4, 1]  # block 0's pairs; block 1's expert is -1
+    want = x[listed].double() @ a[0, 1].double().T  # [2, r]
+    torch.testing.assert_close(buffer[0, listed].double(), want, rtol=1e-6, atol=1e-6)
+    others = [p for p in range(P) if p not in listed]
+    assert bool((buffer[0, others] == 7.0).all()), "a pair in no block was written"

@@ -17,7 +17,8 @@
   of (token, expert) pairs, one (slot, expert) a block; :mod:`.moe_shrink_tiled` the
   shrink's second version, in shared-memory tiles; :mod:`.moe_shrink_split` and
   :mod:`.moe_expand_columns` the third, K split over a block's threads and columns
-  whose rows of B stay in registers;
+  whose rows of B stay in registers; :mod:`.moe_shrink_mma` and :mod:`.moe_expand_mma`
+  the fourth, both on the tensor cores;
 * :mod:`.dependent_launch` every kernel's first step, ``begin()``: on Hopper, wait for the
   kernels before it (which a dependent launch does not).
 """

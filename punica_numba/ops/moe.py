@@ -29,14 +29,17 @@ import torch
 from .._checks import check_bool, check_int, check_sequence, check_tensor
 from .._cuda import KERNEL_DTYPES, SIMULATOR
 from ..kernels import moe_expand_columns as columns_expand
+from ..kernels import moe_expand_mma as mma_expand
+from ..kernels import moe_shrink_mma as mma_shrink
 from ..kernels import moe_shrink_split as split_shrink
 from ..kernels import moe_shrink_tiled as tiled_shrink
+from ..kernels.mma import MMA_DTYPES
 from ..kernels.moe_blocks import MAX_MOE_SLICES
 from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
 from ..moe_meta import check_adapter_enabled
 from .launching import launcher_of
-from .operands import words
+from .operands import rows_start_at, words
 
 __all__ = ["fused_moe_lora"]
 
@@ -46,10 +49,11 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 #: The version a call takes unless it asks for another: 3, which took 0.06-0.23x version
 #: 1's time on every case of ``bench --moe`` on an H200 (docs/benchmarks/h200_moe_v1.json
-#: at 00c41e9, h200_moe_v3.json at 282eaa9); version 2 has no GPU timing of its own.
+#: at 00c41e9, h200_moe_v3.json at 282eaa9); versions 2 and 4 have no GPU timing of their
+#: own (4 is not the default until it is timed against 3 and vLLM's op).
 DEFAULT_VERSION = 3
 
 
@@ -91,6 +95,63 @@ COLUMNS_EXPAND = (
     if SIMULATOR
     else ColumnsExpand(threads=128, vec=4, tile_p=2, values=64)
 )
+
+
+class MmaShrink(NamedTuple):
+    """Version 4's shrink (:mod:`..kernels.moe_shrink_mma`): threads per CUDA block (whole
+    warps, which split K), the 16-pair tiles of one pass (at most; fewer where the block
+    size needs fewer) and the 8-rank tiles of one rank group (likewise, for the rank)."""
+
+    threads: int
+    m_tiles: int
+    n_tiles: int
+
+
+class MmaExpand(NamedTuple):
+    """Version 4's expand (:mod:`..kernels.moe_expand_mma`): threads per CUDA block (whole
+    warps, each with columns of its own), the 16-pair tiles of one pass and the 8-column
+    tiles of a warp (each at most, as for :class:`MmaShrink`)."""
+
+    threads: int
+    m_tiles: int
+    n_tiles: int
+
+
+#: Version 4's compile-time parameters, in one place. On the simulator, where every CUDA
+#: thread is a Python thread and a warp is 32 of them, the fewest warps and tiles that
+#: still cross the kernels' tiles at test sizes (two warps' partial sums, rank groups,
+#: column groups, passes of one tile and of two). The GPU's are a first guess for
+#: Qwen3-30B-A3B's layer (r=16: one rank group; blocks of 16 pairs: one pass), not yet
+#: timed.
+MMA_SHRINK = (
+    MmaShrink(threads=64, m_tiles=1, n_tiles=1)
+    if SIMULATOR
+    else MmaShrink(threads=128, m_tiles=1, n_tiles=2)
+)
+MMA_EXPAND = (
+    MmaExpand(threads=32, m_tiles=2, n_tiles=1)
+    if SIMULATOR
+    else MmaExpand(threads=128, m_tiles=1, n_tiles=4)
+)
+
+
+def tensor_core_words(x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor]):
+    """Version 4's gate: ``(x, a, b)`` as int64 words of four elements when the tensor
+    cores can take them, else None (and the call runs version 3's kernels).
+
+    They can when x, A and B are bf16 or fp16 (fp32 has no exact 16-bit form: the
+    products would lose bits), and every row of each is whole, aligned 8-byte words
+    (:func:`.operands.words`): K and the rank multiples of 4, as every real layer's are.
+    A lane's fragment register is two neighbouring elements, and it reads four at a time
+    straight from memory. The rank need not be a multiple of 8 or 16, nor K of 16: the
+    tiles past them are zeros (or, for the shrink's ranks, never stored).
+    """
+    if x.dtype not in MMA_DTYPES:
+        return None
+    x_words, a_words, b_words = words(x), [words(w) for w in a], [words(w) for w in b]
+    if x_words is None or any(w is None for w in (*a_words, *b_words)):
+        return None
+    return x_words, a_words, b_words
 
 
 def columns_shape(rank: int, config: ColumnsExpand = COLUMNS_EXPAND) -> tuple[int, int]:
@@ -143,7 +204,11 @@ def fused_moe_lora(
     ``MAX_PAIRS`` pairs and the rank is at most its ``MAX_RANK`` (else 1's), with 1's
     expand; 3, the shrink with K split across a CUDA block's threads
     (:mod:`..kernels.moe_shrink_split`) and the expand with each thread's columns of B
-    in registers (:mod:`..kernels.moe_expand_columns`). The same sums in other orders;
+    in registers (:mod:`..kernels.moe_expand_columns`); 4, both on the tensor cores
+    (:mod:`..kernels.moe_shrink_mma`, :mod:`..kernels.moe_expand_mma`: exact products of
+    16-bit x and A, the fp32 buffer split into two bf16 for the expand), where
+    :func:`tensor_core_words` says the operands allow it (bf16 or fp16, K and the rank
+    multiples of 4), else 3's; not yet timed on a GPU. The same sums in other orders;
     :data:`DEFAULT_VERSION` (3) unless asked.
 
     Raises:
@@ -220,7 +285,15 @@ def fused_moe_lora(
     weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
     grid = (expert_ids.shape[1], L, len(a))
     metadata = (sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled)
-    if version == 3:
+    tensor_cores = tensor_core_words(x, a, b) if version == 4 else None
+    if tensor_cores is not None:
+        _on_the_tensor_cores(
+            y.view(num_pairs, columns), *tensor_cores, buffer, weights, metadata, top_k=top_k,
+            block_size=block_size, by_pair=mul_routed_weight, offset=offset,
+            add_inputs=add_inputs, rank=rank, hidden=hidden, dtype=x.dtype,
+        )  # fmt: skip
+        return
+    if version in (3, 4):
         _split_and_columns(
             y.view(num_pairs, columns), x, a, b, buffer, weights, metadata, top_k=top_k,
             block_size=block_size, by_pair=mul_routed_weight, offset=offset,
@@ -302,6 +375,64 @@ def _split_and_columns(
         (blocks, slots, slices * column_groups),
         expand_config.threads,
         (buffer, kernel_b[0], kernel_b[-1], out, weights, *metadata, block_size, offset),
+    )
+
+
+def _on_the_tensor_cores(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    buffer: torch.Tensor,
+    weights: torch.Tensor,
+    metadata: tuple,
+    *,
+    top_k: int,
+    block_size: int,
+    by_pair: bool,
+    offset: int,
+    add_inputs: bool,
+    rank: int,
+    hidden: int,
+    dtype: torch.dtype,
+) -> None:
+    """Version 4's two launches on checked arguments: ``out`` [P, W] (y's rows of pairs),
+    x, A and B of ``dtype`` as int64 words (:func:`tensor_core_words`), ``buffer`` [S, P,
+    r] fp32, ``weights`` [P] fp32."""
+    blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
+    slices, width = len(a), b[0].shape[2]
+    m_tiles = -(-block_size // 16)  # 16-pair tiles a block needs
+
+    config = MMA_SHRINK
+    n_tiles = min(config.n_tiles, -(-rank // 8))
+    # 16-byte loads where every row is whole 16-byte pairs of words at multiples of 16
+    wide = hidden % 8 == 0 and all(rows_start_at(t, 16) for t in (x, *a))
+    shrink = launcher_of(
+        mma_shrink.build_moe_mma_shrink_kernel(
+            dtype, config.threads, min(config.m_tiles, m_tiles), n_tiles, wide
+        )
+    )  # fmt: skip
+    rank_groups = -(-rank // (8 * n_tiles))
+    shrink(
+        (blocks, slots, slices * rank_groups),
+        config.threads,
+        (x, a[0], a[-1], buffer, *metadata, top_k, block_size, by_pair),
+    )
+
+    config = MMA_EXPAND
+    n_tiles = min(config.n_tiles, -(-width // 8))
+    wide_x = buffer.data_ptr() % 16 == 0  # every row too: the rank is a multiple of 4
+    expand = launcher_of(
+        mma_expand.build_moe_mma_expand_kernel(
+            dtype, out.dtype, config.threads, min(config.m_tiles, m_tiles),
+            n_tiles, rank, wide_x, by_pair, add_inputs,
+        )
+    )  # fmt: skip
+    column_groups = -(-width // (config.threads // 32 * 8 * n_tiles))
+    expand(
+        (blocks, slots, slices * column_groups),
+        config.threads,
+        (buffer, b[0], b[-1], out, weights, *metadata, block_size, offset),
     )
 
 

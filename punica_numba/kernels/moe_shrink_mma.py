@@ -1,0 +1,187 @@
+"""The MoE LoRA shrink, fourth rung: a block of pairs times ``A[l, e]`` on the tensor cores.
+
+The same sums as :mod:`.moe_shrink` (each pair's input row times ``A[l, e]`` of its block,
+stored into the fp32 buffer ``[S, P, r]``). From a few hundred tokens on one to four
+adapters an (adapter, expert) block holds up to ``block_size`` pairs (16 at vLLM's
+default), and the block's products are a small matrix product, ``D[pairs, r] =
+rows(x)[pairs, K] @ A[l, e]^T``: what a warp's ``mma.sync m16n8k16`` does (:mod:`.mma`),
+16 pairs x 8 ranks x 16 elements of K in one instruction, with 16-bit x and A as they
+are (exact products, fp32 sums), as :mod:`.shrink_mma` does for the linear shrink.
+
+Work split:
+
+* ``blockIdx.x``: the block b of pairs of the row (:mod:`.moe_blocks`);
+* ``blockIdx.y``: the row, the slot l;
+* ``blockIdx.z``: the slice s and a group of ``TILE_N = 8 * N_TILES`` ranks, ``z = s * G
+  + g`` with ``G = ceil(r / TILE_N)`` groups a slice;
+* inside a CUDA block the block's entries go in passes of ``TILE_M = 16 * M_TILES``
+  (one pass at ``block_size <= TILE_M``); in a pass, K is cut in chunks of 32 elements
+  (8 int64 words of four) and warp ``w`` takes chunks ``w, w + WARPS, ...``, adding
+  ``M_TILES x N_TILES`` product tiles of its own;
+* the warps' partial tiles meet in shared memory and are added in warp order, and each
+  output is stored by one thread (a sum in an order fixed by ``WARPS``: deterministic).
+
+**Fragments from memory.** As in :mod:`.shrink_mma` ("Whole words"), lane ``t`` of a
+chunk loads words ``2t`` and ``2t + 1`` of each of its rows (16 bytes, one load where
+``wide``), each word four neighbouring elements of K: its low half plays the elements
+``2t, 2t + 1`` of a step of 16, its high half ``2t + 8, 2t + 9``; x and A take the same
+order, and a dot product does not care which. x's rows are the block's pairs' (a token's
+row for w13, the pair's own for w2), A's rows ``n0 + 8 nj + g`` (past the rank the last
+row again, never stored). Past K's last word a lane feeds zeros, and so does a row of
+padding (an entry ``>= P``, or past the block): no load for it, and no store.
+
+Every thread calls ``mma`` equally often (the simulator needs it, :mod:`.mma`): every
+warp walks the same chunk count (past the last chunk with zero fragments), and a pass
+with no pair at all is skipped by the whole block together (each thread reads the same
+entries).
+
+Memory traffic per CUDA block in use (``p <= block_size`` pairs): ``TILE_N * K`` of A
+per pass (from L2 after the first rank group), ``p * K`` of x, ``p * TILE_N`` fp32
+stores. No GPU timing of it is recorded yet (docs/benchmarks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from numba import float32, int64, uint32
+
+from .._cuda import SIMULATOR, cuda, jit_kernel
+from .dependent_launch import prologue
+from .dtypes import word_halves, words_loader
+from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into
+from .moe_blocks import block_in_use
+
+__all__ = ["build_moe_mma_shrink_kernel"]
+
+
+@functools.cache
+def build_moe_mma_shrink_kernel(
+    dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, wide: bool
+):
+    """The shrink, specialised on the dtype of x and A (bf16 or fp16), the threads per
+    block (whole warps), the 16-pair tiles of one pass (``m_tiles``), the 8-rank tiles of
+    one rank group (``n_tiles``), and ``wide``: the caller's promise that every row of x
+    and A is a whole number of 16-byte pairs of words starting at a multiple of 16 bytes
+    (one load for a lane's two words; else two, each checked against the row's end).
+
+    They must be constants: they size the fragment registers and the loops over them,
+    which Numba unrolls only when the trip count is known.
+
+    The kernel takes x as ``[M or P, K/4]`` and A as ``[L, E, r, K/4]`` int64 words of
+    four elements (K a multiple of 4).
+    """
+    if dtype not in MMA_DTYPES:
+        raise ValueError(f"the tensor cores take bf16 or fp16 operands, got {dtype}")
+    if threads % 32:
+        raise ValueError(f"threads must be whole warps, got {threads}")
+    add_product = mma_into(dtype)
+    two_words = words_loader(wide)
+    THREADS, WARPS, M_TILES, N_TILES = threads, threads // 32, m_tiles, n_tiles
+    TILE_M, TILE_N = 16 * m_tiles, 8 * n_tiles
+    ROWS = 2 * M_TILES  # pair rows a lane reads: g + 8 * i
+    X_WORDS, A_WORDS = 2 * ROWS, 2 * N_TILES  # a lane's words of one chunk
+    OUTPUTS = M_TILES * N_TILES * 4  # a lane's outputs of its warp's tiles
+    SCRATCH_WARPS = WARPS if SIMULATOR else 1
+    WIDE = wide
+
+    @cuda.jit(device=True, inline="always")
+    def words_at(row, q, words, present):
+        """Words ``q, q + 1`` of a row (zeros past its end, or for a row not ``present``)."""
+        if not present or q >= words:
+            return int64(0), int64(0)
+        if WIDE:  # (a row of an even number of words: q + 1 is inside too)
+            return two_words(row, q)
+        return row[q], row[q + 1] if q + 1 < words else int64(0)
+
+    begin = prologue()
+
+    @jit_kernel(THREADS)
+    def moe_shrink_mma(
+        x, w0, w1, out, sorted_ids, expert_ids, num_post_pad, enabled, top_k, block_size, by_pair
+    ):
+        # x: [M or P, K/4] int64 words; w*: [L, E, r, K/4] words; out: [S, P, r] fp32,
+        # stored; sorted_ids: [L, EM]; expert_ids: [L, NB]; num_post_pad: [L]; enabled: [>= L]
+        begin()  # wait for the kernels before this one (dependent_launch)
+        b, slot = cuda.blockIdx.x, cuda.blockIdx.y
+        rank, words = w0.shape[2], x.shape[1]
+        groups = (rank + TILE_N - 1) // TILE_N  # rank groups a slice
+        s = 1 if cuda.blockIdx.z >= groups else 0  # (at most two slices: no division)
+        n0 = (cuda.blockIdx.z - s * groups) * TILE_N  # the group's first rank
+        w = w0 if s == 0 else w1
+        start, pairs, expert = block_in_use(
+            b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, w.shape[1]
+        )
+        if expert == -1:
+            return  # the whole block leaves together, before any barrier
+        num_pairs = out.shape[1]
+        chunks = (words + 7) // 8  # 32 elements = 8 words a chunk
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
+        my_scratch = scratch[warp if SIMULATOR else 0]
+        partials = cuda.shared.array((WARPS, TILE_M, TILE_N), float32)
+
+        row_of = cuda.local.array(ROWS, int64)  # the input row of tile row g + 8 i, -1: none
+        xw = cuda.local.array(X_WORDS, int64)  # xw[i * 2 + step]
+        aw = cuda.local.array(A_WORDS, int64)  # aw[nj * 2 + step]
+        acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
+
+        for first in range(0, pairs, TILE_M):  # passes: entries first .. first + TILE_M - 1
+            any_pair = False  # (the same answer in every thread: the block skips together)
+            for e in range(first, min(first + TILE_M, pairs)):
+                p = sorted_ids[slot, start + e]
+                any_pair = any_pair or 0 <= p < num_pairs  # (padding is num_pairs)
+            if not any_pair:
+                continue
+            for i in range(ROWS):  # tile row g + 8 i: the pass's entry 16 (i // 2) + g + 8 (i % 2)
+                entry = first + 16 * (i // 2) + g + 8 * (i % 2)
+                row_of[i] = -1
+                if entry < pairs:
+                    p = sorted_ids[slot, start + entry]
+                    if 0 <= p < num_pairs:
+                        row_of[i] = p if by_pair else p // top_k
+            for o in range(OUTPUTS):
+                acc[o] = float32(0.0)
+
+            for c0 in range(0, chunks, WARPS):  # every warp the same trips: chunk c0 + warp
+                q = 8 * (c0 + warp) + 2 * t  # the lane's first word of the chunk
+                for i in range(ROWS):
+                    xw[2 * i], xw[2 * i + 1] = words_at(
+                        x[max(row_of[i], 0)], q, words, row_of[i] >= 0
+                    )
+                for nj in range(N_TILES):
+                    n = min(n0 + 8 * nj + g, rank - 1)  # past the rank: never stored
+                    aw[2 * nj], aw[2 * nj + 1] = words_at(w[slot, expert, n], q, words, True)
+                for step in range(2):  # the chunk's first words, then its second
+                    for mi in range(M_TILES):
+                        # rows g, g + 8: a0, a1 (low halves), a2, a3 (high halves)
+                        a0, a2 = word_halves(xw[2 * (2 * mi) + step])
+                        a1, a3 = word_halves(xw[2 * (2 * mi + 1) + step])
+                        for nj in range(N_TILES):
+                            b0, b1 = word_halves(aw[2 * nj + step])
+                            o = (mi * N_TILES + nj) * 4
+                            add_product(acc, o, a0, a1, a2, a3, b0, b1, my_scratch)
+
+            for mi in range(M_TILES):
+                for nj in range(N_TILES):
+                    for q4 in range(4):  # (g + 8 (q4 // 2), 2t + q4 % 2) of the product tile
+                        row = 16 * mi + g + 8 * (q4 // 2)
+                        column = 8 * nj + 2 * t + q4 % 2
+                        partials[warp, row, column] = acc[(mi * N_TILES + nj) * 4 + q4]
+            cuda.syncthreads()
+            for e in range(tid, TILE_M * TILE_N, THREADS):  # e in [0, TILE_M * TILE_N)
+                row, column = e // TILE_N, e % TILE_N
+                entry = first + row
+                if entry < pairs and n0 + column < rank:
+                    p = sorted_ids[slot, start + entry]
+                    if 0 <= p < num_pairs:
+                        total = partials[0, row, column]
+                        for v in range(1, WARPS):  # the warps' partials, in warp order
+                            total += partials[v, row, column]
+                        out[s, p, n0 + column] = total
+            cuda.syncthreads()  # the partials are reused by the next pass
+
+    return moe_shrink_mma
