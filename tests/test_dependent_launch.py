@@ -42,7 +42,7 @@ from punica_numba.ops import launching
 from punica_numba.ops import moe as moe_ops
 
 from .op_cases import Problem, ShrinkCase, check_expand, check_shrink, serving_expand_case
-from .test_moe import _named_result
+from .test_moe import _named_result, _one_block_call, check_against_reference
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNELS = pathlib.Path(kernels.__file__).parent
@@ -277,7 +277,8 @@ def recorded_launchers():
 def _one_of_each_kernel() -> None:
     """Run a shrink and an expand under every launch configuration of the GPU's table, a
     one-token shrink on a stack of one LoRA (the one-token kernel), and the MoE op of every
-    version on both projections, each checked."""
+    version on both projections (version 4 also on bf16, which its kernels take), each
+    checked."""
     problem = Problem(slots=[0, 1] * 16, prepared=32, num_loras=2, seed=5)
     for config in launch_configs("shrink"):
         case = ShrinkCase(problem, 512, 16, 1, 0, torch.bfloat16, torch.float32, 0.5, False)
@@ -296,6 +297,16 @@ def _one_of_each_kernel() -> None:
     for version in moe_ops.VERSIONS:
         for mul_routed_weight in (False, True):
             _named_result(mul_routed_weight, version=version)
+    for projection in ("w13", "w2"):  # version 4's own kernels need bf16 rows of words
+        case, d, blocks = _one_block_call(
+            torch.bfloat16, rank=16, K=32, N=8, B=16, projection=projection, offset=0
+        )
+        y, before = d["y"], d["y"].clone()
+        moe_ops.fused_moe_lora(
+            y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+            block_size=16, mul_routed_weight=case.mul, version=4,
+        )  # fmt: skip
+        check_against_reference(case, y, d, before)
 
 
 def _module_of(kernel) -> str:
