@@ -1,7 +1,8 @@
 """Launch configurations and the heuristic that picks one per call.
 
 A configuration names a kernel (the row kernels for few tokens per slot, the
-shared-memory tiled kernels for many), fixes what is compiled into it (threads
+shared-memory tiled kernels for many, the split-K shrink for few tokens on a long K),
+fixes what is compiled into it (threads
 per block, tiles) and how its grid is shaped. Every configuration computes every
 problem correctly; they differ only in speed, and configurations with equal
 :meth:`LaunchConfig.arithmetic` keys add the same products in the same order, so
@@ -12,6 +13,13 @@ The heuristic reads only host-side facts (the activation's row count and what
 choosing costs no sync and a launch can be captured in a CUDA graph. Where this GPU has a
 tuned table (:mod:`punica_numba.tuning`, ``python -m punica_numba tune``), its measured
 choice comes before the heuristic's.
+
+The split-K shrink (``kernel="split"``, :mod:`.kernels.shrink_split`) cuts K into
+``splits`` chunks, each a block of its own, and the last block of a (tile, slice, rank
+group) adds the chunks' sums in order: for a long K (down projections, K = 11008-14336)
+with few tokens per slot, where the row shrink makes too few blocks for the GPU's SMs.
+Its thresholds are worked out from the block count, not measured: its speed on the H200
+is not yet measured (``python -m punica_numba tune`` sweeps it).
 """
 
 from __future__ import annotations
@@ -66,10 +74,15 @@ class LaunchConfig:
     tile's tokens and buffer rows are looked up and loaded once for them all, and a slice
     narrower than the widest leaves fewer blocks idle.
     Only calls whose dtypes and layout the tensor cores take can use them
-    (:func:`choose_launch_config`).
+    (:func:`choose_launch_config`). ``kernel="split"`` is the split-K shrink
+    (:mod:`.kernels.shrink_split`): ``tile_m`` tokens of one slot, ``tile_n`` ranks and one
+    of ``splits`` chunks of K per block, the last block of each tile and rank group adding
+    the chunks' sums; the heuristic picks it only from ``from_hidden`` (K) on, up to
+    ``to_tokens_per_slot`` tokens per active slot and ``to_tiles`` tiles (the blocks along
+    x: beyond them the row shrink has blocks enough).
     """
 
-    kernel: str  # "rows", "tiled", "lanes" or "mma"
+    kernel: str  # "rows", "tiled", "lanes", "mma" or "split"
     threads: int  # threads per block
     tile_m: int  # tokens of one slot per block
     tile_n: int  # ranks (shrink) or columns (tiled expand) per block or group
@@ -78,6 +91,7 @@ class LaunchConfig:
     micro: tuple[int, int] = (1, 1)  # tiled: the register tile of one thread
     chunk: int = 0  # tiled: ranks staged in shared memory at a time
     vec: int = 1  # row expand: output columns per thread
+    splits: int = 1  # split shrink: the chunks K is cut into, a block each
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
     to_tokens: int | None = None  # and at most this many (None: any)
@@ -85,6 +99,9 @@ class LaunchConfig:
     to_rank: int | None = None  # and at most this (None: any): a bigger one does not fit
     from_slices: int = 1  # and where the call has at least this many slices
     to_slices: int | None = None  # and at most this many (None: any)
+    from_hidden: int = 0  # and where the shrink's K is at least this (unknown K: never)
+    to_tokens_per_slot: float | None = None  # and at most this many tokens per slot
+    to_tiles: int | None = None  # and at most this many tiles of tile_m (None: any)
 
     def columns_per_block(self, op: str, words: int = 0) -> int:
         """Ranks (shrink) or output columns (expand) one block covers per group. A
@@ -103,7 +120,8 @@ class LaunchConfig:
         accumulator; the lane-split expand adds each lane's stretch of k in order, then
         the lanes' sums in a butterfly whose shape depends only on the rank; the shrink
         adds ``threads`` strided partial sums (warp shuffles, then the warps' sums, on
-        the GPU; a tree on the simulator). The tensor-core
+        the GPU; a tree on the simulator); the split shrink does so for each of its
+        ``splits`` chunks of K, then adds the chunks' sums in order. The tensor-core
         kernels sum in an order of their own (the shrink's depends on its warps, the
         expand's on nothing but the rank).
         """
@@ -111,6 +129,8 @@ class LaunchConfig:
             return ("mma",) if op == "expand" else ("mma", self.threads)
         if op == "expand":
             return ("lanes",) if self.kernel == "lanes" else ("sequential",)
+        if self.kernel == "split":  # the chunks' trees, then the chunks in order
+            return ("split", self.threads, self.splits)
         return ("tree", self.threads)
 
     def reads_tile_tokens(self, op: str) -> bool:
@@ -125,12 +145,30 @@ class LaunchConfig:
 _SIMULATOR_CONFIGS = {
     "shrink": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=4, spread=False),
+        # K in three chunks, a block each, from 24 elements on (the simulator's tiny
+        # hidden sizes), and tiles of two tokens whose second row is often past the tile.
+        LaunchConfig(
+            "split",
+            threads=16,
+            tile_m=2,
+            tile_n=4,
+            splits=3,
+            from_hidden=24,
+            to_tokens_per_slot=2,
+            to_tiles=8,
+        ),
         # A block per group of 4 ranks, as on the GPU (the other keeps the loop over groups).
         LaunchConfig("rows", threads=16, tile_m=4, tile_n=4, from_tokens_per_slot=2),
-        # Two warps, so that their partial tiles are added as on the GPU.
-        LaunchConfig("mma", threads=64, tile_m=16, tile_n=0, spread=False, from_tokens_per_slot=4),
-        # ... and a block per 8 ranks.
+        # Two warps, so that their partial tiles are added as on the GPU; every rank in one
+        # block up to r=64 (ops.operands.MMA_ONE_BLOCK_RANK) ...
+        LaunchConfig(
+            "mma", threads=64, tile_m=16, tile_n=0, spread=False, from_tokens_per_slot=4, to_rank=64
+        ),
+        # ... a block per 8 ranks, at any rank ...
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=8, from_tokens_per_slot=4, from_rank=5),
+        # ... and past r=64 a block per 64 ranks, as on the GPU (fewer blocks, and so fewer
+        # Python threads, than 8 ranks a block).
+        LaunchConfig("mma", threads=64, tile_m=16, tile_n=64, from_tokens_per_slot=4, from_rank=65),
     ),
     "expand": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
@@ -164,6 +202,36 @@ _GPU_CONFIGS = {
         # -> 38.0/39.3; the same sums, so the same bits: the arithmetic depends only on
         # the threads).
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=8, from_tokens=128),
+        # Split K (not measured yet; from the block count): where K is long and the tiles
+        # few, the blocks above are too few for 132 SMs, each walking all of K (T=32 over
+        # 8 LoRAs at r=16: 128 blocks of 14336 elements). Eight chunks of K make 2-4
+        # blocks an SM at the down projections' shapes and keep a chunk at 1024 elements
+        # or more from K=8192 on: T=32 over 8 LoRAs (tiles of 4) at r=16 is 8 tiles x 4
+        # rank groups x 8 chunks = 256 blocks, 512 at r=32; up to 2 tokens a slot, a token
+        # a tile (T=16 distinct at r=16: 512 blocks). Past 32 tiles the row shrink keeps
+        # the call: its blocks (T x rank groups, a token each) are then at least one an SM
+        # at r=16. Both add the same sums: the same arithmetic key. (The last reached is
+        # taken: up to 2 tokens a slot the second.)
+        LaunchConfig(
+            "split",
+            threads=128,
+            tile_m=4,
+            tile_n=4,
+            splits=8,
+            from_hidden=8192,
+            to_tokens_per_slot=8,
+            to_tiles=32,
+        ),
+        LaunchConfig(
+            "split",
+            threads=128,
+            tile_m=1,
+            tile_n=4,
+            splits=8,
+            from_hidden=8192,
+            to_tokens_per_slot=2,
+            to_tiles=32,
+        ),
         LaunchConfig("rows", threads=256, tile_m=4, tile_n=4, from_tokens_per_slot=12),
         LaunchConfig(
             "rows", threads=128, tile_m=4, tile_n=4, from_tokens_per_slot=12, from_tokens=1024
@@ -172,7 +240,10 @@ _GPU_CONFIGS = {
         # reads 16 bytes of a row at a time and loads one pass ahead. From 8 tokens per
         # slot at r >= 33 (v10): 16 warps, a block per 8 ranks, so that a few tiles still
         # make many blocks (r=64, 64/8: 13.4 µs by rows -> 6.07; every rank in one block
-        # of 8 warps 17.4) ...
+        # of 8 warps 17.4). Blocks of a rank group hold that group's registers whatever the
+        # rank, so these and the 16-rank groups below take r=128 and 256 too (a block per
+        # group along grid.y: 32 at r=256); past r=64 they are not yet measured (the tuner,
+        # ``python -m punica_numba tune``, times every configuration of this table) ...
         LaunchConfig("mma", threads=512, tile_m=16, tile_n=8, from_tokens_per_slot=8, from_rank=33),
         # ... and from 16 tokens per slot and T=256 on they beat the row kernels (v9's
         # run of every configuration: 256/16 8.5 -> 7.5 µs, QKV 256/16 14.3 -> 8.0, 256/1
@@ -211,7 +282,9 @@ _GPU_CONFIGS = {
             from_rank=33,
         ),
         # ... 4 of every rank at T=4096 and r=64 (4096/64: 42.8 -> 32.4 µs, 4096 on one LoRA
-        # 37.6 -> 26.7; 16-rank groups lost there, 40.3 with 4 warps of 32),
+        # 37.6 -> 26.7; 16-rank groups lost there, 40.3 with 4 warps of 32), up to r=64:
+        # past it the outputs of every rank would not fit a thread's registers
+        # (ops.operands.MMA_ONE_BLOCK_RANK) ...
         LaunchConfig(
             "mma",
             threads=128,
@@ -221,6 +294,20 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=64,
             from_tokens=4096,
             from_rank=33,
+            to_rank=64,
+        ),
+        # ... and past r=64 the same blocks for each group of 64 ranks: at r=64 the same
+        # compiled kernel as the one above (8 tiles of 8 ranks), a block per group along
+        # grid.y (r=128: 2, r=256: 4), x read again by each group (mostly from L2). Not
+        # yet measured (from the r=64 measurement only; the tuner times it),
+        LaunchConfig(
+            "mma",
+            threads=128,
+            tile_m=16,
+            tile_n=64,
+            from_tokens_per_slot=64,
+            from_tokens=4096,
+            from_rank=65,
         ),
         # 8 warps of every rank at T=4096 and r <= 32 (v10's run: 4096/64 18.7 -> 18.0 µs,
         # 4096 on one LoRA 17.6 -> 15.9, against v9's 16 warps of 32 tokens, which also
@@ -310,7 +397,12 @@ _GPU_CONFIGS = {
         # 4096/64 with eight passes 48.8 -> 43.7 with the 128-register ceiling, 59.1
         # without). With the dependent launch (v26's kernels, h200_v27_candidates.json, three
         # rounds at r=64 256/16) blocks of 2 or 4 such warps tie (6.37-6.61, 6.42-6.65
-        # against 6.24-6.46 µs) and every other shape loses ...
+        # against 6.24-6.46 µs) and every other shape loses. Past r=64 it and the next walk
+        # the rank in chunks of 64 (kernels.expand_mma, "Ranks past 64": a chunk's
+        # registers are r=64's), so they take r=128 and 256 too; the tensor cores' lead
+        # over the FFMA kernels, bound by issuing instructions, can only grow with the
+        # rank, but past r=64 they are not yet measured (the tuner, ``python -m
+        # punica_numba tune``, times every configuration of this table) ...
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=8),
         # ... and two warps of four from 1024 rows on (v9: 1024/32 11.1 -> 11.0 µs, 4096 on
         # one LoRA 28.9 -> 28.8, QKV 4096/64 53.7 -> 50.5, r=64 4096/64 61.2 -> 61.0), each
@@ -329,7 +421,9 @@ _GPU_CONFIGS = {
         ),
         # ... eight at r >= 33 from T=4096, where a tile's buffer rows (r=64: 32 registers
         # of fragments a lane) are loaded once for more columns (4096/64 57.6 -> 50.6 µs;
-        # four passes 52.7, sixteen 65.0).
+        # four passes 52.7, sixteen 65.0). Up to r=64: past it a block loads each chunk
+        # of the rows again for each column group, so that gain is gone (two passes
+        # above; neither measured past r=64).
         LaunchConfig(
             "mma",
             threads=64,
@@ -339,6 +433,7 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=8,
             from_tokens=4096,
             from_rank=33,
+            to_rank=64,
         ),
         # Below T=1024, from 128 tokens per slot up to r=16, one warp of 128 columns: half
         # the blocks, each with twice the columns (at 81d009e, `h200_v23_candidates.json`,
@@ -419,7 +514,8 @@ def choose_launch_config(
     """Pick a configuration from the tokens per active slot, the row count, the rank and
     the number of slices (host-side facts only): the last tensor-core one whose
     ``from_tokens_per_slot``, ``from_tokens``, ``to_tokens``, ``from_rank``, ``to_rank``,
-    ``from_slices`` and ``to_slices`` the call all reaches, when ``tensor_cores`` (the
+    ``from_slices``, ``to_slices``, ``from_hidden`` (``K``), ``to_tokens_per_slot`` and
+    ``to_tiles`` the call all reaches, when ``tensor_cores`` (the
     call's dtypes and layout allow them) and there is one; otherwise the last such FFMA
     one, lane-split expands included only when ``lane_split`` (the call's rows of B split
     into a few words a lane: :func:`.kernels.expand_lanes.splits`).
@@ -446,8 +542,11 @@ def choose_launch_config(
             return tuned
     usable = {"mma": tensor_cores, "lanes": lane_split}
     per_slot = num_tokens / active_slots if active_slots else 1.0
+    slots = active_slots or num_tokens  # (foreign metadata: a slot a token)
+    hidden = 0 if K is None else K  # (unknown: no from_hidden above 0 is reached)
     chosen = {False: configs[0], True: None}  # the last reached of each kind
     for config in configs[1:]:
+        tiles = slots * -(-num_tokens // (max(slots, 1) * config.tile_m))  # (even slots)
         if (
             usable.get(config.kernel, True)
             and per_slot >= config.from_tokens_per_slot
@@ -457,6 +556,9 @@ def choose_launch_config(
             and _fits(config.to_rank, rank)
             and slices >= config.from_slices
             and _fits(config.to_slices, slices)
+            and hidden >= config.from_hidden
+            and _fits(config.to_tokens_per_slot, per_slot)
+            and _fits(config.to_tiles, tiles)
         ):
             chosen[config.kernel == "mma"] = config
     return chosen[True] or chosen[False]
@@ -475,14 +577,15 @@ def _can_take(config: LaunchConfig, tensor_cores: bool, lane_split: bool, rank: 
 
 def _fits(limit: int | None, value: int) -> bool:
     """Whether ``value`` is within an upper ``limit`` (``to_rank``, ``to_tokens``,
-    ``to_slices``; None: none)."""
+    ``to_slices``, ``to_tokens_per_slot``, ``to_tiles``; None: none)."""
     return limit is None or value <= limit
 
 
 def config_name(config: LaunchConfig) -> str:
     """A short label, e.g. ``rows_t256_m1_n4``, ``rows_t128_m4_n512_v4`` (4 columns per
     thread), ``tiled_t256_m64_n128_u8x4_c16``, ``mma_t128_m16_n128`` or
-    ``mma_t64_m16_n128_p2`` (two column groups per block)."""
+    ``mma_t64_m16_n128_p2`` (two column groups per block) or ``split_t128_m4_n4_k8`` (K
+    in eight chunks)."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
         name += f"_v{config.vec}"
@@ -490,6 +593,8 @@ def config_name(config: LaunchConfig) -> str:
         name += f"_p{config.passes}"
     if config.kernel == "tiled":
         name += f"_u{config.micro[0]}x{config.micro[1]}_c{config.chunk}"
+    if config.kernel == "split":
+        name += f"_k{config.splits}"
     return name
 
 

@@ -35,9 +35,11 @@ from .op_cases import (
 
 pytestmark = pytest.mark.gpu
 
-#: Every rank at which the compiled tensor-core kernels change (a multiple of 8 up to 64),
-#: and one past them for the FFMA kernels.
-RANKS = (8, 16, 24, 32, 40, 48, 56, 64, 128)
+#: Every rank at which the compiled tensor-core kernels change within one 64-rank chunk (a
+#: multiple of 8 up to 64), then ranks of two and four chunks (the expand walks the rank
+#: in chunks of 64 past it; the shrink's blocks hold one rank group), which the FFMA
+#: kernels take too.
+RANKS = (8, 16, 24, 32, 40, 48, 56, 64, 128, 256)
 
 
 def _ranks(config) -> list[int]:

@@ -245,6 +245,9 @@ def test_arithmetic_keys_group_what_adds_alike(table):
         own = {"mma": ("mma",), "lanes": ("lanes",)}
         assert c.arithmetic("expand") == own.get(c.kernel, ("sequential",))
     for c in launch_configs("shrink"):
+        if c.kernel == "split":  # each chunk's tree, then the chunks in order
+            assert c.arithmetic("shrink") == ("split", c.threads, c.splits)
+            continue
         kind = "mma" if c.kernel == "mma" else "tree"
         assert c.arithmetic("shrink") == (kind, c.threads)
 

@@ -5,6 +5,9 @@
 * :mod:`.shrink`   ``x @ A^T`` into the fp32 buffer;
 * :mod:`.shrink_token` the same shrink for a token and a rank a block, on stacks of one
   slot (decode with vLLM's default ``max_loras``);
+* :mod:`.shrink_split` the same shrink with K split over blocks, the last block of each
+  tile adding the chunks' sums in order, for a long K and few tokens per slot (down
+  projections; its H200 speed not yet measured);
 * :mod:`.expand`   ``buffer @ B^T`` into the layer output;
 * :mod:`.expand_lanes` the same expand with each row of B split among lanes, for
   few tokens per slot at larger ranks;
@@ -29,6 +32,7 @@ from .expand_mma import build_mma_expand_kernel
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
 from .shrink_mma import build_mma_shrink_kernel
+from .shrink_split import build_split_shrink_kernel
 from .shrink_token import MAX_WORDS_PER_THREAD, build_token_shrink_kernel
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "build_mma_expand_kernel",
     "build_mma_shrink_kernel",
     "build_shrink_kernel",
+    "build_split_shrink_kernel",
     "build_tiled_expand_kernel",
     "build_token_shrink_kernel",
     "splits",

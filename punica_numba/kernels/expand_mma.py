@@ -10,7 +10,8 @@ at once:
   stride by ``gridDim.z``, so a grid of fewer groups than the slice has makes each block
   walk several: ``LaunchConfig.passes``);
 * warp: every token of the tile x its own ``8 * N_TILES`` columns, as ``M_TILES x
-  N_TILES`` products of 16 tokens x 8 columns, each over the rank in steps of 16;
+  N_TILES`` products of 16 tokens x 8 columns, each over the rank in steps of 16 (past
+  r=64 in chunks of four steps: "Ranks past 64");
 * the A operand is the buffer row ``x[s, token, :]``, the B operand row n of
   ``B_s[slot]``, both read straight into fragment registers (no shared memory), lane
   ``t`` taking four neighbouring elements of each rank step (for B one 8-byte word), in
@@ -323,9 +324,37 @@ on 64 LoRAs took 60.5 µs, against 44.7 µs with the ceiling (124 registers, no 
 The ceiling binds only where ptxas goes over it (:func:`.._cuda.jit_kernel`): imposed on
 every build it made ptxas spend more, 78 registers at r=16 became 102, and slower.
 
-Memory traffic per block: ``TILE_M * r`` buffer elements, ``BLOCK_N * r`` of B (from L2
-after the first tile of a slot), and ``TILE_M * BLOCK_N`` outputs (read too when
-``add_inputs``).
+**Ranks past 64** (``chunk_steps``). A lane holds its buffer fragments of every rank step
+for all of its block's column groups: ``4 * TERMS`` registers a step and m-tile (8 with
+an fp32 or fp16 buffer, split in two, 4 with bf16), 32 at r=64 with an fp32 buffer. At
+r=256 that would be 128, a thread's whole ceiling before its 32 accumulators, old output
+words and B. So a build of more than :data:`CHUNK_STEPS` rank steps (r > 64) walks the
+rank in chunks of four steps (64 ranks): for each column group, chunk by chunk, a lane
+loads the chunk's buffer elements into the same fragment registers (split as ever) and
+adds the chunk's products into the same fp32 accumulators; the old output is added, and
+the sum rounded, only after the last chunk. What a chunk costs a lane: the registers of
+r=64's fragments (32, or 16 with a bf16 buffer, per m-tile), the same for every chunk;
+its loads of the buffer (2 rows x 16 elements per m-tile and step: 8 16-byte loads with
+``wide_x``), made again for each column group a block walks (where r <= 64 they are
+made once for all of them; a block's second reading of its rows mostly finds them in
+L1 or L2); B's words a step at a time, never early ("Order of the loads": a build of
+chunks is not ``EARLY``, so neither is "B before the wait"); and no accumulator more.
+A build of chunks so needs about what the r=64 builds that load B late need, under
+:data:`MAX_REGISTERS`. A last chunk may be short (r=80: four steps, then one); with
+``wide_b`` (a rank that is a multiple of 32) its steps are an even number.
+
+The chunks change which registers hold the fragments, not the sums: the rank keeps one
+lane order over all of its steps ("The rank in a lane's order", with ``K_STEPS`` those
+of the whole rank), and each accumulator adds the steps in order, chunk after chunk, as
+a build holding every step would (``chunk_steps=k_steps``): the same bits
+(``tests/test_high_rank_mma.py``), and the arithmetic key stays ``("mma",)``. A build of
+at most 64 ranks is one chunk, compiled as before chunks came: its bits did not change.
+Past r=64 the speed on a GPU is not yet measured; ``python -m punica_numba tune`` times
+every configuration of the launch table there.
+
+Memory traffic per block: ``TILE_M * r`` buffer elements (past r=64, that many per
+column group it walks), ``BLOCK_N * r`` of B (from L2 after the first tile of a slot),
+and ``TILE_M * BLOCK_N`` outputs (read too when ``add_inputs``).
 """
 
 from __future__ import annotations
@@ -353,7 +382,7 @@ from .l2_prefetch import bytes_asker, line_asker
 from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into, pair_of, split_f16_pair, split_pair
 from .segments import read_tile, slice_of
 
-__all__ = ["build_mma_expand_kernel", "output_column"]
+__all__ = ["build_mma_expand_kernel", "output_column", "rank_chunks"]
 
 #: Output columns per word of output (four bf16 or fp16 in 8 bytes).
 WORD_COLUMNS = 4
@@ -367,6 +396,9 @@ MAX_REGISTERS = 128
 #: Asking ahead, one column group in this many asks L2 for its tile's buffer rows, which
 #: every group of the tile reads ("Asking ahead"; every group asking was slower at r=16).
 BUFFER_ASKERS = 8
+#: Rank steps of 16 whose buffer fragments a lane holds at once (64 ranks): a build of a
+#: larger rank walks it in chunks of this many steps ("Ranks past 64").
+CHUNK_STEPS = 4
 
 
 @cuda.jit(device=True)
@@ -375,6 +407,15 @@ def output_column(tile, column, run):
     warp's product tile ``tile``, where ``run`` tiles (2: 8-byte words of output, 4:
     16-byte ones) leave each lane neighbouring columns: see the module's notes."""
     return 8 * run * (tile // run) + 2 * run * (column // 2) + 2 * (tile % run) + column % 2
+
+
+def rank_chunks(k_steps: int, chunk_steps: int = CHUNK_STEPS) -> tuple[int, int]:
+    """``(steps, chunks)``: a build of ``k_steps`` rank steps walks the rank in ``chunks``
+    chunks of ``steps`` steps (the last one may be shorter): one chunk of every step up to
+    ``chunk_steps`` of them (r <= 64 by default), as every build did before chunks came
+    ("Ranks past 64")."""
+    steps = min(k_steps, chunk_steps)
+    return steps, -(-k_steps // steps)
 
 
 @functools.cache
@@ -394,6 +435,7 @@ def build_mma_expand_kernel(
     ask_ahead: bool = False,
     b_before_the_wait: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    chunk_steps: int = CHUNK_STEPS,
 ):
     """Compile-time specialisation: the buffer's dtype (fp32 or fp16, split in two bf16, or
     bf16),
@@ -434,6 +476,10 @@ def build_mma_expand_kernel(
     * ``dtype``: the dtype of B and of the output, bf16 or fp16 (then B is split into two
       bf16 too, and each product tile is three ``mma``: "Precision"); the buffer is fp32
       or of this dtype.
+    * ``chunk_steps``: the rank steps whose buffer fragments a lane holds at once; a
+      rank of more steps is walked in chunks of this many, each chunk's fragments loaded
+      for each column group ("Ranks past 64"; an even number with ``wide_b``). The
+      products are added in the same order whatever the chunks: the same bits.
 
     The rank itself is read at run time, so that a test drawing many ranks compiles a
     handful of kernels, not one per rank.
@@ -469,6 +515,14 @@ def build_mma_expand_kernel(
     if wide_b and not (whole and k_steps % 2 == 0):
         raise ValueError("16-byte loads of B take an even number of whole rank steps")
     B_STEP = 2 if wide_b else 1  # rank steps whose words of B a lane loads at once
+    if chunk_steps < 1 or (wide_b and chunk_steps < k_steps and chunk_steps % 2):
+        raise ValueError(
+            f"chunks of {chunk_steps} rank steps: at least one, an even number with wide_b"
+        )
+    # The rank in chunks of CHUNK steps ("Ranks past 64"): one chunk up to 64 ranks.
+    CHUNK, CHUNKS = rank_chunks(k_steps, chunk_steps)
+    CHUNKED = CHUNKS > 1  # the fragments reloaded for each chunk and column group
+    SHORT_LAST = k_steps % CHUNK != 0  # the last chunk has fewer steps
     KQ = 4 * k_steps  # elements of a row one lane multiplies, over every rank step
     load_four = four_float32_loader(wide_x)
     add_product = mma_into(torch.bfloat16)
@@ -484,14 +538,15 @@ def build_mma_expand_kernel(
     WARP_N = 8 * N_TILES
     BLOCK_N = WARPS * WARP_N
     TERMS = 2 if SPLIT else 1  # A fragments per k step: lo and hi, or the buffer as it is
-    A_WORDS = K_STEPS * M_TILES * 4 * TERMS  # the lane's A fragments, every k step
+    A_WORDS = CHUNK * M_TILES * 4 * TERMS  # the lane's A fragments, every k step of a chunk
     OUTPUTS = M_TILES * N_TILES * 4
     OLD_WORDS = ROWS * WORDS
     SCRATCH_WARPS = WARPS if SIMULATOR else 1  # the GPU never touches the scratch
     # Whether the lane's words of B for every rank step fit EARLY_B_WORDS: then they are
-    # loaded first and the old outputs before the buffer ("Order of the loads").
+    # loaded first and the old outputs before the buffer ("Order of the loads"). Not in
+    # a build of chunks, which holds no more of the rank than a chunk's.
     ONE_PASS = one_pass  # no block walks a second column group
-    EARLY = K_STEPS * N_TILES <= (ONE_PASS_B_WORDS if ONE_PASS else EARLY_B_WORDS)
+    EARLY = not CHUNKED and K_STEPS * N_TILES <= (ONE_PASS_B_WORDS if ONE_PASS else EARLY_B_WORDS)
     CEILING = MAX_REGISTERS if K_STEPS * N_TILES <= EARLY_B_WORDS or not EARLY else None
     EARLY_WORDS = K_STEPS * N_TILES if EARLY else 1  # (a local array has at least one)
     # Whether the buffer's rows are read before B ("The buffer before B"): the one-pass
@@ -566,15 +621,16 @@ def build_mma_expand_kernel(
         return ((kk * M_TILES + mi) * 2 + half) * 4
 
     @cuda.jit(device=True, inline="always")
-    def add_step(acc, a, kk, nj, word, my_scratch):
-        """Add rank step kk of tile nj's products, from the lane's word of B, into acc."""
+    def add_step(acc, a, j, nj, word, my_scratch):
+        """Add the products of step j of the chunk (rank step kk = its first + j) of tile
+        nj, from the lane's word of B, into acc."""
         b0, b1 = word_halves(word)  # k = KQ t + 4 kk ..
         if HALF:  # fp16 B: each register as bf16 hi + lo, exactly ("Precision")
             b0_hi, b0_lo = split_f16_pair(b0)
             b1_hi, b1_lo = split_f16_pair(b1)
             for mi in range(M_TILES):
                 p = (mi * N_TILES + nj) * 4
-                q = (kk * M_TILES + mi) * 8  # the buffer's lo halves at q, its hi at q + 4
+                q = (j * M_TILES + mi) * 8  # the buffer's lo halves at q, its hi at q + 4
                 # lo x B_hi, hi x B_lo, then hi x B_hi: the small terms first
                 add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0_hi, b1_hi, my_scratch)
                 q += 4
@@ -584,8 +640,41 @@ def build_mma_expand_kernel(
             for mi in range(M_TILES):
                 p = (mi * N_TILES + nj) * 4
                 for term in range(TERMS):  # lo first, then hi
-                    q = ((kk * M_TILES + mi) * TERMS + term) * 4
+                    q = ((j * M_TILES + mi) * TERMS + term) * 4
                     add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, my_scratch)
+
+    @cuda.jit(device=True, inline="always")
+    def load_fragments(a, x, s, token, first_step, t, buffer_values):
+        """The lane's A fragments of rank steps ``first_step .. + CHUNK - 1`` (none past
+        the last step), into ``a`` by step within the chunk: lo and hi halves of fp32 or
+        fp16 buffer elements, or a bf16 buffer's pairs; from the values read first
+        (BUFFER_FIRST builds, which have one chunk) or from the buffer."""
+        for j in range(CHUNK):  # step j of the chunk: rank step kk
+            kk = first_step + j
+            if SHORT_LAST and kk >= K_STEPS:
+                break
+            for mi in range(M_TILES):
+                base = (j * M_TILES + mi) * TERMS * 4
+                if WIDE_X:  # the lane's four k of the step, of each row: one 16-byte load
+                    for half in range(2):
+                        if BUFFER_FIRST:
+                            p = buffer_at(kk, mi, half)
+                            v0, v1 = buffer_values[p], buffer_values[p + 1]
+                            v2, v3 = buffer_values[p + 2], buffer_values[p + 3]
+                        else:
+                            v0, v1, v2, v3 = buffer_four(x, s, token, mi, half, kk, t)
+                        a[base + 4 + half], a[base + half] = split_pair(v0, v1)
+                        a[base + 6 + half], a[base + 2 + half] = split_pair(v2, v3)
+                    continue
+                for q in range(4):  # a0, a1: rows g, g + 8, k = k0, k0 + 1; a2, a3: k0 + 2, k0 + 3
+                    k = KQ * t + 4 * kk + 2 * (q // 2)  # k0 = KQ t + 4 kk
+                    row = x[s, token[2 * mi + q % 2]]
+                    v0 = element(row, k)
+                    v1 = element(row, k + 1)
+                    if SPLIT:
+                        a[base + 4 + q], a[base + q] = split_pair(v0, v1)  # hi, lo
+                    else:
+                        a[base + q] = pair_of(v0, v1)
 
     @cuda.jit(device=True, inline="always")
     def load_old(old, out, token, n0, lane_word, last_start, add_inputs):
@@ -769,32 +858,13 @@ def build_mma_expand_kernel(
         if EARLY and n0 < uint64(width):
             load_old(old, out, token, n0, lane_word, last_start, add_inputs)
 
-        # The A fragments of every k step, once: a[((kk * M_TILES + mi) * TERMS + term) * 4
-        # + q] holds elements k, k + 1 (their lo halves for term 0, hi for term 1).
+        # The A fragments of every k step, once, where the rank is one chunk (a build of
+        # chunks loads each chunk's in the loop below: "Ranks past 64"): a[((j * M_TILES
+        # + mi) * TERMS + term) * 4 + q] holds elements k, k + 1 of step j of the chunk
+        # (their lo halves for term 0, hi for term 1).
         a = cuda.local.array(A_WORDS, uint32)
-        for kk in range(K_STEPS):
-            for mi in range(M_TILES):
-                base = (kk * M_TILES + mi) * TERMS * 4
-                if WIDE_X:  # the lane's four k of the step, of each row: one 16-byte load
-                    for half in range(2):
-                        if BUFFER_FIRST:
-                            p = buffer_at(kk, mi, half)
-                            v0, v1 = buffer_values[p], buffer_values[p + 1]
-                            v2, v3 = buffer_values[p + 2], buffer_values[p + 3]
-                        else:
-                            v0, v1, v2, v3 = buffer_four(x, s, token, mi, half, kk, t)
-                        a[base + 4 + half], a[base + half] = split_pair(v0, v1)
-                        a[base + 6 + half], a[base + 2 + half] = split_pair(v2, v3)
-                    continue
-                for q in range(4):  # a0, a1: rows g, g + 8, k = k0, k0 + 1; a2, a3: k0 + 2, k0 + 3
-                    k = KQ * t + 4 * kk + 2 * (q // 2)  # k0 = KQ t + 4 kk
-                    row = x[s, token[2 * mi + q % 2]]
-                    v0 = element(row, k)
-                    v1 = element(row, k + 1)
-                    if SPLIT:
-                        a[base + 4 + q], a[base + q] = split_pair(v0, v1)  # hi, lo
-                    else:
-                        a[base + q] = pair_of(v0, v1)
+        if not CHUNKED:  # (a build of chunks loads each chunk's for each column group)
+            load_fragments(a, x, s, token, 0, t, buffer_values)
 
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
         while n0 < uint64(width):
@@ -803,16 +873,23 @@ def build_mma_expand_kernel(
                 load_old(old, out, token, n0, lane_word, last_start, add_inputs)
             for p in range(OUTPUTS):
                 acc[p] = float32(0.0)
-            for kk in range(0, K_STEPS, B_STEP):  # each tile's steps in order
-                for nj in range(N_TILES):
-                    if EARLY:
-                        first = early_b[kk * N_TILES + nj]
-                        second = early_b[(kk + B_STEP - 1) * N_TILES + nj]
-                    else:
-                        first, second = b_words(b_rows, n0, lane_n, last_n, nj, kk, t)
-                    add_step(acc, a, kk, nj, first, my_scratch)
-                    if B_STEP == 2:
-                        add_step(acc, a, kk + 1, nj, second, my_scratch)
+            for c in range(CHUNKS):  # chunks 0 .. CHUNKS - 1 of the rank (one up to r=64)
+                first_step = c * CHUNK
+                if CHUNKED:  # this chunk's fragments, into the same registers
+                    load_fragments(a, x, s, token, first_step, t, buffer_values)
+                for j in range(0, CHUNK, B_STEP):  # each tile's steps in order
+                    kk = first_step + j  # (j: the step within the chunk)
+                    if SHORT_LAST and kk >= K_STEPS:  # (past the last chunk's steps)
+                        break
+                    for nj in range(N_TILES):
+                        if EARLY:
+                            first = early_b[kk * N_TILES + nj]
+                            second = early_b[(kk + B_STEP - 1) * N_TILES + nj]
+                        else:
+                            first, second = b_words(b_rows, n0, lane_n, last_n, nj, kk, t)
+                        add_step(acc, a, j, nj, first, my_scratch)
+                        if B_STEP == 2:
+                            add_step(acc, a, j + 1, nj, second, my_scratch)
             # Word v of row i holds tiles 2v (its columns 0, 1) and 2v + 1 (columns 2,
             # 3): lane t's columns 2t, 2t + 1 of each, in the row's half of the tile.
             for i in range(ROWS):

@@ -7,12 +7,12 @@ at once, and x and A are 16-bit already, so the products are exact and nothing i
 
 * block: a tile of ``16 * M_TILES`` tokens of one segment (the tile table), one slice,
   and ``8 * N_TILES`` ranks starting at ``blockIdx.y * 8 * N_TILES`` (one group covers
-  every rank, or, where the tiles are few, several groups share the work: r=64 with 16
-  tiles gives 16 blocks of every rank, or 64 of 16 ranks); the blocks of a tile's
-  slices are neighbours (``blockIdx.x = tile * slices + slice``,
-  :func:`.segments.tile_and_slice`), so a QKV layer's three slices read the tile's rows
-  of x from DRAM once, not three times (a block of a later rank group reads them again,
-  mostly from L2);
+  every rank, or, where the tiles are few or the rank is past 64, several groups share
+  the work: r=64 with 16 tiles gives 16 blocks of every rank, or 64 of 16 ranks; see
+  "Ranks"); the blocks of a tile's slices are neighbours (``blockIdx.x = tile * slices
+  + slice``, :func:`.segments.tile_and_slice`), so a QKV layer's three slices read the
+  tile's rows of x from DRAM once, not three times (a block of a later rank group reads
+  them again, mostly from L2);
 * the hidden dimension is cut in chunks of 32 (two steps of 16); warp ``w`` takes
   chunks ``w, w + WARPS, ...`` (so the block's warps read neighbouring stretches of
   each row), ``UNROLL`` chunks a pass, and it loads the next pass's fragments before it
@@ -45,6 +45,21 @@ second step. One load per row fills four registers, and a warp's 4 lanes of a ro
 64 neighbouring bytes: a quarter of the load instructions of pairs. (8-byte words alone,
 one step at a time, gave T=4096 on one LoRA 24.2 -> 21.3 µs; with the next pass loaded
 ahead and 16-byte loads, 15.3: ``docs/benchmarks/h200_v9_candidates.json``.)
+
+**Ranks.** A block holds ``M_TILES * N_TILES * 4`` fp32 outputs a lane in registers and
+its warps' partial tiles (``WARPS x TILE_M x TILE_N`` fp32) in shared memory, so what a
+block costs grows with its group of ranks, not with the rank. Blocks of every rank (one
+group, ``blockIdx.y = 0``) take ranks up to 64 (``ops.operands.MMA_ONE_BLOCK_RANK``: at
+r=64 a lane holds 32 outputs, 16 KB of partial tiles with 4 warps). Blocks of rank groups
+of ``TILE_N = 8 * N_TILES`` take any rank the ops give them (up to
+``ops.operands.MMA_MAX_RANK``, 256): a block per group along grid.y (r=256 in groups of
+8 ranks: 32 blocks, where CUDA allows 65535), block ``y`` taking ranks ``8 N_TILES y ..``;
+each group reads the tile's rows of x again (mostly from L2). A rank that is not a
+multiple of the group (r=100 in groups of 16: six and a group of 4; or not of 8: r=68)
+leaves the last group short: its rows of A past the rank repeat the last row (the
+products of those columns are never stored) and its outputs past the rank are neither
+read nor written. The sums of a rank group are those of blocks of every rank: the same
+bits (the key ``("mma", threads)``).
 
 Memory traffic per block: ``TILE_M * K`` elements of x, ``TILE_N * K`` of A (from L2
 after the first tile of a slot), ``TILE_M * TILE_N`` outputs (read too when

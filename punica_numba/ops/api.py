@@ -84,7 +84,9 @@ def lora_shrink(
         for s, t with l = slot(t) != -1:
             output[s, t, :] += scaling * sum_k inputs[t, k] * A_s[l, :, k]   (fp32 accumulation)
         Rows of tokens without a LoRA, and slices past S, are untouched. Deterministic:
-        no atomics, so the same inputs give the same bits on every run.
+        no floating-point atomics (a split-K launch counts its blocks with an integer one
+        and adds its chunks in a fixed order), so the same inputs give the same bits on
+        every run.
 
     Memory traffic: reads T*H + (active slots)*S*r*H elements; reads and writes S*T*r.
 

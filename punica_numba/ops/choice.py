@@ -26,12 +26,13 @@ from ..kernels import (
     build_mma_expand_kernel,
     build_mma_shrink_kernel,
     build_shrink_kernel,
+    build_split_shrink_kernel,
     build_tiled_expand_kernel,
     build_token_shrink_kernel,
     splits,
 )
 from ..kernels.dtypes import packing
-from ..launch import LaunchConfig, choose_launch_config
+from ..launch import LaunchConfig, choose_launch_config, launch_configs
 from . import operands
 
 __all__ = [
@@ -60,7 +61,8 @@ class ShrinkChoice(NamedTuple):
     kernel: object  # the compiled kernel
     x: torch.Tensor  # the activations as the kernel reads them (elements or int64 words)
     weights: list  # each slice's A as the kernel reads it
-    rank_groups: int  # blocks along the rank axis (grid.y on tensor cores, else grid.z)
+    rank_groups: int  # blocks along the rank axis (grid.y on tensor cores, else grid.z;
+    # split K: rank groups x chunks)
     tensor_cores: bool
     one_slot: bool  # blocks take tokens in their own order (:func:`one_slot`)
 
@@ -92,7 +94,7 @@ def choose_shrink(
     config = choose_launch_config("shrink", num_tokens, active, rank, True, slices, **key)
     mma = None
     if config.kernel == "mma":
-        mma = operands.mma_shrink_operands(inputs, weights)
+        mma = operands.mma_shrink_operands(inputs, weights, config.tile_n)
         if mma is None:  # the tensor cores cannot take this call
             config = choose_launch_config("shrink", num_tokens, active, rank, False, slices, **key)
     if mma is not None:
@@ -109,8 +111,11 @@ def choose_shrink(
             wide,
         )
         return ShrinkChoice(config, kernel, x, packed, rank_groups, True, False)
-    # Rank groups over grid.z (the kernel strides by gridDim.z), or looped in a block.
     groups = -(-rank // config.tile_n)
+    if config.kernel == "split" and groups * config.splits > MAX_GRID_YZ:
+        config = launch_configs("shrink")[0]  # (a rank no layer has: the plain row shrink)
+        groups = -(-rank // config.tile_n)
+    # Rank groups over grid.z (the kernel strides by gridDim.z), or looped in a block.
     rank_groups = min(groups, MAX_GRID_YZ) if config.spread else 1
     # Packed 8-byte words when x and every A allow it; else one element at a time.
     x_words, w_words = operands.words(inputs), operands.weight_words(weights)
@@ -120,6 +125,18 @@ def choose_shrink(
     kernel_weights = (
         w_words if packed else [elements for _, elements in operands.weight_forms(weights)]
     )
+    if config.kernel == "split":  # a block per (tile, slice, rank group, chunk of K)
+        kernel = build_split_shrink_kernel(
+            inputs.dtype,
+            output.dtype,
+            config.threads,
+            config.tile_m,
+            config.tile_n,
+            config.splits,
+            packed,
+            accumulate,
+        )
+        return ShrinkChoice(config, kernel, x, kernel_weights, groups * config.splits, False, False)
     if alone and token_rows(packed, x.shape[1], config.threads, rank):
         # A token and a rank a block, the row's words compiled in (kernels.shrink_token).
         config = dataclasses.replace(config, tile_n=1, spread=True)

@@ -20,6 +20,7 @@ from .._checks import Stack
 from .._cuda import SIMULATOR, KernelLauncher, pack_tensors
 from ..kernels import MAX_SLICES
 from ..kernels.segments import tile_grid_bound, tile_table, tile_tokens
+from ..kernels.shrink_split import split_workspace
 from ..launch import LaunchConfig
 from ..meta import host_facts_of
 from .choice import choose_expand, choose_shrink, column_blocks
@@ -115,7 +116,11 @@ def shrink_launch(
     LoRA, T > 0 and r > 0. ``scaling`` is a float.
 
     ``accumulate=False`` stores the products instead of adding them: for a buffer the
-    wrapper made for one call (``torch.empty``), which saves filling it with zeros."""
+    wrapper made for one call (``torch.empty``), which saves filling it with zeros.
+
+    A split-K shrink also reads and writes its device's workspace
+    (:func:`..kernels.shrink_split.split_workspace`), taken now, as the launch is made
+    ready: its partial sums and per-group counters, sized for this call."""
     num_tokens = inputs.shape[0]
     facts = host_facts_of(metadata[4])
     chosen = choose_shrink(inputs, weights, output_tensor, facts, accumulate)
@@ -123,6 +128,13 @@ def shrink_launch(
     blocks, meta = block_work("shrink", config, num_tokens, metadata, facts, chosen.one_slot)
     launcher = launcher_of(chosen.kernel)
     scaling32 = np.float32(scaling)
+    workspace = ()  # a split-K shrink's partial sums and counters (as kernel arguments)
+    if config.kernel == "split" and blocks:
+        slices = min(len(kernel_weights), MAX_SLICES)  # (the most one launch covers)
+        rank = weights[0].rows
+        groups = chosen.rank_groups // config.splits
+        sizes = (config.splits, slices, num_tokens, rank, blocks, groups)
+        workspace = split_workspace(inputs.device, *sizes)
 
     def launch() -> None:
         if blocks == 0:
@@ -136,7 +148,7 @@ def shrink_launch(
                 args = (x, *chunk, output_tensor, base, count)
             else:
                 grid = (blocks, count, chosen.rank_groups)
-                args = (x, *chunk, output_tensor, base)
+                args = (x, *chunk, output_tensor, base, *workspace)
             launcher(grid, config.threads, (*args, *meta, scaling32))
 
     launch.config = config  # what was chosen (the benchmark reports it)

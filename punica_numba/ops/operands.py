@@ -6,6 +6,16 @@ This module says whether a tensor allows that and gives its views: the int64 wor
 tensor, whether its rows are aligned, and the tensor-core kernels' operands (or None
 when those kernels cannot take the call, so that :mod:`.choice` picks an FFMA kernel).
 Nothing here copies data: every operand is a view of the caller's memory.
+
+**Ranks.** The tensor cores take ranks up to :data:`MMA_MAX_RANK` (256: r = 128 and 256
+are common LoRA ranks), except a tensor-core shrink whose blocks take every rank
+(``tile_n == 0``), up to :data:`MMA_ONE_BLOCK_RANK` (64): it keeps the outputs of the
+whole rank in registers and its warps' partial tiles in shared memory. A shrink of rank
+groups (``tile_n > 0``) holds one group's, whatever the rank: a block per group along
+grid.y (at most 256 / 8 = 32 of them, far below CUDA's 65535). The expand walks a rank
+past 64 in chunks of 64 (:mod:`..kernels.expand_mma`, "Ranks past 64"), holding one
+chunk's buffer fragments at a time. Past 64 neither kernel's registers grow with the
+rank; 256 is the largest rank they are tested at.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from ..kernels.mma import MMA_DTYPES
 
 __all__ = [
     "MMA_MAX_RANK",
+    "MMA_ONE_BLOCK_RANK",
     "mma_expand_operands",
     "mma_shrink_operands",
     "rows_start_at",
@@ -28,9 +39,13 @@ __all__ = [
     "words",
 ]
 
-#: The largest rank the tensor-core kernels take (their fragments of a whole rank sit in
-#: registers: the shrink's outputs, the expand's buffer rows).
-MMA_MAX_RANK = 64
+#: The largest rank the tensor-core kernels take: the shrink's blocks of a rank group and
+#: the expand, which walks the rank in chunks of 64 (see "Ranks" above).
+MMA_MAX_RANK = 256
+
+#: The largest rank of a tensor-core shrink whose blocks take every rank (``tile_n == 0``:
+#: the outputs of the whole rank in registers, the warps' partial tiles in shared memory).
+MMA_ONE_BLOCK_RANK = 64
 
 
 def words(t: torch.Tensor) -> torch.Tensor | None:
@@ -78,13 +93,18 @@ def weight_words(weights: Sequence[Stack]) -> list | None:
     return None if any(w is None for w in packed) else packed
 
 
-def mma_shrink_operands(inputs: torch.Tensor, weights: Sequence[Stack]) -> tuple | None:
-    """The tensor-core shrink's operands ``(x, weights, wide)``: x and A as int64 words
-    of four elements, and whether all their rows start at multiples of 16 bytes (the
-    kernel's 16-byte loads); or None when it cannot take the call: x and A fp16 or bf16,
-    rank <= :data:`MMA_MAX_RANK`, a hidden size that is a multiple of 8, rows of whole,
-    aligned words (:mod:`..kernels.shrink_mma`)."""
-    if inputs.dtype not in MMA_DTYPES or weights[0].rows > MMA_MAX_RANK or inputs.shape[1] % 8:
+def mma_shrink_operands(
+    inputs: torch.Tensor, weights: Sequence[Stack], tile_n: int
+) -> tuple | None:
+    """The tensor-core shrink's operands ``(x, weights, wide)`` for a configuration of
+    ``tile_n`` ranks a block (0: every rank): x and A as int64 words of four elements,
+    and whether all their rows start at multiples of 16 bytes (the kernel's 16-byte
+    loads); or None when it cannot take the call: x and A fp16 or bf16, a rank up to
+    :data:`MMA_MAX_RANK` (blocks of rank groups) or :data:`MMA_ONE_BLOCK_RANK` (blocks of
+    every rank), a hidden size that is a multiple of 8, rows of whole, aligned words
+    (:mod:`..kernels.shrink_mma`)."""
+    max_rank = MMA_MAX_RANK if tile_n else MMA_ONE_BLOCK_RANK
+    if inputs.dtype not in MMA_DTYPES or weights[0].rows > max_rank or inputs.shape[1] % 8:
         return None
     x = words(inputs)
     packed = weight_words(weights) if x is not None else None
@@ -109,10 +129,11 @@ def mma_expand_operands(
     in 16-byte loads (a rank that is a multiple of 32, rows at multiples of 16 bytes).
     It takes B and an output of one dtype, bf16 or fp16 (fp16 B split in two bf16 halves,
     exactly), a buffer of fp32 (split in two bf16 halves) or of B's dtype (bf16 as its
-    int16 bits, fp16 split as fp32 is), 0 < rank <= :data:`MMA_MAX_RANK`, B rows of whole
-    int64 words (four elements: ``packed``, from :func:`weight_words`, None where there are
-    none), and an output it can read and write in words of four columns: every slice's
-    first column and width a multiple of 4 (:mod:`..kernels.expand_mma`, "Precision")."""
+    int16 bits, fp16 split as fp32 is), 0 < rank <= :data:`MMA_MAX_RANK` (past 64 in
+    chunks of 64), B rows of whole int64 words (four elements: ``packed``, from
+    :func:`weight_words`, None where there are none), and an output it can read and write
+    in words of four columns: every slice's first column and width a multiple of 4
+    (:mod:`..kernels.expand_mma`, "Precision")."""
     dtype = weights[0].dtype
     if (
         dtype not in MMA_DTYPES

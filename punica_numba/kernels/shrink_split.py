@@ -1,0 +1,315 @@
+"""The shrink with K split over blocks: ``out[s, t, :] (+)= scaling * x[t] @ A_s[slot(t)]^T``.
+
+The row shrink (:mod:`.shrink`) gives each block a tile of tokens and a group of ranks
+and walks the whole hidden size K inside it. At a down projection (K = 11008-14336)
+with few tokens per LoRA (T = 32 over 8 LoRAs, rank 16-32) that makes too few blocks to
+fill a GPU of 132 SMs, and each of them walks a long K. Here a block takes one more
+coordinate, a *chunk* of K, so that ``tiles x rank groups x SPLITS`` blocks share the
+work, each a ``1 / SPLITS`` stretch of it.
+
+Work split (one block = one tile of one slot's tokens, one slice, some ranks, one chunk):
+
+* ``blockIdx.x``: a tile of up to ``TILE_M`` tokens of one segment (:mod:`.segments`);
+* ``blockIdx.y``: the slice, among the (at most ``MAX_SLICES``) slices of this launch;
+* ``blockIdx.z``: ``group * SPLITS + split``: the group of ``TILE_N`` ranks starting at
+  ``group * TILE_N``, and the chunk of words ``[split * C, min(W, (split + 1) * C))``
+  with ``W`` the words of a row and ``C = ceil(W / SPLITS)``.
+
+Inside a block, x and A are read as in the row shrink: thread ``tid`` walks its chunk
+one *word* at a time, ``w = start + tid, start + tid + THREADS, ...`` (a packed int64 of
+``PACK`` elements where x and every A allow it, else one element), and the block adds
+its threads' partials in the row shrink's fixed order (:func:`.shrink.block_sum`).
+
+**One launch, the last block adds.** A block stores its chunk's sums into an fp32
+workspace, ``partials[split, slice, token, rank]``, makes them visible to the whole
+GPU (``threadfence``) and counts itself in with an integer ``atomic.add`` on the
+counter of its (tile, slice, rank group). The block that finds ``SPLITS - 1`` arrivals
+before it is the last of its group: it reads the ``SPLITS`` partial sums of each
+output, adds them in the order of the chunks, ``((p_0 + p_1) + p_2) + ...``, whichever
+block came last, and stores ``old + scaling * sum`` (or, compiled without
+``accumulate``, the product alone); then sets its counter back to 0, so the next launch,
+or the next replay of a CUDA graph, finds every counter at 0. The one atomic operation
+is on an integer, so its order changes no bit of the output: the result depends only on
+``THREADS``, ``SPLITS`` and K (:meth:`~punica_numba.launch.LaunchConfig.arithmetic`),
+not on the tiles, the rank groups or the order the blocks run in. A second, small reduce
+launch would also have done; one launch was chosen because nothing in the launch path
+needs two (the grid, the workspace and the counters are all known on the host), and a
+second launch would pay a kernel's launch and placing again, a large part of a call of
+a few µs.
+
+**The workspace** (:func:`split_workspace`): one fp32 buffer and one int32 counter
+buffer per device and stream, made zero once and grown when a call needs more; a launch
+passes them whole and finds its place in them from the grid and the shapes. So a call
+allocates nothing once an earlier call of its size ran on its stream (vLLM's warm-up), and
+a CUDA graph captured after it allocates nothing. The split shrinks of one stream run one
+after another and share the pair; another stream has its own, so shrinks running side by
+side on two streams never share counters. A pair, once made, is never freed: a CUDA graph
+captured with it keeps its address and may be replayed after the cache has grown past it
+(two graphs replayed side by side on two streams, from captures on one stream, would
+share it: capture them on streams of their own).
+
+Memory traffic per block: ``TILE_M`` rows of x and ``TILE_N`` rows of A over one chunk,
+each read once; ``TILE_M * TILE_N`` partial sums written; the last block of a group
+also reads ``SPLITS`` of them per output and reads and writes the output. Its speed on
+the H200 is not measured yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from numba import float32, int32, int64
+
+from .._cuda import SIMULATOR, cuda, jit_kernel, pack_tensors
+from .dependent_launch import prologue
+from .dtypes import loader, memory_type, packing, storer, word_loader
+from .segments import read_tile, tile_token
+from .shrink import MAX_SLICES, block_sum
+
+__all__ = [
+    "MIN_COUNTERS",
+    "MIN_PARTIALS",
+    "build_split_shrink_kernel",
+    "cached_split_workspace",
+    "clear_split_workspaces",
+    "split_workspace",
+    "split_workspace_sizes",
+]
+
+#: The smallest workspace made (fp32 partial sums, 256 KiB) and the fewest counters: a
+#: first call of a small size then leaves room for the larger calls after it, so that
+#: a cache grown by powers of two seldom grows at all.
+MIN_PARTIALS = 1 << 16
+MIN_COUNTERS = 1 << 12
+
+
+def _read_shared(array, i):
+    """Element ``i`` of a 1-D array that other blocks of this launch wrote: from L2 on
+    the GPU (``ld.global.cg``: a line this SM kept in L1 could be stale); a plain load on
+    the simulator, which has no cache hints."""
+    return array[i]
+
+
+_read_l2 = _read_shared if SIMULATOR else cuda.ldcg
+
+
+@functools.cache
+def build_split_shrink_kernel(
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    threads: int,
+    tile_m: int,
+    tile_n: int,
+    splits: int,
+    packed: bool,
+    accumulate: bool = True,
+):
+    """Compile-time specialisation: the dtypes of x and A and of the output, threads per
+    block, tile sizes, the chunks K is split into (``splits``), whether x and A arrive
+    as packed int64 words, and whether the products are added to the output
+    (``accumulate``) or stored.
+
+    They must be constants because they size local (register) and shared arrays and
+    the loops over them, which Numba unrolls only when the trip count is known.
+
+    Semantics:
+        x: [T, W] words; w0..w2: [L, r, W] words; out: [>= S, T, r]; modified in place
+        partials: fp32 [>= SPLITS * S * T * r]; arrivals: int32 [>= B * S * G], all 0
+        for each tile b of slot l, slice s, rank group g, chunk c (a block each):
+            p[c, s, t, n] = sum over words k of chunk c of x[t, k] * w_s[l, n, k]
+        the last block of (b, s, g) to arrive, for its tokens t and ranks n:
+            out[s, t, n] = (out[s, t, n] if accumulate else 0)
+                           + scaling * (((p[0] + p[1]) + p[2]) + ... + p[SPLITS - 1])
+            arrivals[b, s, g] = 0
+    """
+    if threads & (threads - 1):
+        raise ValueError(f"threads must be a power of two for the tree reduction, got {threads}")
+    if tile_m * tile_n > threads:
+        raise ValueError(f"{tile_m} x {tile_n} sums need as many threads, got {threads}")
+    if splits < 1:
+        raise ValueError(f"splits must be at least 1, got {splits}")
+    load = word_loader(dtype, packed)
+    load_out, store_out = loader(out_dtype), storer(out_dtype)
+    THREADS, TILE_M, TILE_N, PACK = threads, tile_m, tile_n, packing(dtype, packed)
+    SPLITS = splits
+    PARTIALS = TILE_M * TILE_N  # dot products one block computes over its chunk
+    # Strides of K whose loads are issued before any is used, as in the row shrink:
+    # only for single-token tiles (more words held spill out of registers).
+    UNROLL = 4 if TILE_M == 1 else 1
+    X_WORDS, W_WORDS = UNROLL * TILE_M, UNROLL * TILE_N  # words held per thread
+    add_up, TREE_WIDTH = block_sum(threads, PARTIALS)  # the row shrink's order
+    WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
+    ACCUMULATE = accumulate
+
+    begin = prologue()
+
+    @jit_kernel(THREADS)
+    def shrink_split(
+        x, w0, w1, w2, out, slice_base, partials, arrivals, tiles, sorted_tokens, scaling
+    ):
+        # x: [M, W] words; w*: [L, R, W] words; out: [S, M, R]; partials: fp32, at least
+        # [SPLITS, gridDim.y, M, R] flat; arrivals: int32, at least [gridDim.x, gridDim.y,
+        # gridDim.z / SPLITS] flat, all 0; tiles: [B, 4] int32
+        begin()  # wait for the kernels before this one (dependent_launch)
+        slot, position, rows, first_token = read_tile(tiles, cuda.blockIdx.x)
+        if slot == -1:
+            return  # every chunk of this tile leaves, before any barrier or count
+        s_local = cuda.blockIdx.y
+        if s_local == 0:
+            w = w0
+        elif s_local == 1:
+            w = w1
+        else:
+            w = w2
+        out_slice = slice_base + s_local
+        tokens, rank, words = x.shape[0], w.shape[1], x.shape[1]
+        tid = cuda.threadIdx.x
+        split = cuda.blockIdx.z % SPLITS
+        group = cuda.blockIdx.z // SPLITS
+        n0 = group * TILE_N
+        chunk = (words + SPLITS - 1) // SPLITS  # words of one chunk (the last: fewer)
+        k_begin = split * chunk
+        k_end = min(words, k_begin + chunk)
+
+        token = cuda.local.array(TILE_M, int64)  # the tile's token rows
+        for j in range(TILE_M):  # j in [0, TILE_M), unrolled
+            token[j] = tile_token(sorted_tokens, position, rows, first_token, j)
+
+        partial = cuda.local.array(PARTIALS, float32)
+        xw = cuda.local.array(X_WORDS, WORD)
+        ww = cuda.local.array(W_WORDS, WORD)
+        tree = cuda.shared.array((PARTIALS, TREE_WIDTH), float32)
+        last = cuda.shared.array(1, int32)  # 1 in the last block of the group to arrive
+
+        for p in range(PARTIALS):
+            partial[p] = float32(0.0)
+        # k in [k_begin, k_end), strided by THREADS; UNROLL strides' loads are issued
+        # together (past the end: a harmless repeat, never added).
+        for k0 in range(k_begin + tid, k_end, THREADS * UNROLL):
+            for u in range(UNROLL):
+                k = min(k0 + u * THREADS, k_end - 1)
+                for j in range(TILE_M):
+                    xw[u * TILE_M + j] = x[token[j], k]
+                for q in range(TILE_N):  # rank n0 + q; past the rank: a harmless repeat
+                    ww[u * TILE_N + q] = w[slot, min(n0 + q, rank - 1), k]
+            for u in range(UNROLL):
+                if k0 + u * THREADS < k_end:
+                    for q in range(TILE_N):
+                        for lane in range(PACK):  # the elements of one word, unrolled
+                            wk = load(ww[u * TILE_N + q], lane)
+                            for j in range(TILE_M):
+                                partial[j * TILE_N + q] += load(xw[u * TILE_M + j], lane) * wk
+
+        add_up(partial, tree, tid)  # the THREADS partials of each dot product, in order
+
+        # This chunk's sums into the workspace: partials[split, s_local, token, n].
+        j = tid // TILE_N
+        n = n0 + tid % TILE_N
+        mine = tid < PARTIALS and j < rows and n < rank
+        if mine:
+            row = (s_local * tokens + token[j]) * rank + n  # of one split's [S, M, R]
+            plane = cuda.gridDim.y * tokens * rank  # elements of one split's [S, M, R]
+            partials[split * plane + row] = tree[tid, 0]
+        cuda.threadfence()  # the stores above are seen by every block before the count
+        cuda.syncthreads()
+        counter = (cuda.blockIdx.x * cuda.gridDim.y + s_local) * (cuda.gridDim.z // SPLITS)
+        counter += group
+        if tid == 0:
+            last[0] = int32(cuda.atomic.add(arrivals, counter, 1) == SPLITS - 1)
+        cuda.syncthreads()
+        if last[0] == 0:
+            return  # another chunk of this group is still running: it will add
+        cuda.threadfence()
+        if mine:
+            total = _read_l2(partials, row)  # split 0
+            for s in range(1, SPLITS):  # then 1, 2, ..., SPLITS - 1, in order
+                total += _read_l2(partials, s * plane + row)
+            old = float32(0.0)
+            if ACCUMULATE:
+                old = load_out(out[out_slice, token[j], n])
+            out[out_slice, token[j], n] = store_out(old + scaling * total)
+        if tid == 0:
+            arrivals[counter] = 0  # ready for the next launch (and graph replay)
+
+    return shrink_split
+
+
+def split_workspace_sizes(
+    splits: int, slices: int, tokens: int, rank: int, blocks: int, groups: int
+) -> tuple[int, int]:
+    """``(partials, counters)``: the fp32 elements and int32 counters a launch of
+    ``splits`` chunks, ``slices`` slices (at most ``MAX_SLICES``), ``tokens`` rows of
+    rank ``rank``, ``blocks`` tiles and ``groups`` rank groups reads and writes."""
+    if slices > MAX_SLICES:
+        raise ValueError(f"a launch covers at most {MAX_SLICES} slices, got {slices}")
+    return splits * slices * tokens * rank, blocks * slices * groups
+
+
+#: (device, stream) -> (partials fp32, counters int32, the pair as kernel arguments)
+_WORKSPACES: dict[tuple, tuple] = {}
+#: Every pair ever made, kept alive: CUDA graphs captured with one hold its address.
+_KEPT: list[tuple] = []
+
+
+def _stream_key(device: torch.device) -> tuple:
+    """The cache's key of the current stream of ``device`` (one stream on the simulator)."""
+    if SIMULATOR:
+        return (device, None)
+    return (device, torch.cuda.current_stream(device).cuda_stream)
+
+
+def _grown(size: int, least: int) -> int:
+    """``size`` rounded up to a power of two, at least ``least``."""
+    return max(least, 1 << max(0, size - 1).bit_length())
+
+
+def split_workspace(
+    device: torch.device, splits: int, slices: int, tokens: int, rank: int, blocks: int, groups: int
+) -> tuple:
+    """The workspace of a split-K launch on ``device`` (module notes, "The workspace"), as
+    the kernel's ``partials, arrivals`` arguments: the cached pair of the device's current
+    stream when it is large enough (else a new one, grown to the next power of two, which
+    the stream caches from then on; the old one is kept, not freed), described once for
+    the launcher on the GPU. No sync, and nothing allocated once the cache holds the size.
+
+    During a CUDA graph capture a cache too small is not grown: the launch gets a pair of
+    its own, made (and zeroed) in the capture and kept, for the graph's replays; the cache
+    stays as it was, so an eager call after the capture never finds counters that only a
+    replay would have zeroed."""
+    need_partials, need_counters = split_workspace_sizes(
+        splits, slices, tokens, rank, blocks, groups
+    )
+    device = torch.device(device)
+    key = _stream_key(device)
+    cached = _WORKSPACES.get(key)
+    if cached is not None and cached[0].numel() >= need_partials:
+        if cached[1].numel() >= need_counters:
+            return cached[2]
+    partials_size, counters_size = need_partials, need_counters
+    if cached is not None:
+        partials_size = max(partials_size, cached[0].numel())
+        counters_size = max(counters_size, cached[1].numel())
+    partials = torch.empty(_grown(partials_size, MIN_PARTIALS), dtype=torch.float32, device=device)
+    # [>= SPLITS * S * T * r] fp32, written before read
+    counters = torch.zeros(_grown(counters_size, MIN_COUNTERS), dtype=torch.int32, device=device)
+    # [>= B * S * G] int32, all 0
+    arguments = (partials, counters) if SIMULATOR else (pack_tensors((partials, counters)),)
+    _KEPT.append((partials, counters))
+    if not SIMULATOR and torch.cuda.is_current_stream_capturing():
+        return arguments  # the capture's own
+    _WORKSPACES[key] = (partials, counters, arguments)
+    return arguments
+
+
+def cached_split_workspace(device: torch.device) -> tuple | None:
+    """The cached ``(partials, counters)`` of the current stream of ``device``, or None
+    (for tests: the counters are all 0 between launches)."""
+    cached = _WORKSPACES.get(_stream_key(torch.device(device)))
+    return None if cached is None else cached[:2]
+
+
+def clear_split_workspaces() -> None:
+    """Forget every cached workspace (the next split launch makes a new one); the pairs
+    made stay alive, for the CUDA graphs captured with them."""
+    _WORKSPACES.clear()

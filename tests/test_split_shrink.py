@@ -1,0 +1,368 @@
+"""The split-K shrink (``kernel="split"``, :mod:`punica_numba.kernels.shrink_split`).
+
+K is cut into ``splits`` chunks, a block each, and the last block of each (tile, slice,
+rank group) adds the chunks' sums in order. Checked here:
+
+1. against the float64 reference, over drawn problems, hidden sizes, chunk counts, tiles,
+   ranks, slices and dtypes, added into nonzero buffers or stored (``accumulate``);
+2. the same bits run after run and under configurations of one arithmetic key, and every
+   counter back at 0 after a call (so that the next launch and a graph replay work);
+3. the workspace: cached per device, grown only when a call needs more;
+4. the heuristic: picked at a down projection (K=14336, T=32 over 8 LoRAs), not at the
+   K=4096 decode shapes where the row shrink was measured best;
+5. on the GPU: a CUDA graph of it replays right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from punica_numba import launch, lora_shrink, reference
+from punica_numba.kernels import shrink_split
+from punica_numba.launch import LaunchConfig, choose_launch_config, force_launch_config
+from punica_numba.ops import prepare_shrink
+from punica_numba.ops.checks import check_shrink as check_shrink_arguments
+from punica_numba.ops.launching import shrink_launch
+
+from .op_cases import Problem, ShrinkCase, _stack, check_shrink, problems
+from .strategies import DEVICE, DTYPES, LARGE, Limits, random_tensor
+from .tolerance import assert_close
+
+#: Drawn sizes: on the simulator a launch of up to 8 tiles x 3 slices x 3 rank groups x 3
+#: chunks of 16 threads (a few thousand Python threads); on the GPU real hidden sizes.
+LIMITS = (
+    Limits(tokens=64, hidden=16384, rank=64, loras=8, width=0)
+    if LARGE
+    else Limits(tokens=8, hidden=48, rank=6, loras=3, width=0)
+)
+THREADS = (64, 128) if not launch.SIMULATOR else (8, 16)
+MAX_SPLITS = 8 if LARGE else 3
+
+
+def _table() -> dict:
+    return launch._SIMULATOR_CONFIGS if launch.SIMULATOR else launch._GPU_CONFIGS
+
+
+def _split_configs() -> list[LaunchConfig]:
+    return [c for c in launch.launch_configs("shrink") if c.kernel == "split"]
+
+
+@contextlib.contextmanager
+def forced(config: LaunchConfig):
+    """Within it, every shrink runs ``config`` (added to this machine's table for the
+    while, so that ``force_launch_config`` takes it)."""
+    table = _table()
+    shrinks = table["shrink"] if config in table["shrink"] else (*table["shrink"], config)
+    with mock.patch.dict(table, {"shrink": shrinks}), force_launch_config("shrink", config):
+        yield
+
+
+def split_config(threads: int, tile_m: int, tile_n: int, splits: int) -> LaunchConfig:
+    """A split shrink the heuristic never picks (forced only)."""
+    return LaunchConfig(
+        "split", threads, tile_m, tile_n, splits=splits, from_hidden=1 << 40, to_tiles=0
+    )
+
+
+@st.composite
+def split_configs(draw) -> LaunchConfig:
+    threads = draw(st.sampled_from(THREADS), label="threads")
+    tile_m = draw(st.sampled_from((1, 2, 4) if LARGE else (1, 2)), label="tile_m")
+    tile_n = draw(st.sampled_from((2, 4)), label="tile_n")
+    splits = draw(st.integers(1, MAX_SPLITS), label="splits")
+    return split_config(threads, tile_m, tile_n, splits)
+
+
+@st.composite
+def split_cases(draw) -> ShrinkCase:
+    """A shrink of drawn dims (tokens, slots and padding first, then sizes, then dtypes)."""
+    return ShrinkCase(
+        problem=draw(problems(LIMITS)),
+        hidden=draw(st.integers(1, LIMITS.hidden), label="H"),
+        rank=draw(st.integers(1, LIMITS.rank), label="r"),
+        num_slices=draw(st.integers(1, 3), label="S"),
+        extra_slices=draw(st.integers(0, 1), label="extra buffer slices"),
+        dtype=draw(st.sampled_from(DTYPES), label="dtype"),
+        out_dtype=draw(
+            st.sampled_from((torch.float32, torch.float32, torch.bfloat16, torch.float16)),
+            label="buffer dtype",
+        ),
+        scaling=draw(st.sampled_from((1.0, 0.5, -0.25)), label="scaling"),
+        four_d=draw(st.booleans(), label="4-D weights"),
+    )
+
+
+def stored_shrink(*args) -> None:
+    """``lora_shrink``'s signature, launched with ``accumulate=False`` (as the wrapper
+    does into a buffer it made for the call): the products stored, not added."""
+    call = check_shrink_arguments(args[0], args[1], args[2], tuple(args[3:9]), None, args[9])
+    if not call.idle:
+        shrink_launch(call.inputs, call.weights, call.output, call.metadata, call.scaling, False)()
+
+
+def check_stored(case: ShrinkCase) -> None:
+    """The products stored into a buffer of random (nonzero) values: where a token has a
+    LoRA the reference's products alone, elsewhere the buffer as it was."""
+    p, seed = case.problem, case.problem.seed
+    T, H, r, L, S = p.num_tokens, case.hidden, case.rank, p.num_loras, case.num_slices
+    x = random_tensor((T, H), case.dtype, seed)  # [T, H]
+    weights = [
+        _stack(random_tensor((L, r, H), case.dtype, seed + 1 + s), case.four_d) for s in range(S)
+    ]  # S x [L, r, H]
+    out = random_tensor((S + case.extra_slices, T, r), case.out_dtype, seed + 9)  # [S', T, r]
+    before = out.clone()
+    stored_shrink(x, weights, out, *p.meta().meta_args(T), case.scaling)
+    slots = p.slot_tensor()
+    zeros = torch.zeros_like(before)
+    want = reference.lora_shrink(x, weights, zeros, slots, case.scaling)
+    magnitude = reference.lora_shrink(
+        x.abs(), [w.abs() for w in weights], zeros, slots, abs(case.scaling)
+    )
+    used = slots != -1
+    assert torch.equal(out[:, ~used], before[:, ~used]), "rows without a LoRA changed"
+    assert torch.equal(out[S:], before[S:]), "buffer slices past the weights changed"
+    assert_close(out[:S, used], want[:S, used], magnitude[:S, used], H, "stored split shrink")
+
+
+def counters_at_zero() -> bool:
+    cached = shrink_split.cached_split_workspace(DEVICE)
+    return cached is not None and not bool(cached[1].any())
+
+
+# -- 1. against the reference ---------------------------------------------------------------
+
+
+@given(split_cases(), split_configs(), st.booleans())
+def test_split_shrink_matches_reference(case, config, accumulate):
+    """Forced, the split shrink is right at every drawn size (K shorter than the chunks
+    included: some chunks then hold no word), added into a nonzero buffer or stored."""
+    with forced(config):
+        if accumulate:
+            check_shrink(lora_shrink, case)
+        else:
+            check_stored(case)
+    assert counters_at_zero() or not any(s != -1 for s in case.problem.slots)
+
+
+def test_more_slices_than_one_launch_covers():
+    """Four slices take two launches, which use the workspace one after the other."""
+    problem = Problem(slots=[1, 0, -1, 1, 1], prepared=5, num_loras=2, seed=21)
+    case = ShrinkCase(problem, 20, 3, 4, 0, torch.bfloat16, torch.float32, 0.5, False)
+    with forced(split_config(THREADS[-1], 2, 4, 3)):
+        check_shrink(lora_shrink, case)
+    assert counters_at_zero()
+
+
+# -- 2. the same bits ------------------------------------------------------------------------
+
+
+def _run(config: LaunchConfig, case: ShrinkCase) -> torch.Tensor:
+    """The output of one checked run of ``case`` under ``config``."""
+    outputs = []
+
+    def shrink(*args):
+        lora_shrink(*args)
+        outputs.append(args[2].clone())
+
+    with forced(config):
+        check_shrink(shrink, case)
+    return outputs[0]
+
+
+def test_the_same_bits_run_after_run_and_under_one_arithmetic_key():
+    """No float atomics: the chunks' sums are added in order by whichever block comes last,
+    so repeated runs give the same bits, and so do tiles and rank groups of other sizes
+    under the same threads and chunks (one arithmetic key); after each call every counter
+    is back at 0."""
+    problem = Problem(slots=[0, 1, 1, -1, 0, 1, 1], prepared=7, num_loras=2, seed=3)
+    case = ShrinkCase(problem, 45, 5, 2, 0, torch.float32, torch.float32, 0.5, False)
+    threads = THREADS[-1]
+    first = split_config(threads, 2, 4, 3)
+    twin = split_config(threads, 1, 2, 3)
+    assert first.arithmetic("shrink") == twin.arithmetic("shrink")
+    assert first.arithmetic("shrink") != split_config(threads, 2, 4, 2).arithmetic("shrink")
+    runs = [_run(first, case), _run(first, case), _run(twin, case)]
+    assert counters_at_zero()
+    for got in runs[1:]:
+        differ = got != runs[0]
+        assert not bool(differ.any()), f"different bits at {torch.nonzero(differ)[0].tolist()}"
+
+
+def test_the_tables_split_configurations_share_their_key():
+    """A machine's split configurations add the same sums (the GPU's two do: tiles of 1
+    and of 4 tokens, 8 chunks each), and none shares a key with a row shrink."""
+    for simulator in (True, False):
+        with mock.patch.object(launch, "SIMULATOR", simulator):
+            splits = _split_configs()
+            others = [c for c in launch.launch_configs("shrink") if c.kernel != "split"]
+        assert splits, simulator
+        assert len({c.arithmetic("shrink") for c in splits}) == 1
+        assert not {c.arithmetic("shrink") for c in splits} & {
+            c.arithmetic("shrink") for c in others
+        }
+        assert all(launch.config_name(c).endswith(f"_k{c.splits}") for c in splits)
+
+
+# -- 3. the workspace ------------------------------------------------------------------------
+
+
+def test_the_workspace_is_cached_and_only_grows():
+    """One pair of buffers per device, made zero, kept while calls fit it, grown by powers
+    of two when one does not; the counters of a grown pair are zero too."""
+    saved = dict(shrink_split._WORKSPACES)
+    shrink_split.clear_split_workspaces()
+    try:
+        first = shrink_split.split_workspace(DEVICE, 8, 3, 32, 16, 40, 4)
+        partials, counters = shrink_split.cached_split_workspace(DEVICE)
+        assert partials.numel() >= 8 * 3 * 32 * 16 and counters.numel() >= 40 * 3 * 4
+        assert not bool(counters.any()) and partials.dtype == torch.float32
+        assert shrink_split.split_workspace(DEVICE, 2, 1, 4, 4, 2, 1) is first  # smaller
+        grown = shrink_split.split_workspace(DEVICE, 8, 3, 1000, 64, 40, 4)
+        assert grown is not first
+        bigger, counters = shrink_split.cached_split_workspace(DEVICE)
+        assert bigger.numel() >= 8 * 3 * 1000 * 64 and bigger.numel() & (bigger.numel() - 1) == 0
+        assert counters.numel() >= 40 * 3 * 4 and not bool(counters.any())
+        assert shrink_split.split_workspace(DEVICE, 8, 3, 32, 16, 40, 4) is grown
+        with pytest.raises(ValueError, match="at most 3 slices"):
+            shrink_split.split_workspace_sizes(2, 4, 1, 1, 1, 1)
+    finally:
+        shrink_split._WORKSPACES.clear()
+        shrink_split._WORKSPACES.update(saved)
+
+
+def test_a_workspace_outgrown_is_kept_for_the_graphs_that_hold_it():
+    """Growing the cache drops its old pair from the cache, not from memory: a CUDA graph
+    captured with the old pair may still replay."""
+    saved = dict(shrink_split._WORKSPACES)
+    shrink_split.clear_split_workspaces()
+    try:
+        shrink_split.split_workspace(DEVICE, 2, 1, 4, 4, 2, 1)
+        old = shrink_split.cached_split_workspace(DEVICE)[0]
+        shrink_split.split_workspace(DEVICE, 8, 3, 4000, 64, 40, 4)
+        assert shrink_split.cached_split_workspace(DEVICE)[0] is not old
+        assert any(kept[0] is old for kept in shrink_split._KEPT)
+    finally:
+        shrink_split._WORKSPACES.clear()
+        shrink_split._WORKSPACES.update(saved)
+
+
+@pytest.mark.gpu
+def test_each_stream_has_a_workspace_of_its_own():
+    """Split shrinks side by side on two streams never share counters."""
+    on_default = shrink_split.split_workspace("cuda", 2, 1, 4, 4, 2, 1)
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        on_other = shrink_split.split_workspace("cuda", 2, 1, 4, 4, 2, 1)
+        assert shrink_split.split_workspace("cuda", 2, 1, 4, 4, 2, 1) is on_other
+    assert on_other is not on_default
+    assert shrink_split.split_workspace("cuda", 2, 1, 4, 4, 2, 1) is on_default
+
+
+# -- 4. the heuristic --------------------------------------------------------------------------
+
+
+def _pick(T: int, loras: int, K: int, rank: int = 16, slices: int = 1) -> LaunchConfig:
+    """The GPU heuristic's shrink for T tokens over ``loras`` LoRAs at hidden size K (the
+    tuned tables left out: no dtype)."""
+    with mock.patch.object(launch, "SIMULATOR", False):
+        return choose_launch_config("shrink", T, loras, rank, True, slices, K=K, N=rank)
+
+
+@pytest.mark.parametrize("K", [11008, 14336])
+@pytest.mark.parametrize("rank", [16, 32])
+def test_the_heuristic_splits_a_down_projection(K, rank):
+    """T=32 over 8 LoRAs (tiles of 4 tokens) at a down projection's K: the split, in tiles
+    of 4, 8 chunks of at least 1024 elements, 2-4 blocks an SM of 132; one token a slot or
+    one token in all, tiles of one token."""
+    chosen = _pick(32, 8, K, rank)
+    assert chosen.kernel == "split" and chosen.tile_m == 4, chosen
+    blocks = 8 * -(-rank // chosen.tile_n) * chosen.splits
+    assert 256 <= blocks <= 4 * 132 and K // chosen.splits >= 1024, blocks  # (~2-4 an SM)
+    for T, loras in ((1, 1), (16, 16), (32, 32)):
+        chosen = _pick(T, loras, K, rank)
+        assert chosen.kernel == "split" and chosen.tile_m == 1, (T, loras, chosen)
+
+
+@pytest.mark.parametrize("T, loras", [(1, 1), (16, 16), (32, 8), (64, 8), (256, 256), (256, 16)])
+def test_the_heuristic_keeps_the_rows_at_decode_shapes(T, loras):
+    """At K=4096 (where the row shrink was measured best) the split is never picked, nor
+    without a K; at a long K, not where the tiles are many (the row shrink's blocks fill
+    the GPU) or the tokens per slot many."""
+    assert _pick(T, loras, 4096).kernel != "split"
+    with mock.patch.object(launch, "SIMULATOR", False):
+        assert choose_launch_config("shrink", T, loras, 16, True).kernel != "split"
+    assert _pick(256, 256, 14336).kernel != "split"  # 256 tiles
+    assert _pick(256, 16, 14336).kernel != "split"  # 16 tokens a slot
+
+
+def test_the_op_takes_the_split_where_the_simulator_table_says():
+    """Through the op (no forcing), the simulator's table picks its split where K is long
+    and the tokens few, and the call is right."""
+    if not launch.SIMULATOR:
+        pytest.skip("the simulator's table")
+    problem = Problem(slots=[0, 2, 1, -1], prepared=4, num_loras=3, seed=8)
+    case = ShrinkCase(problem, 40, 5, 1, 0, torch.bfloat16, torch.float32, 0.5, False)
+    chosen = []
+
+    def shrink(*args):
+        launch_ = prepare_shrink(*args)
+        chosen.append(launch_.config)
+        launch_()
+
+    check_shrink(shrink, case)
+    assert chosen[0].kernel == "split", chosen
+    short = dataclasses.replace(case, hidden=16)
+    check_shrink(shrink, short)
+    assert chosen[1].kernel != "split", chosen
+
+
+# -- 5. on the GPU ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_of_the_split_replays_right():
+    """Captured after a warm-up call on the capture's stream (so the capture allocates
+    nothing), the split shrink of a down projection replays right with new inputs, replay
+    after replay, the same bits as an eager call, and leaves every counter at 0."""
+    from punica_numba.meta import LoRAKernelMeta
+
+    T, L, K, r = 32, 8, 14336, 16
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
+    a = (torch.randn(L, r, K, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    slots = torch.arange(T, device="cuda") % L
+    meta = LoRAKernelMeta.make(L, T, "cuda")
+    meta.prepare_tensors(slots)
+    out = torch.zeros(1, T, r, device="cuda")
+    launch_ = prepare_shrink(x, [a], out, *meta.meta_args(T), 0.5)
+    assert launch_.config.kernel == "split", launch_.config
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch_()  # warm-up: compiles, and makes the stream's workspace
+        cached = shrink_split.cached_split_workspace("cuda")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
+    with torch.cuda.stream(stream):
+        assert shrink_split.cached_split_workspace("cuda")[0] is cached[0]  # nothing new
+    for seed in range(3):
+        x.copy_(torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16))
+        out.zero_()
+        graph.replay()
+        got = out.clone()
+        out.zero_()
+        lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
+        assert torch.equal(got, out), seed
+        want = reference.lora_shrink(x, [a], torch.zeros_like(out), slots, 0.5)
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    torch.cuda.synchronize()
+    assert counters_at_zero()
