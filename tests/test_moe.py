@@ -735,13 +735,22 @@ def test_an_unknown_version_is_rejected_by_name(version):
 # -- 5. version 3's tiles --------------------------------------------------------------------
 
 
-def _recording_builds(monkeypatch) -> list:
-    """``(builder, arguments)`` of every kernel version 3's two builders are asked for."""
+#: The kernel builders of version 3 and of version 4, as (module, name).
+VERSION_3_BUILDERS = (
+    (moe_ops.split_shrink, "build_moe_split_shrink_kernel"),
+    (moe_ops.columns_expand, "build_moe_columns_expand_kernel"),
+)
+VERSION_4_BUILDERS = (
+    (moe_ops.mma_shrink, "build_moe_mma_shrink_kernel"),
+    (moe_ops.mma_expand, "build_moe_mma_expand_kernel"),
+)
+
+
+def _recording_builds(monkeypatch, builders=VERSION_3_BUILDERS) -> list:
+    """``(builder, arguments)`` of every kernel ``builders`` are asked for (by default
+    version 3's two)."""
     built = []
-    for module, name in (
-        (moe_ops.split_shrink, "build_moe_split_shrink_kernel"),
-        (moe_ops.columns_expand, "build_moe_columns_expand_kernel"),
-    ):
+    for module, name in builders:
         real = getattr(module, name)
         monkeypatch.setattr(
             module, name, lambda *a, real=real, name=name: built.append((name, a)) or real(*a)
@@ -837,16 +846,7 @@ def test_the_moe_benchmark_runs_the_version_it_is_given(tmp_path, capsys):
 
 def _recording_all_builds(monkeypatch) -> list:
     """``(builder, arguments)`` of every kernel versions 3's and 4's builders are asked for."""
-    built = _recording_builds(monkeypatch)
-    for module, name in (
-        (moe_ops.mma_shrink, "build_moe_mma_shrink_kernel"),
-        (moe_ops.mma_expand, "build_moe_mma_expand_kernel"),
-    ):
-        real = getattr(module, name)
-        monkeypatch.setattr(
-            module, name, lambda *a, real=real, name=name: built.append((name, a)) or real(*a)
-        )
-    return built
+    return _recording_builds(monkeypatch, VERSION_3_BUILDERS + VERSION_4_BUILDERS)
 
 
 def _one_block_call(dtype, *, rank, K, N, B, projection, offset, slices=None, pairs=None):

@@ -31,8 +31,8 @@ from punica_numba.ops import prepare_shrink
 from punica_numba.ops.checks import check_shrink as check_shrink_arguments
 from punica_numba.ops.launching import shrink_launch
 
-from .op_cases import Problem, ShrinkCase, _stack, check_shrink, problems
-from .strategies import DEVICE, DTYPES, LARGE, Limits, random_tensor
+from .op_cases import Problem, ShrinkCase, _stack, check_shrink, shrink_cases
+from .strategies import DEVICE, LARGE, Limits, random_tensor
 from .tolerance import assert_close
 
 #: Drawn sizes: on the simulator a launch of up to 8 tiles x 3 slices x 3 rank groups x 3
@@ -80,25 +80,6 @@ def split_configs(draw) -> LaunchConfig:
     return split_config(threads, tile_m, tile_n, splits)
 
 
-@st.composite
-def split_cases(draw) -> ShrinkCase:
-    """A shrink of drawn dims (tokens, slots and padding first, then sizes, then dtypes)."""
-    return ShrinkCase(
-        problem=draw(problems(LIMITS)),
-        hidden=draw(st.integers(1, LIMITS.hidden), label="H"),
-        rank=draw(st.integers(1, LIMITS.rank), label="r"),
-        num_slices=draw(st.integers(1, 3), label="S"),
-        extra_slices=draw(st.integers(0, 1), label="extra buffer slices"),
-        dtype=draw(st.sampled_from(DTYPES), label="dtype"),
-        out_dtype=draw(
-            st.sampled_from((torch.float32, torch.float32, torch.bfloat16, torch.float16)),
-            label="buffer dtype",
-        ),
-        scaling=draw(st.sampled_from((1.0, 0.5, -0.25)), label="scaling"),
-        four_d=draw(st.booleans(), label="4-D weights"),
-    )
-
-
 def stored_shrink(*args) -> None:
     """``lora_shrink``'s signature, launched with ``accumulate=False`` (as the wrapper
     does into a buffer it made for the call): the products stored, not added."""
@@ -139,7 +120,7 @@ def counters_at_zero() -> bool:
 # -- 1. against the reference ---------------------------------------------------------------
 
 
-@given(split_cases(), split_configs(), st.booleans())
+@given(shrink_cases(LIMITS), split_configs(), st.booleans())
 def test_split_shrink_matches_reference(case, config, accumulate):
     """Forced, the split shrink is right at every drawn size (K shorter than the chunks
     included: some chunks then hold no word), added into a nonzero buffer or stored."""
