@@ -229,18 +229,23 @@ def test_the_simulator_launches_the_ordinary_way():
 #: The instructions of a kernel's PTX that may touch memory another kernel sees: global or
 #: generic addresses, not the kernel's parameters, its threads' own local memory (where
 #: LLVM may zero a local array before the wait) or its block's shared memory.
-_MEMORY = re.compile(r"^\s*(ld|st|atom|red|cp|prefetch)\.(?!param|local|shared)")
+#: A memory instruction at the start of a line, or of a statement in an inline-asm block
+#: (``{ prefetch.global.L2 [%rd5]; }``), guarded by a predicate or not (``@%p1 ld...``):
+#: any state space but the kernel's own.
+_MEMORY = re.compile(
+    r"(?:^|[{;])\s*(?:@!?%?\w+\s+)?((ld|st|atom|red|cp|prefetch)\.(?!param|local|shared))"
+)
 
 
 def memory_before_wait(ptx: str) -> list[str]:
-    """The lines of a kernel's PTX, from its ``.entry``, that touch memory before its
-    ``griddepcontrol.wait``; all of them when there is none."""
+    """The instructions of a kernel's PTX, from its ``.entry``, that touch memory before
+    its ``griddepcontrol.wait`` (each from its opcode to the end of its line); all of them
+    when there is none."""
     early = []
     for line in ptx[ptx.index(".entry") :].splitlines():
         if line.strip() == "griddepcontrol.wait;":
             return early
-        if _MEMORY.match(line):
-            early.append(line.strip())
+        early += [line[m.start(1) :].strip() for m in _MEMORY.finditer(line)]
     return early or ["(no griddepcontrol.wait)"]
 
 
@@ -255,6 +260,10 @@ def test_the_ptx_check_sees_a_load_before_the_wait():
     assert memory_before_wait(generic) == ["st.u32 [%rd1], %r2;"]
     own = good.replace(wait, "\tst.local.v2.u64 [%rd2], {%rd3, %rd3};\n" + wait)
     assert memory_before_wait(own) == []
+    inline = good.replace(wait, "\t{ prefetch.global.L2 [%rd1]; }\n" + wait)
+    assert memory_before_wait(inline) == ["prefetch.global.L2 [%rd1]; }"]
+    guarded = good.replace(wait, "\t@%p1 ld.global.nc.u32 %r2, [%rd1];\n" + wait)
+    assert memory_before_wait(guarded) == ["ld.global.nc.u32 %r2, [%rd1];"]
     assert memory_before_wait(good.replace(wait, "")) != []
 
 
