@@ -10,6 +10,10 @@ blocks of one row and one slice:
 * ``blockIdx.y``: the row, the slot l (a slot that ``adapter_enabled`` turns off leaves);
 * ``blockIdx.z``: the slice (gate and up of w13; w2 has one).
 
+The tensor-core kernels (:mod:`.moe_shrink_mma`, :mod:`.moe_expand_mma`) then take the
+block's entries in passes of 16-row tiles: a pass with no pair is skipped by the whole
+block, and each tile row's entry gives the input row it reads (:func:`read_pass`).
+
 These are the first rung: every output is one thread's dot product, no shared memory,
 no tensor cores. The shrink's thread takes a (pair, rank) output and reads a row of
 ``A[l, e]`` (K elements) and the pair's input row; the expand's thread takes a column
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from .._cuda import cuda
 
-__all__ = ["MAX_MOE_SLICES", "block_in_use"]
+__all__ = ["MAX_MOE_SLICES", "block_in_use", "read_pass"]
 
 #: Slices one launch takes: w13's gate and up (two weight arguments; w2 passes its one
 #: twice, and launches one slice).
@@ -49,3 +53,29 @@ def block_in_use(b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_
     if expert < 0 or expert >= num_experts:
         return start, pairs, -1
     return start, pairs, expert
+
+
+@cuda.jit(device=True, inline="always")
+def read_pass(rows, tile_m, g, first, sorted_ids, slot, start, pairs, num_pairs, top_k, by_pair):
+    """The pass of entries ``first .. first + tile_m - 1`` of a tensor-core kernel's block
+    (``pairs`` entries from ``start`` of row ``slot``): False when none of them holds a
+    pair (an id below ``num_pairs``: padding is ``num_pairs``); every thread reads the
+    same entries, so the whole block skips such a pass together. Else True, and
+    ``rows[i]`` is the input row of the lane's tile row ``g + 8 i``, the pass's entry
+    ``16 (i // 2) + g + 8 (i % 2)`` (``i < tile_m // 8``): its pair p where the input has
+    a row per pair (``by_pair``), else its token ``p // top_k``; -1 for padding and past
+    the block."""
+    any_pair = False
+    for e in range(first, min(first + tile_m, pairs)):  # e in [first, first + tile_m)
+        p = sorted_ids[slot, start + e]
+        any_pair = any_pair or 0 <= p < num_pairs
+    if not any_pair:
+        return False
+    for i in range(tile_m // 8):  # i in [0, tile_m / 8), unrolled: tile_m is a constant
+        entry = first + 16 * (i // 2) + g + 8 * (i % 2)
+        rows[i] = -1
+        if entry < pairs:
+            p = sorted_ids[slot, start + entry]
+            if 0 <= p < num_pairs:
+                rows[i] = p if by_pair else p // top_k
+    return True

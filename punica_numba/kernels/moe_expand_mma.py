@@ -60,7 +60,7 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import four_float32_loader, loader, storer, word_halves
 from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into, split_f16_pair, split_pair
-from .moe_blocks import block_in_use
+from .moe_blocks import block_in_use, read_pass
 
 __all__ = ["build_moe_mma_expand_kernel"]
 
@@ -161,19 +161,11 @@ def build_moe_mma_expand_kernel(
         a_lo = cuda.local.array(A_FRAGMENTS, uint32)
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
         for first in range(0, pairs, TILE_M):  # passes: entries first .. first + TILE_M - 1
-            any_pair = False  # (the same answer in every thread: the block skips together)
-            for e in range(first, min(first + TILE_M, pairs)):
-                p = sorted_ids[slot, start + e]
-                any_pair = any_pair or 0 <= p < num_pairs  # (padding is num_pairs)
-            if not any_pair:
+            # passes with no pair are skipped by the whole block; pair_of: the lane's tile rows
+            if not read_pass(
+                pair_of, TILE_M, g, first, sorted_ids, slot, start, pairs, num_pairs, 1, True
+            ):
                 continue
-            for i in range(ROWS):  # tile row g + 8 i: the pass's entry 16 (i // 2) + g + 8 (i % 2)
-                entry = first + 16 * (i // 2) + g + 8 * (i % 2)
-                pair_of[i] = -1
-                if entry < pairs:
-                    p = sorted_ids[slot, start + entry]
-                    if 0 <= p < num_pairs:
-                        pair_of[i] = p
 
             # The buffer rows' fragments, split: row g + 8 (i % 2) of m-tile i // 2 gives
             # a0 / a2 (i even) or a1 / a3 (i odd).

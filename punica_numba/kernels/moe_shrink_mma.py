@@ -51,7 +51,7 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import word_halves, words_loader
 from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into
-from .moe_blocks import block_in_use
+from .moe_blocks import block_in_use, read_pass
 
 __all__ = ["build_moe_mma_shrink_kernel"]
 
@@ -130,19 +130,11 @@ def build_moe_mma_shrink_kernel(
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
 
         for first in range(0, pairs, TILE_M):  # passes: entries first .. first + TILE_M - 1
-            any_pair = False  # (the same answer in every thread: the block skips together)
-            for e in range(first, min(first + TILE_M, pairs)):
-                p = sorted_ids[slot, start + e]
-                any_pair = any_pair or 0 <= p < num_pairs  # (padding is num_pairs)
-            if not any_pair:
+            # passes with no pair are skipped by the whole block; row_of: the lane's tile rows
+            if not read_pass(
+                row_of, TILE_M, g, first, sorted_ids, slot, start, pairs, num_pairs, top_k, by_pair
+            ):
                 continue
-            for i in range(ROWS):  # tile row g + 8 i: the pass's entry 16 (i // 2) + g + 8 (i % 2)
-                entry = first + 16 * (i // 2) + g + 8 * (i % 2)
-                row_of[i] = -1
-                if entry < pairs:
-                    p = sorted_ids[slot, start + entry]
-                    if 0 <= p < num_pairs:
-                        row_of[i] = p if by_pair else p // top_k
             for o in range(OUTPUTS):
                 acc[o] = float32(0.0)
 

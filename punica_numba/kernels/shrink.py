@@ -63,7 +63,7 @@ from .dependent_launch import prologue
 from .dtypes import loader, memory_type, packing, storer, word_loader
 from .segments import read_tile, tile_token, token_of_block
 
-__all__ = ["MAX_SLICES", "block_sum", "build_shrink_kernel"]
+__all__ = ["MAX_SLICES", "block_sum", "build_shrink_kernel", "word_products"]
 
 #: Slices one launch covers. The weights of each slice arrive as separate arguments
 #: (Numba kernels take no arrays of arrays), so the number is fixed; vLLM's layers use
@@ -119,6 +119,47 @@ def block_sum(threads: int, partials: int):
 
 
 @functools.cache
+def word_products(dtype: torch.dtype, packed: bool, threads: int, tile_m: int, tile_n: int):
+    """``(add_products, x_words, w_words)``: the device function
+    ``add_products(partial, xw, ww, x, w, token, a_slot, n0, rank, k_first, k_end)`` that
+    adds a thread's share of a block's ``tile_m x tile_n`` dot products over the words
+    ``k_first, k_first + threads, ...`` below ``k_end`` into ``partial[j * tile_n + q]``
+    (token row ``token[j]`` of ``x`` against row ``n0 + q`` of ``w[a_slot]``), and the
+    sizes of the local arrays of words it loads into, ``xw`` (``x_words``) and ``ww``
+    (``w_words``), which the kernel makes (the row shrink, and the split shrink's chunk).
+
+    It loads ``UNROLL`` strides' words before it uses any: more loads in flight per
+    thread. Only for single-token tiles: with more (``tile_m = 4``) the words held spill
+    out of registers, and the H200 measured 13 -> 21 µs at T=64 over 8 LoRAs. A word past
+    ``k_end`` repeats the last one and is never added; a rank past ``rank`` repeats the
+    last row, whose products the kernel never stores. The products of each word, element
+    by element in order, are added to ``partial`` in k order: the same sums, so the same
+    bits, in every kernel that uses it with the same ``threads``."""
+    load = word_loader(dtype, packed)
+    THREADS, TILE_M, TILE_N, PACK = threads, tile_m, tile_n, packing(dtype, packed)
+    UNROLL = 4 if TILE_M == 1 else 1  # strides of K whose loads go out together
+
+    @cuda.jit(device=True, inline="always")
+    def add_products(partial, xw, ww, x, w, token, a_slot, n0, rank, k_first, k_end):
+        for k0 in range(k_first, k_end, THREADS * UNROLL):  # k0 in [k_first, k_end)
+            for u in range(UNROLL):
+                k = min(k0 + u * THREADS, k_end - 1)
+                for j in range(TILE_M):
+                    xw[u * TILE_M + j] = x[token[j], k]
+                for q in range(TILE_N):  # rank n0 + q; past the rank: a harmless repeat
+                    ww[u * TILE_N + q] = w[a_slot, min(n0 + q, rank - 1), k]
+            for u in range(UNROLL):
+                if k0 + u * THREADS < k_end:
+                    for q in range(TILE_N):
+                        for lane in range(PACK):  # the elements of one word, unrolled
+                            wk = load(ww[u * TILE_N + q], lane)
+                            for j in range(TILE_M):
+                                partial[j * TILE_N + q] += load(xw[u * TILE_M + j], lane) * wk
+
+    return add_products, UNROLL * TILE_M, UNROLL * TILE_N
+
+
+@functools.cache
 def build_shrink_kernel(
     dtype: torch.dtype,
     out_dtype: torch.dtype,
@@ -149,17 +190,14 @@ def build_shrink_kernel(
         raise ValueError(f"threads must be a power of two for the tree reduction, got {threads}")
     if one_slot and tile_m != 1:
         raise ValueError(f"one_slot needs tiles of one token, got tile_m={tile_m}")
-    load = word_loader(dtype, packed)
     load_out, store_out = loader(out_dtype), storer(out_dtype)
-    THREADS, TILE_M, TILE_N, PACK = threads, tile_m, tile_n, packing(dtype, packed)
+    THREADS, TILE_M, TILE_N = threads, tile_m, tile_n
     PARTIALS = TILE_M * TILE_N  # dot products one block computes per rank group
-    # Strides of K whose loads are issued before any is used: more loads in flight per
-    # thread. Only for single-token tiles: with more (TILE_M = 4) the words held spill
-    # out of registers, and the H200 measured 13 -> 21 µs at T=64 over 8 LoRAs.
-    UNROLL = 4 if TILE_M == 1 else 1
+    # The K loop, and the words a thread holds in it (UNROLL strides' loads issued
+    # before any is used, for single-token tiles: word_products).
+    add_products, X_WORDS, W_WORDS = word_products(dtype, packed, threads, tile_m, tile_n)
     ONE_SLOT = one_slot
     read_work = token_of_block if one_slot else read_tile  # a block's token(s) and slot
-    X_WORDS, W_WORDS = UNROLL * TILE_M, UNROLL * TILE_N  # words held per thread
     # The threads' partial sums, added in an order fixed for THREADS (block_sum).
     add_up, TREE_WIDTH = block_sum(threads, PARTIALS)
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
@@ -219,20 +257,8 @@ def build_shrink_kernel(
                 partial[p] = float32(0.0)
             # k in [0, K/PACK), strided by THREADS; UNROLL strides' loads are issued
             # together (past the end: a harmless repeat, never added).
-            for k0 in range(tid, words, THREADS * UNROLL):
-                for u in range(UNROLL):
-                    k = min(k0 + u * THREADS, words - 1)
-                    for j in range(TILE_M):
-                        xw[u * TILE_M + j] = x[token[j], k]
-                    for q in range(TILE_N):  # rank n0 + q; past the rank: a harmless repeat
-                        ww[u * TILE_N + q] = w[0 if ONE_SLOT else slot, min(n0 + q, rank - 1), k]
-                for u in range(UNROLL):
-                    if k0 + u * THREADS < words:
-                        for q in range(TILE_N):
-                            for lane in range(PACK):  # the elements of one word, unrolled
-                                wk = load(ww[u * TILE_N + q], lane)
-                                for j in range(TILE_M):
-                                    partial[j * TILE_N + q] += load(xw[u * TILE_M + j], lane) * wk
+            a_slot = 0 if ONE_SLOT else slot
+            add_products(partial, xw, ww, x, w, token, a_slot, n0, rank, tid, words)
 
             add_up(partial, tree, tid)  # the THREADS partials of each dot product, in order
 

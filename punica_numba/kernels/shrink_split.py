@@ -63,9 +63,9 @@ from numba import float32, int32, int64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel, pack_tensors
 from .dependent_launch import prologue
-from .dtypes import loader, memory_type, packing, storer, word_loader
+from .dtypes import loader, memory_type, storer
 from .segments import read_tile, tile_token
-from .shrink import MAX_SLICES, block_sum
+from .shrink import MAX_SLICES, block_sum, word_products
 
 __all__ = [
     "MIN_COUNTERS",
@@ -129,15 +129,12 @@ def build_split_shrink_kernel(
         raise ValueError(f"{tile_m} x {tile_n} sums need as many threads, got {threads}")
     if splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
-    load = word_loader(dtype, packed)
     load_out, store_out = loader(out_dtype), storer(out_dtype)
-    THREADS, TILE_M, TILE_N, PACK = threads, tile_m, tile_n, packing(dtype, packed)
+    THREADS, TILE_M, TILE_N = threads, tile_m, tile_n
     SPLITS = splits
     PARTIALS = TILE_M * TILE_N  # dot products one block computes over its chunk
-    # Strides of K whose loads are issued before any is used, as in the row shrink:
-    # only for single-token tiles (more words held spill out of registers).
-    UNROLL = 4 if TILE_M == 1 else 1
-    X_WORDS, W_WORDS = UNROLL * TILE_M, UNROLL * TILE_N  # words held per thread
+    # The row shrink's K loop over a chunk, and the words a thread holds in it.
+    add_products, X_WORDS, W_WORDS = word_products(dtype, packed, threads, tile_m, tile_n)
     add_up, TREE_WIDTH = block_sum(threads, PARTIALS)  # the row shrink's order
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
     ACCUMULATE = accumulate
@@ -186,20 +183,7 @@ def build_split_shrink_kernel(
             partial[p] = float32(0.0)
         # k in [k_begin, k_end), strided by THREADS; UNROLL strides' loads are issued
         # together (past the end: a harmless repeat, never added).
-        for k0 in range(k_begin + tid, k_end, THREADS * UNROLL):
-            for u in range(UNROLL):
-                k = min(k0 + u * THREADS, k_end - 1)
-                for j in range(TILE_M):
-                    xw[u * TILE_M + j] = x[token[j], k]
-                for q in range(TILE_N):  # rank n0 + q; past the rank: a harmless repeat
-                    ww[u * TILE_N + q] = w[slot, min(n0 + q, rank - 1), k]
-            for u in range(UNROLL):
-                if k0 + u * THREADS < k_end:
-                    for q in range(TILE_N):
-                        for lane in range(PACK):  # the elements of one word, unrolled
-                            wk = load(ww[u * TILE_N + q], lane)
-                            for j in range(TILE_M):
-                                partial[j * TILE_N + q] += load(xw[u * TILE_M + j], lane) * wk
+        add_products(partial, xw, ww, x, w, token, slot, n0, rank, k_begin + tid, k_end)
 
         add_up(partial, tree, tid)  # the THREADS partials of each dot product, in order
 
