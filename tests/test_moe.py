@@ -776,40 +776,21 @@ def test_version_3_crosses_its_rank_groups_chunks_of_pairs_and_column_groups(
     K = 4 * (step + 1) if whole_words else step + 5
     N = 2 * expand.threads * vec + 1
     B = 2 * shrink.tile_p + 1  # pairs a block
-    M, top_k, E, L = B + 3, 2, 2, 2
-    mul, S = projection == "w2", 2 if projection == "w13" else 1
-    gen = torch.Generator().manual_seed(5)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
-
-    d = dict(
-        x=randn(M * top_k if mul else M, K),
-        lora_a=[randn(L, E, rank, K) for _ in range(S)],
-        lora_b=[randn(L, E, N, rank) for _ in range(S)],
-        topk_ids=torch.tensor([[0, 1]] * M, device=DEVICE),  # every token on both experts
-        topk_weights=torch.rand(M, top_k, generator=gen).to(DEVICE),
-        # B + 1 tokens on slot 0: a full block and a block of one pair per expert; one
-        # token on slot 1, one on none
-        slots=torch.tensor([0] * (B + 1) + [1, -1], device=DEVICE),
-        enabled=torch.ones(L, dtype=torch.int32, device=DEVICE),
-    )
-    blocks = align_pairs(d["topk_ids"], d["slots"], E, B, L, d["enabled"])
-    ids, P = blocks.sorted_token_ids, M * top_k
+    # B + 1 tokens on slot 0: a full block and a block of one pair per expert; one token on
+    # slot 1, one on none
+    case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=N, B=B, projection=projection,
+                                      offset=1)  # fmt: skip
+    ids, P = blocks.sorted_token_ids, d["topk_ids"].numel()
     real = torch.stack(
         [(ids[:, i : i + B] < P).sum(1) for i in range(0, ids.shape[1], B)], 1
     )  # [L, NB] the pairs of each block
     assert real.max() > shrink.tile_p and real.max() > expand.tile_p and (real == 1).any()
     assert rank > shrink.tile_n and rank % shrink.tile_n and N > expand.threads * vec
-    case = types.SimpleNamespace(
-        mul=mul, offset=1, add_inputs=True, K=K, r=rank, S=S, N=N, dtype=dtype
-    )
-    y = randn(M, top_k, 1 + S * N + 1)
-    before = y.clone()
+    y, before = d["y"], d["y"].clone()
     built = _recording_builds(monkeypatch)
     fused_moe_lora(
         y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
-        block_size=B, mul_routed_weight=mul, offset=1, version=3,
+        block_size=B, mul_routed_weight=case.mul, offset=1, version=3,
     )  # fmt: skip
     check_against_reference(case, y, d, before)
     (shrink_name, shrink_args), (expand_name, _) = built
