@@ -133,8 +133,10 @@ def shrink_cases(draw, limits=KERNEL_LIMITS) -> ShrinkCase:
     )
 
 
-def check_shrink(impl, case: ShrinkCase) -> float:
-    """Run ``impl`` (lora_shrink's signature) on the case; return the relative error."""
+def check_shrink(impl, case: ShrinkCase, stores: bool = False) -> float:
+    """Run ``impl`` (lora_shrink's signature) on the case; return the relative error. With
+    ``stores``, ``impl`` stores its products instead of adding them (``accumulate=False``):
+    where a token has a LoRA the buffer holds the reference's products alone."""
     p, seed = case.problem, case.problem.seed
     T, H, r, L, S = p.num_tokens, case.hidden, case.rank, p.num_loras, case.num_slices
     x = random_tensor((T, H), case.dtype, seed)  # [T, H]
@@ -148,13 +150,17 @@ def check_shrink(impl, case: ShrinkCase) -> float:
     impl(x, weights, out, *meta.meta_args(T), case.scaling)
 
     slots = p.slot_tensor()
-    want = reference.lora_shrink(x, weights, before, slots, case.scaling)
+    base = torch.zeros_like(before) if stores else before
+    want = reference.lora_shrink(x, weights, base, slots, case.scaling)
     magnitude = reference.lora_shrink(
-        x.abs(), [w.abs() for w in weights], before.abs(), slots, abs(case.scaling)
+        x.abs(), [w.abs() for w in weights], base.abs(), slots, abs(case.scaling)
     )
     untouched = slots == -1
     assert torch.equal(out[:, untouched], before[:, untouched]), "rows without a LoRA changed"
     assert torch.equal(out[S:], before[S:]), "buffer slices past the weights changed"
+    if stores:  # (the rows above are as they were, not the reference's zeros)
+        used = ~untouched
+        out, want, magnitude = out[:S, used], want[:S, used], magnitude[:S, used]
     return assert_close(out, want, magnitude, terms=H, what=f"shrink {case.dtype}")
 
 

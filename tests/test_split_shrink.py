@@ -31,9 +31,8 @@ from punica_numba.ops import prepare_shrink
 from punica_numba.ops.checks import check_shrink as check_shrink_arguments
 from punica_numba.ops.launching import shrink_launch
 
-from .op_cases import Problem, ShrinkCase, _stack, check_shrink, shrink_cases
-from .strategies import DEVICE, LARGE, Limits, random_tensor
-from .tolerance import assert_close
+from .op_cases import Problem, ShrinkCase, check_shrink, shrink_cases
+from .strategies import DEVICE, LARGE, Limits
 
 #: Drawn sizes: on the simulator a launch of up to 8 tiles x 3 slices x 3 rank groups x 3
 #: chunks of 16 threads (a few thousand Python threads); on the GPU real hidden sizes.
@@ -88,30 +87,6 @@ def stored_shrink(*args) -> None:
         shrink_launch(call.inputs, call.weights, call.output, call.metadata, call.scaling, False)()
 
 
-def check_stored(case: ShrinkCase) -> None:
-    """The products stored into a buffer of random (nonzero) values: where a token has a
-    LoRA the reference's products alone, elsewhere the buffer as it was."""
-    p, seed = case.problem, case.problem.seed
-    T, H, r, L, S = p.num_tokens, case.hidden, case.rank, p.num_loras, case.num_slices
-    x = random_tensor((T, H), case.dtype, seed)  # [T, H]
-    weights = [
-        _stack(random_tensor((L, r, H), case.dtype, seed + 1 + s), case.four_d) for s in range(S)
-    ]  # S x [L, r, H]
-    out = random_tensor((S + case.extra_slices, T, r), case.out_dtype, seed + 9)  # [S', T, r]
-    before = out.clone()
-    stored_shrink(x, weights, out, *p.meta().meta_args(T), case.scaling)
-    slots = p.slot_tensor()
-    zeros = torch.zeros_like(before)
-    want = reference.lora_shrink(x, weights, zeros, slots, case.scaling)
-    magnitude = reference.lora_shrink(
-        x.abs(), [w.abs() for w in weights], zeros, slots, abs(case.scaling)
-    )
-    used = slots != -1
-    assert torch.equal(out[:, ~used], before[:, ~used]), "rows without a LoRA changed"
-    assert torch.equal(out[S:], before[S:]), "buffer slices past the weights changed"
-    assert_close(out[:S, used], want[:S, used], magnitude[:S, used], H, "stored split shrink")
-
-
 def counters_at_zero() -> bool:
     cached = shrink_split.cached_split_workspace(DEVICE)
     return cached is not None and not bool(cached[1].any())
@@ -128,7 +103,7 @@ def test_split_shrink_matches_reference(case, config, accumulate):
         if accumulate:
             check_shrink(lora_shrink, case)
         else:
-            check_stored(case)
+            check_shrink(stored_shrink, case, stores=True)
     assert counters_at_zero() or not any(s != -1 for s in case.problem.slots)
 
 
