@@ -565,3 +565,23 @@ def test_the_grids(monkeypatch):
         parts += sweep._grid(args)
     args.part = None
     assert parts == sweep._grid(args) == quick
+
+
+def test_the_full_grid_of_one_model(monkeypatch, capsys):
+    """``--hiddens 4096``: Llama-3-8B's four layers alone (its down projection's K is 14336,
+    its gate_up has two slices), every problem of which the full grid also has."""
+    one = sweep.full_grid(ranks=(16, 128), dtypes=("bf16",), hiddens=(4096,))
+    assert {c.hidden for c in one if c.op == "shrink"} == {4096, 14336}
+    assert {tuple(c.slices) for c in one} == {(4096, 1024, 1024), (4096,), (14336, 14336)}
+    assert {sweep.case_key(c) for c in one} < {sweep.case_key(c) for c in sweep.full_grid()}
+    monkeypatch.setattr(sweep, "SIMULATOR", False)
+    args = sweep._parser().parse_args(["--out", "x", "--hiddens", "4096", "--ranks", "16,128"])
+    args.dtypes = ["bf16"]
+    assert sweep._grid(args) == one
+    for wrong, why in (
+        (["--hiddens", "4000"], "choose from"),
+        (["--quick", "--hiddens", "4096"], "quick"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            sweep.main(["--out", "x", *wrong])
+        assert stopped.value.code == 2 and why in capsys.readouterr().err

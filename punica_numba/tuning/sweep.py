@@ -22,11 +22,14 @@ Grids (:func:`quick_grid`, :func:`full_grid`): ``--quick`` is ranks 16 and 64, h
 4096, one slice and a QKV layer's three (4096/1024/1024), 1 to 4096 tokens on 1,
 ceil(sqrt(T)) or T (at most 256) LoRAs, bf16: 128 problems. The full grid is the real
 layers (QKV with GQA, gate_up, o, down) of four models (hidden 2560, 4096, 5120, 8192),
-ranks 8 to 256, 1 to 8192 tokens, bf16 and fp16: 5928 problems; ``--part I/N`` takes its I-th of N
-contiguous parts (neighbouring problems share their compiled kernels), ``--budget-s``
-stops before a problem that could end past a time limit. On the CUDA simulator it runs a
-smoke grid of three tiny problems whatever is asked: its times are host wall-clock and
-mean nothing for speed.
+ranks 8 to 256, 1 to 8192 tokens, bf16 and fp16: 5928 problems; ``--hiddens`` keeps the
+models of some hidden sizes (``--hiddens 4096 --ranks 16,64,128 --dtypes bf16``: Llama-3-8B's
+layers, its down projection's K of 14336 and gate_up's two slices among them, 399 problems,
+about 16 minutes at the 2.4 s a problem the quick grid took on an H200); ``--part I/N``
+takes its I-th of N contiguous parts (neighbouring problems share their compiled kernels),
+``--budget-s`` stops before a problem that could end past a time limit. On the CUDA
+simulator it runs a smoke grid of three tiny problems whatever is asked: its times are
+host wall-clock and mean nothing for speed.
 """
 
 from __future__ import annotations
@@ -152,9 +155,10 @@ def quick_grid(ranks=QUICK_RANKS, dtypes=("bf16",)) -> list[SweepCase]:
     return grid(QUICK_LAYERS, ranks, QUICK_TOKENS, dtypes)
 
 
-def full_grid(ranks=FULL_RANKS, dtypes=("bf16", "fp16")) -> list[SweepCase]:
-    """The full grid: the layers of :func:`model_layers`, T 1-8192."""
-    return grid(model_layers(), ranks, FULL_TOKENS, dtypes)
+def full_grid(ranks=FULL_RANKS, dtypes=("bf16", "fp16"), hiddens=MODEL_HIDDENS) -> list[SweepCase]:
+    """The full grid: the layers of :func:`model_layers` (of the models of ``hiddens``),
+    T 1-8192."""
+    return grid(model_layers(hiddens), ranks, FULL_TOKENS, dtypes)
 
 
 def smoke_grid() -> list[SweepCase]:
@@ -295,6 +299,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--ranks", type=_numbers(int), help="only these ranks (e.g. 16,64)")
     parser.add_argument("--dtypes", type=_numbers(str), help="only these dtypes (bf16,fp16)")
+    parser.add_argument(
+        "--hiddens",
+        type=_numbers(int),
+        help=f"the full grid: only the models of these hidden sizes (of {MODEL_HIDDENS})",
+    )
     parser.add_argument("--repeats", type=int, default=REPEATS, help="replays timed (median)")
     parser.add_argument("--commit", default=None, help="the commit tuned (default: git HEAD)")
     parser.add_argument("--dry-run", action="store_true", help="count the problems; run none")
@@ -308,6 +317,8 @@ def _grid(args) -> list[SweepCase]:
     else:
         build = quick_grid if args.quick else full_grid
         options = {k: v for k, v in (("ranks", args.ranks), ("dtypes", args.dtypes)) if v}
+        if args.hiddens:
+            options["hiddens"] = tuple(args.hiddens)
         cases = build(**options)
     if args.part:
         index, count = args.part
@@ -336,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.out or os.environ.get(CONFIG_DIR_VARIABLE)
     if not folder:
         parser.error(f"give --out DIR or set {CONFIG_DIR_VARIABLE}")
+    if args.hiddens and args.quick:
+        parser.error("--hiddens picks models of the full grid; the quick grid has one")
+    unknown = sorted(set(args.hiddens or ()) - set(MODEL_HIDDENS))
+    if unknown:
+        parser.error(f"--hiddens {unknown}: choose from {MODEL_HIDDENS}")
     cases = _grid(args)
     gpu = gpu_name()
     path = Path(folder) / table_file_name(gpu)
