@@ -12,8 +12,10 @@
 #             with $VLLM_SRC (vLLM 0.33.0's extracted source release) also
 #             docs/benchmarks/peers/vllm_moe_lora.py
 # * peers     python -m punica_numba bench --peers: the layers the strongest peers were timed on
-# * tune      python -m punica_numba tune --quick into $OUT/configs (resumed if there), the
-#             table to copy into punica_numba/configs/ once it is whole (about 5 minutes)
+# * tune      python -m punica_numba tune $TUNE_ARGS (default --quick, about 5 minutes) into
+#             $OUT/configs (resumed if there), the table to copy into punica_numba/configs/
+#             once it is whole; e.g. TUNE_ARGS="--hiddens 4096 --ranks 16,64,128 --dtypes
+#             bf16 --part 1/2" for half of Llama-3-8B's layers
 # * grid      python -m punica_numba bench --grid, the parts in $GRID_PARTS (default "1/3 2/3
 #             3/3", about 4 minutes each: split them over calls of a 10-minute limit), one
 #             JSON a part, to join with `bench --grid --merge`
@@ -105,7 +107,8 @@ fi
 if want tune; then
     resume=()
     [ -d "$OUT/configs" ] && resume=(--resume)
-    "$PYTHON" -m punica_numba tune --quick "${resume[@]}" --commit "$COMMIT" \
+    read -r -a tune_args <<<"${TUNE_ARGS:---quick}"
+    "$PYTHON" -m punica_numba tune "${tune_args[@]}" "${resume[@]}" --commit "$COMMIT" \
         --out "$OUT/configs" >"$OUT/tune.log" 2>&1 || status=1
     note "tune: $(tail -n 1 "$OUT/tune.log")"
 fi
