@@ -31,9 +31,11 @@ class Limits:
 
 
 #: The most a kernel test draws. The simulator's tiny shapes keep a launch to a few
-#: hundred Python threads; the gpu profile reaches the sizes of real layers.
+#: hundred Python threads; the gpu profile reaches the sizes of real layers: a down
+#: projection's K (14336), a gate_up slice's width (14336) and every rank the tensor cores
+#: take (256).
 KERNEL_LIMITS = (
-    Limits(tokens=4096, hidden=8192, rank=128, loras=64, width=4096)
+    Limits(tokens=4096, hidden=14336, rank=256, loras=64, width=14336)
     if LARGE
     else Limits(tokens=20, hidden=40, rank=6, loras=4, width=24)
 )
