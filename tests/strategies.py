@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from punica_numba._cuda import SIMULATOR, device_of
@@ -19,6 +21,21 @@ from punica_numba._cuda import SIMULATOR, device_of
 from .conftest import PROFILE
 
 LARGE = PROFILE == "gpu" and not SIMULATOR
+
+#: The parts a heavy property test is cut into at the gpu profile's sizes. pytest-xdist
+#: runs a test's examples on one worker, so one test of 300 large examples set the time of
+#: its whole file (the tensor-core expand's took 192 s of test_ops' 308 on an H200 with 15
+#: workers); in parts, each drawing its share of the examples, the workers share it.
+SHARDS = 4 if LARGE else 1
+
+
+def in_shards(examples: int | None = None):
+    """Run a ``@given`` test whose first parameter is ``shard`` as :data:`SHARDS` pytest
+    items, each drawing ``examples / SHARDS`` (rounded up) of the ``examples`` in all (by
+    default the profile's ``max_examples``)."""
+    total = settings.default.max_examples if examples is None else examples
+    share = settings(max_examples=-(-total // SHARDS))
+    return lambda test: pytest.mark.parametrize("shard", range(SHARDS))(share(test))
 
 
 @dataclass(frozen=True)

@@ -43,13 +43,14 @@ from .op_cases import (
     serving_expand_case,
     shrink_cases,
 )
-from .strategies import assign_slots
+from .strategies import assign_slots, in_shards
 
 OPS = {"shrink": (prepare_shrink, check_shrink), "expand": (prepare_expand, check_expand)}
 
 #: Each example runs an op once per configuration plus once more: at the gpu profile's
-#: sizes, fewer examples than the property tests keep the run to a few minutes.
-FEWER = settings(max_examples=min(settings.default.max_examples, 75))
+#: sizes, fewer examples than the property tests keep the run to a few minutes, in parts
+#: that xdist's workers share (``strategies.in_shards``).
+FEWER = in_shards(min(settings.default.max_examples, 75))
 
 
 def _run_under(op: str, config, case, rank_at_run_time: bool = False) -> tuple:
@@ -99,13 +100,13 @@ def check_deterministic(op: str, case) -> None:
 
 @FEWER
 @given(shrink_cases())
-def test_shrink_bits_do_not_depend_on_the_launch(case):
+def test_shrink_bits_do_not_depend_on_the_launch(shard, case):
     check_deterministic("shrink", case)
 
 
 @FEWER
 @given(expand_cases())
-def test_expand_bits_do_not_depend_on_the_launch(case):
+def test_expand_bits_do_not_depend_on_the_launch(shard, case):
     check_deterministic("expand", case)
 
 

@@ -22,15 +22,18 @@ from .op_cases import (
     rows_at_8_bytes,
     shrink_cases,
 )
+from .strategies import in_shards
 
 
+@in_shards()
 @given(shrink_cases())
-def test_shrink_matches_reference(case):
+def test_shrink_matches_reference(shard, case):
     check_shrink(lora_shrink, case)
 
 
+@in_shards()
 @given(expand_cases())
-def test_expand_matches_reference(case):
+def test_expand_matches_reference(shard, case):
     check_expand(lora_expand, case)
 
 
@@ -38,8 +41,9 @@ def _tensor_core_configs():
     return [c for c in launch_configs("expand") if c.kernel == "mma"]
 
 
+@in_shards()
 @given(expand_cases(tensor_cores=True), st.data())
-def test_tensor_core_expand_matches_reference(case, data):
+def test_tensor_core_expand_matches_reference(shard, case, data):
     """A tensor-core expand configuration (drawn, then forced) on a call it takes (a
     free draw rarely makes one: bf16 or fp16, an even rank, slices of whole 4-column
     words). One
@@ -50,8 +54,9 @@ def test_tensor_core_expand_matches_reference(case, data):
         check_expand(lora_expand, case)
 
 
+@in_shards()
 @given(shrink_cases())
-def test_shrink_is_deterministic(case):
+def test_shrink_is_deterministic(shard, case):
     """No atomics: the same inputs give the same bits, run after run."""
     runs = []
 
@@ -64,8 +69,9 @@ def test_shrink_is_deterministic(case):
     assert torch.equal(runs[0], runs[1])
 
 
+@in_shards()
 @given(expand_cases())
-def test_expand_is_deterministic(case):
+def test_expand_is_deterministic(shard, case):
     runs = []
 
     def record(*args, **kwargs):
