@@ -35,7 +35,15 @@ from punica_numba import wrapper as wrapper_module
 from punica_numba.mapping import LongContextLoRAContext, LoRAMapping
 from punica_numba.wrapper import PunicaWrapperNumba
 
-from .strategies import DEVICE, DTYPES, KERNEL_LIMITS, MODES, assign_slots, random_tensor
+from .strategies import (
+    DEVICE,
+    DTYPES,
+    KERNEL_LIMITS,
+    MODES,
+    assign_slots,
+    in_shards,
+    random_tensor,
+)
 from .tolerance import assert_close
 
 LIM = KERNEL_LIMITS
@@ -350,8 +358,9 @@ def check_linear(case: LinearCase) -> None:
     assert_close(y, want, magnitude, terms=H + r, what=f"add_lora_linear {dt}")
 
 
+@in_shards()
 @given(linear_cases())
-def test_add_lora_linear_matches_reference(case):
+def test_add_lora_linear_matches_reference(shard, case):
     check_linear(case)
 
 
@@ -417,8 +426,9 @@ def check_shrink(case: ShrinkCase) -> None:
     assert_close(y, want, magnitude, terms=H, what=f"add_shrink {dt}")
 
 
+@in_shards()
 @given(shrink_cases())
-def test_add_shrink_matches_reference(case):
+def test_add_shrink_matches_reference(shard, case):
     check_shrink(case)
 
 
@@ -498,8 +508,9 @@ def check_expand(case: ExpandCase) -> None:
     assert_close(y, want, magnitude, terms=r, what=f"add_expand {case.x_dtype}->{dt}")
 
 
+@in_shards()
 @given(expand_cases())
-def test_add_expand_matches_reference(case):
+def test_add_expand_matches_reference(shard, case):
     check_expand(case)
 
 
