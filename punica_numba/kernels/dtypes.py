@@ -170,28 +170,30 @@ def _f32_lane(word, lane):
 # in that kernel's epilogue it was most of the work).
 
 
-def _bf16_pair_on_gpu():
+def _pair_on_gpu(kind: str):
+    """``pair(low, high) -> uint32`` on the GPU: ``cvt.rn.{kind}x2.f32`` rounds two fp32
+    values into one register (``kind``: ``bf16`` or ``f16``), ``low`` in bits 0-15."""
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def cvt_bf16x2(typingctx, high, low):
+    def cvt_x2(typingctx, high, low):
         signature = types.uint32(types.float32, types.float32)
 
         def codegen(context, builder, sig, args):
             asm_type = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
-            # cvt.rn.bf16x2.f32 d, a, b: a rounded into the upper half of d, b the lower
-            asm = ir.InlineAsm(asm_type, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+            # cvt.rn.<kind>x2.f32 d, a, b: a rounded into the upper half of d, b the lower
+            asm = ir.InlineAsm(asm_type, f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f")
             return builder.call(asm, args)
 
         return signature, codegen
 
     @cuda.jit(device=True)
-    def bf16_pair(low, high):
-        return cvt_bf16x2(float32(high), float32(low))
+    def pair(low, high):
+        return cvt_x2(float32(high), float32(low))
 
-    return bf16_pair
+    return pair
 
 
 @cuda.jit(device=True)
@@ -204,7 +206,7 @@ def _bf16_pair_in_software(low, high):
 #: ``bf16_pair(low, high) -> uint32``: two fp32 values rounded to bf16 (nearest, ties to
 #: even; a NaN stays a NaN), ``low`` in bits 0-15. One instruction on the GPU, integer
 #: arithmetic on the simulator (which cannot run PTX).
-bf16_pair = _bf16_pair_in_software if SIMULATOR else _bf16_pair_on_gpu()
+bf16_pair = _bf16_pair_in_software if SIMULATOR else _pair_on_gpu("bf16")
 
 
 @cuda.jit(device=True)
@@ -236,30 +238,6 @@ def word_halves(word):
 # halves of a pair are widened by ``cvt.f32.f16`` (:data:`_f16_lane`).
 
 
-def _f16_pair_on_gpu():
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def cvt_f16x2(typingctx, high, low):
-        signature = types.uint32(types.float32, types.float32)
-
-        def codegen(context, builder, sig, args):
-            asm_type = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
-            # cvt.rn.f16x2.f32 d, a, b: a rounded into the upper half of d, b the lower
-            asm = ir.InlineAsm(asm_type, "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")
-            return builder.call(asm, args)
-
-        return signature, codegen
-
-    @cuda.jit(device=True)
-    def f16_pair(low, high):
-        return cvt_f16x2(float32(high), float32(low))
-
-    return f16_pair
-
-
 @cuda.jit(device=True)
 def _f16_pair_in_software(low, high):
     # Simulator only: numpy rounds fp32 to fp16 to nearest even (subnormals too); past
@@ -273,7 +251,7 @@ def _f16_pair_in_software(low, high):
 #: ``f16_pair(low, high) -> uint32``: two fp32 values rounded to fp16 (nearest, ties to
 #: even; past 65504 an infinity; a NaN stays a NaN), ``low`` in bits 0-15. One instruction
 #: on the GPU; numpy's own rounding on the simulator (which cannot run PTX).
-f16_pair = _f16_pair_in_software if SIMULATOR else _f16_pair_on_gpu()
+f16_pair = _f16_pair_in_software if SIMULATOR else _pair_on_gpu("f16")
 
 
 @cuda.jit(device=True)
