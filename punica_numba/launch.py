@@ -546,7 +546,6 @@ def choose_launch_config(
     hidden = 0 if K is None else K  # (unknown: no from_hidden above 0 is reached)
     chosen = {False: configs[0], True: None}  # the last reached of each kind
     for config in configs[1:]:
-        tiles = slots * -(-num_tokens // (max(slots, 1) * config.tile_m))  # (even slots)
         if (
             usable.get(config.kernel, True)
             and per_slot >= config.from_tokens_per_slot
@@ -558,10 +557,16 @@ def choose_launch_config(
             and _fits(config.to_slices, slices)
             and hidden >= config.from_hidden
             and _fits(config.to_tokens_per_slot, per_slot)
-            and _fits(config.to_tiles, tiles)
+            and (config.to_tiles is None or _tiles(config, num_tokens, slots) <= config.to_tiles)
         ):
             chosen[config.kernel == "mma"] = config
     return chosen[True] or chosen[False]
+
+
+def _tiles(config: LaunchConfig, num_tokens: int, slots: int) -> int:
+    """The tiles of ``config.tile_m`` tokens a call makes, its tokens taken as spread
+    evenly over its slots (host facts do not say how they are spread)."""
+    return slots * -(-num_tokens // (max(slots, 1) * config.tile_m))
 
 
 def _can_take(config: LaunchConfig, tensor_cores: bool, lane_split: bool, rank: int) -> bool:
