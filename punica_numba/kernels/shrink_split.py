@@ -153,6 +153,7 @@ def build_split_shrink_kernel(
         if slot == -1:
             return  # every chunk of this tile leaves, before any barrier or count
         s_local = cuda.blockIdx.y
+        # By hand, not segments.slice_of, as in the row shrink (.shrink says why)
         if s_local == 0:
             w = w0
         elif s_local == 1:
