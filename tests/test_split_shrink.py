@@ -209,6 +209,26 @@ def test_a_workspace_outgrown_is_kept_for_the_graphs_that_hold_it():
         shrink_split._WORKSPACES.update(saved)
 
 
+def test_a_prepared_launch_takes_its_workspace_when_it_runs():
+    """Made ready, a split launch has taken no workspace yet; each run takes the one of
+    the stream it runs on (so one made ready on one stream and run on another, a
+    warm-up before a graph capture on a side stream, never shares the first's counters)."""
+    config = split_config(THREADS[0], 1, 2, 2)
+    meta = Problem(slots=[0, 0], prepared=2, num_loras=1, seed=0).meta()
+    x = torch.randn(2, 8, device=DEVICE).to(torch.bfloat16)
+    a = torch.randn(1, 2, 8, device=DEVICE).to(torch.bfloat16)
+    out = torch.zeros(1, 2, 2, device=DEVICE)
+    taken = mock.Mock(wraps=shrink_split.split_workspace)
+    with forced(config), mock.patch("punica_numba.ops.launching.split_workspace", taken):
+        launch_ = prepare_shrink(x, [a], out, *meta.meta_args(2), 1.0)
+        assert launch_.config == config and taken.call_count == 0
+        launch_()
+        launch_()
+    assert taken.call_count == 2
+    want = reference.lora_shrink(x, [a], torch.zeros_like(out), torch.tensor([0, 0]), 2.0)
+    assert torch.allclose(out.double().cpu(), want.cpu(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_each_stream_has_a_workspace_of_its_own():
     """Split shrinks side by side on two streams never share counters."""
@@ -297,8 +317,10 @@ def test_a_cuda_graph_of_the_split_replays_right():
     meta = LoRAKernelMeta.make(L, T, "cuda")
     meta.prepare_tensors(slots)
     out = torch.zeros(1, T, r, device="cuda")
-    launch_ = prepare_shrink(x, [a], out, *meta.meta_args(T), 0.5)
-    assert launch_.config.kernel == "split", launch_.config
+    config = _pick(T, L, K)  # (the heuristic's split: a tuned table may pick another)
+    assert config.kernel == "split", config
+    with force_launch_config("shrink", config):
+        launch_ = prepare_shrink(x, [a], out, *meta.meta_args(T), 0.5)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -306,7 +328,7 @@ def test_a_cuda_graph_of_the_split_replays_right():
         cached = shrink_split.cached_split_workspace("cuda")
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, stream=stream), force_launch_config("shrink", config):
         lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
     with torch.cuda.stream(stream):
         assert shrink_split.cached_split_workspace("cuda")[0] is cached[0]  # nothing new
@@ -316,7 +338,8 @@ def test_a_cuda_graph_of_the_split_replays_right():
         graph.replay()
         got = out.clone()
         out.zero_()
-        lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
+        with force_launch_config("shrink", config):
+            lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
         assert torch.equal(got, out), seed
         want = reference.lora_shrink(x, [a], torch.zeros_like(out), slots, 0.5)
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5

@@ -118,9 +118,12 @@ def shrink_launch(
     ``accumulate=False`` stores the products instead of adding them: for a buffer the
     wrapper made for one call (``torch.empty``), which saves filling it with zeros.
 
-    A split-K shrink also reads and writes its device's workspace
-    (:func:`..kernels.shrink_split.split_workspace`), taken now, as the launch is made
-    ready: its partial sums and per-group counters, sized for this call."""
+    A split-K shrink also reads and writes a workspace
+    (:func:`..kernels.shrink_split.split_workspace`): its partial sums and per-group
+    counters, sized for this call now, but taken at each launch, that of the stream the
+    launch runs on (a launch made ready on one stream and run on another, such as a
+    warm-up before a CUDA graph capture on a side stream, never shares counters with
+    the first stream's launches)."""
     num_tokens = inputs.shape[0]
     facts = host_facts_of(metadata[4])
     chosen = choose_shrink(inputs, weights, output_tensor, facts, accumulate)
@@ -128,17 +131,17 @@ def shrink_launch(
     blocks, meta = block_work("shrink", config, num_tokens, metadata, facts, chosen.one_slot)
     launcher = launcher_of(chosen.kernel)
     scaling32 = np.float32(scaling)
-    workspace = ()  # a split-K shrink's partial sums and counters (as kernel arguments)
+    sizes = None  # a split-K shrink's workspace sizes (its pair is taken at each launch)
     if config.kernel == "split" and blocks:
         slices = min(len(kernel_weights), MAX_SLICES)  # (the most one launch covers)
         rank = weights[0].rows
         groups = chosen.rank_groups // config.splits
         sizes = (config.splits, slices, num_tokens, rank, blocks, groups)
-        workspace = split_workspace(inputs.device, *sizes)
 
     def launch() -> None:
         if blocks == 0:
             return
+        workspace = () if sizes is None else split_workspace(inputs.device, *sizes)
         for base in range(0, len(kernel_weights), MAX_SLICES):
             chunk = list(kernel_weights[base : base + MAX_SLICES])
             count = len(chunk)
