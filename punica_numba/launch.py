@@ -102,6 +102,8 @@ class LaunchConfig:
     from_hidden: int = 0  # and where the shrink's K is at least this (unknown K: never)
     to_tokens_per_slot: float | None = None  # and at most this many tokens per slot
     to_tiles: int | None = None  # and at most this many tiles of tile_m (None: any)
+    from_work: int = 0  # and where tokens x rank x slices (the products' rows) is at least this
+    tuned_only: bool = False  # never the heuristic's pick: the tuner times it, a table may name it
 
     def columns_per_block(self, op: str, words: int = 0) -> int:
         """Ranks (shrink) or output columns (expand) one block covers per group. A
@@ -186,7 +188,13 @@ _SIMULATOR_CONFIGS = {
     ),
 }
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
-#: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV.
+#: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV. Since
+#: v32 moved where the tuner's table says (punica_numba/configs/NVIDIA_H200.json, tuned at
+#: cc380e6: the quick grid and Llama-3-8B's four layers at r=32 and 128, 394 problems, bf16,
+#: every configuration timed on each; "the tuned table" below): the heuristic's time over
+#: the fastest configuration's, geometric mean over those problems, went from 1.23x to
+#: 1.15x (shrink) and 1.21x to 1.05x (expand). On the H200 the table itself answers for the
+#: problems near it; these rules are what other GPUs, and shapes far from it, get.
 _GPU_CONFIGS = {
     "shrink": (
         # Below 16 tokens, a token per slot: 2 ranks per block, so twice the blocks (each
@@ -202,16 +210,14 @@ _GPU_CONFIGS = {
         # -> 38.0/39.3; the same sums, so the same bits: the arithmetic depends only on
         # the threads).
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=8, from_tokens=128),
-        # Split K (not measured yet; from the block count): where K is long and the tiles
-        # few, the blocks above are too few for 132 SMs, each walking all of K (T=32 over
-        # 8 LoRAs at r=16: 128 blocks of 14336 elements). Eight chunks of K make 2-4
-        # blocks an SM at the down projections' shapes and keep a chunk at 1024 elements
-        # or more from K=8192 on: T=32 over 8 LoRAs (tiles of 4) at r=16 is 8 tiles x 4
-        # rank groups x 8 chunks = 256 blocks, 512 at r=32; up to 2 tokens a slot, a token
-        # a tile (T=16 distinct at r=16: 512 blocks). Past 32 tiles the row shrink keeps
-        # the call: its blocks (T x rank groups, a token each) are then at least one an SM
-        # at r=16. Both add the same sums: the same arithmetic key. (The last reached is
-        # taken: up to 2 tokens a slot the second.)
+        # Split K: where K is long and the tiles few, the blocks above are few for 132
+        # SMs, each walking all of K (T=32 over 8 LoRAs at r=16: 128 blocks of 14336
+        # elements); eight chunks of K make 2-4 blocks an SM there. Measured by the tuner
+        # on the H200 (punica_numba/configs/NVIDIA_H200.json, at cc380e6: Llama-3-8B's
+        # down projection, K=14336, r=32 and 128, T=1-32), it was never the fastest: the
+        # row shrink of 2 ranks a block took 4.80 µs against 5.25 at T=1, 6.04 against
+        # 6.94 at T=8 over 8 LoRAs, 9.01 against 9.31 at T=32 over 6 (r=32). So the
+        # heuristic leaves them to the tuner (``tuned_only``); both add the same sums.
         LaunchConfig(
             "split",
             threads=128,
@@ -221,6 +227,7 @@ _GPU_CONFIGS = {
             from_hidden=8192,
             to_tokens_per_slot=8,
             to_tiles=32,
+            tuned_only=True,
         ),
         LaunchConfig(
             "split",
@@ -231,8 +238,14 @@ _GPU_CONFIGS = {
             from_hidden=8192,
             to_tokens_per_slot=2,
             to_tiles=32,
+            tuned_only=True,
         ),
-        LaunchConfig("rows", threads=256, tile_m=4, tile_n=4, from_tokens_per_slot=12),
+        # Tiles of 4 tokens from T=128 on (the tuned table: at T=16-64 on one LoRA a token a
+        # block is faster, 1.87 against 4.88 µs at T=16, r=16; at T=128 on one LoRA, r=32,
+        # tiles of 4 win among the row shrinks, 6.79 against 6.94) ...
+        LaunchConfig(
+            "rows", threads=256, tile_m=4, tile_n=4, from_tokens_per_slot=12, from_tokens=128
+        ),
         LaunchConfig(
             "rows", threads=128, tile_m=4, tile_n=4, from_tokens_per_slot=12, from_tokens=1024
         ),
@@ -242,9 +255,19 @@ _GPU_CONFIGS = {
         # make many blocks (r=64, 64/8: 13.4 µs by rows -> 6.07; every rank in one block
         # of 8 warps 17.4). Blocks of a rank group hold that group's registers whatever the
         # rank, so these and the 16-rank groups below take r=128 and 256 too (a block per
-        # group along grid.y: 32 at r=256); past r=64 they are not yet measured (the tuner,
-        # ``python -m punica_numba tune``, times every configuration of this table) ...
-        LaunchConfig("mma", threads=512, tile_m=16, tile_n=8, from_tokens_per_slot=8, from_rank=33),
+        # group along grid.y: 32 at r=256). Since v32 from 3 tokens per slot at any rank,
+        # where the products have 3072 rows or more (T x rank x slices): the tuned table
+        # has them beat the rows there at every rank (r=64 QKV at T=64 on one LoRA 5.85
+        # against 19.9 µs; r=128 at T=32 over 6 LoRAs 5.98 against 6.61) and lose below
+        # (T=16 on one LoRA at r=64, 1024 rows: 5.57 against 2.73) ...
+        LaunchConfig(
+            "mma",
+            threads=512,
+            tile_m=16,
+            tile_n=8,
+            from_tokens_per_slot=3,
+            from_work=3072,
+        ),
         # ... and from 16 tokens per slot and T=256 on they beat the row kernels (v9's
         # run of every configuration: 256/16 8.5 -> 7.5 µs, QKV 256/16 14.3 -> 8.0, 256/1
         # 6.9 -> 6.7; 64/8 at r=16 stays with the rows, 4.6 against 7.0): 16 warps of
@@ -262,7 +285,9 @@ _GPU_CONFIGS = {
         ),
         # ... 16 warps of 16 ranks at r >= 33 (v10, r=64: 256/16 18.4 µs with 8 warps of
         # every rank -> 8.16, 256/1 16.5 -> 6.69), 8 warps of 16 from T=1024 (1024/32
-        # 20.5 -> 16.0; 16 warps 17.1) ...
+        # 20.5 -> 16.0; 16 warps 17.1). (The tuned table has them faster at r=32 too, T=512
+        # on one LoRA 6.43 µs against 10.55 with every rank in a block; the 16 warps of
+        # every rank above keep r <= 32 here, to_rank being their register limit.) ...
         LaunchConfig(
             "mma",
             threads=512,
@@ -298,15 +323,18 @@ _GPU_CONFIGS = {
         ),
         # ... and past r=64 the same blocks for each group of 64 ranks: at r=64 the same
         # compiled kernel as the one above (8 tiles of 8 ranks), a block per group along
-        # grid.y (r=128: 2, r=256: 4), x read again by each group (mostly from L2). Not
-        # yet measured (from the r=64 measurement only; the tuner times it),
+        # grid.y (r=128: 2, r=256: 4), x read again by each group (mostly from L2). The
+        # tuned table has them fastest at r=128 from T=512 on, at every spread (T=8192 on
+        # one LoRA 92.6 µs, 8 warps of 16 ranks 162; T=2048 over 256 LoRAs 92.6, 16 warps
+        # of 8 ranks 195); taken from T=512 at 64 tokens a slot (where this table's order
+        # places it; fewer tokens a slot keep the 16-rank groups above, 1.1-1.6x slower),
         LaunchConfig(
             "mma",
             threads=128,
             tile_m=16,
             tile_n=64,
             from_tokens_per_slot=64,
-            from_tokens=4096,
+            from_tokens=512,
             from_rank=65,
         ),
         # 8 warps of every rank at T=4096 and r <= 32 (v10's run: 4096/64 18.7 -> 18.0 µs,
@@ -402,8 +430,12 @@ _GPU_CONFIGS = {
         # registers are r=64's), so they take r=128 and 256 too; the tensor cores' lead
         # over the FFMA kernels, bound by issuing instructions, can only grow with the
         # rank, but past r=64 they are not yet measured (the tuner, ``python -m
-        # punica_numba tune``, times every configuration of this table) ...
-        LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens_per_slot=8),
+        # punica_numba tune``, times every configuration of this table). Since v32 from T=8
+        # whatever the tokens per slot (the tuned table: with 8 or more rows the tensor
+        # cores beat the FFMA expands at every spread of the 394 problems but T=8-32 at
+        # r=128 on many LoRAs; T=32 over 6 LoRAs at r=32, gate_up: 6.44 µs against 21.8;
+        # T=16 distinct at r=16: 2.41 against 3.34) ...
+        LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens=8),
         # ... and two warps of four from 1024 rows on (v9: 1024/32 11.1 -> 11.0 µs, 4096 on
         # one LoRA 28.9 -> 28.8, QKV 4096/64 53.7 -> 50.5, r=64 4096/64 61.2 -> 61.0), each
         # block walking two column groups (v11's run, one pass -> two: 4096 on one LoRA
@@ -547,7 +579,8 @@ def choose_launch_config(
     chosen = {False: configs[0], True: None}  # the last reached of each kind
     for config in configs[1:]:
         if (
-            usable.get(config.kernel, True)
+            not config.tuned_only
+            and usable.get(config.kernel, True)
             and per_slot >= config.from_tokens_per_slot
             and num_tokens >= config.from_tokens
             and _fits(config.to_tokens, num_tokens)
@@ -558,6 +591,7 @@ def choose_launch_config(
             and hidden >= config.from_hidden
             and _fits(config.to_tokens_per_slot, per_slot)
             and (config.to_tiles is None or _tiles(config, num_tokens, slots) <= config.to_tiles)
+            and num_tokens * rank * slices >= config.from_work
         ):
             chosen[config.kernel == "mma"] = config
     return chosen[True] or chosen[False]

@@ -33,6 +33,12 @@ def _rows_for(config) -> int:
     return rows if config.to_tokens is None else min(rows, config.to_tokens)
 
 
+def _rank_for(config) -> int:
+    """A rank within ``config``'s range: its ``from_rank``, 16 where that is 0 (a rank of
+    0 makes no products, so reaches no ``from_work``)."""
+    return config.from_rank or 16
+
+
 def _slices_for(config) -> int:
     """A slice count within ``config``'s range at which no later configuration for fewer
     slices takes over (one capped at ``to_slices=1`` takes one slice from those before
@@ -87,7 +93,7 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
         tokens = _rows_for(config)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
         tensor_cores = config.kernel == "mma"
-        chosen = _choose(op, tokens, slots, config.from_rank, tensor_cores, config.from_slices)
+        chosen = _choose(op, tokens, slots, _rank_for(config), tensor_cores, config.from_slices)
         assert (chosen.kernel == "mma") == tensor_cores, (config, chosen)
         assert chosen.from_tokens_per_slot >= config.from_tokens_per_slot, (config, chosen)
 
@@ -103,9 +109,13 @@ def test_a_reached_tensor_core_configuration_wins(op, table):
     without = choose_launch_config(op, tokens, slots, 1 << 10)
     assert without.kernel != "mma" and without.from_tokens_per_slot > 0
     assert choose_launch_config(op, tokens, slots, 1 << 10, tensor_cores=True).kernel == "mma"
-    below = max(1, int(tokens / first.from_tokens_per_slot) + 1)  # just under its threshold
-    if tokens / below < first.from_tokens_per_slot:
-        assert choose_launch_config(op, tokens, below, tensor_cores=True).kernel != "mma"
+    if first.from_tokens_per_slot:
+        below = max(1, int(tokens / first.from_tokens_per_slot) + 1)  # just under its threshold
+        if tokens / below < first.from_tokens_per_slot:
+            assert choose_launch_config(op, tokens, below, tensor_cores=True).kernel != "mma"
+    if first.from_tokens > 1:  # just under its rows
+        fewer = choose_launch_config(op, first.from_tokens - 1, 1, 1 << 10, tensor_cores=True)
+        assert fewer.kernel != "mma", fewer
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -115,8 +125,9 @@ def test_tensor_cores_only_for_calls_that_allow_them(op, table):
     tensor_core_configs = [c for c in launch_configs(op) if c.kernel == "mma"]
     assert tensor_core_configs, "each table has a tensor-core configuration of each op"
     first = tensor_core_configs[0]
-    slots, rank = 4, first.from_rank
+    slots, rank = 4, _rank_for(first)
     tokens = int(first.from_tokens_per_slot * slots) + max(first.from_tokens, 1)
+    tokens = max(tokens, -(-first.from_work // rank))
     assert choose_launch_config(op, tokens, slots, rank, tensor_cores=True).kernel == "mma"
     without = choose_launch_config(op, tokens, slots, rank)
     assert without.kernel != "mma"
