@@ -277,5 +277,8 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # tensor cores (`docs/benchmarks/lab_notes.md`). Version 4 is that rung: a block's pairs
 # as the rows of `mma.sync` tiles in both kernels (`kernels.moe_shrink_mma`,
 # `kernels.moe_expand_mma`, the fp32 buffer split into two bf16 for the expand), for bf16
-# or fp16 with K and the rank multiples of 4 (other calls run version 3's kernels); it is
-# checked like the others, but not yet timed on a GPU, so 3 stays the default.
+# or fp16 with K and the rank multiples of 4 (other calls run version 3's kernels). Version
+# 5 takes 4's shrink where a call's pairs average 4 or more a (slot, expert) block, else
+# 3's, and 3's expand always (timed kernel by kernel on an H200, 4's shrink lost with one
+# pair a block and 4's expand on every case). Both are checked like the others, but neither
+# is timed as a whole op yet, so 3 stays the default.

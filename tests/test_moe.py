@@ -13,7 +13,8 @@
    reference; version 3's tiles are crossed (rank groups, chunks of a block's pairs,
    column groups, K in whole words or not), and version 4's (rank groups, passes and
    m-tiles of a block's pairs, column groups, K and ranks past whole tiles), with its
-   gate: what the tensor cores cannot take runs version 3's kernels.
+   gate: what the tensor cores cannot take runs version 3's kernels; version 5 takes
+   version 4's shrink on either side of its threshold of pairs a block as designed.
 """
 
 from __future__ import annotations
@@ -859,13 +860,14 @@ def _one_block_call(dtype, *, rank, K, N, B, projection, offset, slices=None, pa
     return case, d, align_pairs(d["topk_ids"], d["slots"], E, B, L, d["enabled"])
 
 
-def _run_version_4(case, d, blocks, B, monkeypatch) -> list:
-    """The op's version 4 on the call, checked against the reference; the builds asked for."""
+def _run_version(version, case, d, blocks, B, monkeypatch) -> list:
+    """The op's ``version`` on the call, checked against the reference; the builds asked
+    for."""
     y, before = d["y"], d["y"].clone()
     built = _recording_all_builds(monkeypatch)
     fused_moe_lora(
         y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
-        block_size=B, mul_routed_weight=case.mul, offset=case.offset, version=4,
+        block_size=B, mul_routed_weight=case.mul, offset=case.offset, version=version,
     )  # fmt: skip
     check_against_reference(case, y, d, before)
     return built
@@ -889,7 +891,7 @@ def test_version_4_crosses_its_tiles(projection, dtype, rank, monkeypatch):
     B = 17
     case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=N, B=B, projection=projection,
                                       offset=1)  # fmt: skip
-    built = _run_version_4(case, d, blocks, B, monkeypatch)
+    built = _run_version(4, case, d, blocks, B, monkeypatch)
     (shrink_name, shrink_args), (expand_name, expand_args) = built
     assert (shrink_name, expand_name) == (
         "build_moe_mma_shrink_kernel",
@@ -915,7 +917,7 @@ def test_version_4_takes_ranks_and_block_sizes(rank, B, slices, dtype, monkeypat
     K, N = 32, 8
     case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=N, B=B, projection="w13",
                                       offset=2, slices=slices, pairs=min(B + 1, 34))  # fmt: skip
-    built = _run_version_4(case, d, blocks, B, monkeypatch)
+    built = _run_version(4, case, d, blocks, B, monkeypatch)
     assert [name for name, _ in built] == [
         "build_moe_mma_shrink_kernel",
         "build_moe_mma_expand_kernel",
@@ -936,7 +938,7 @@ def test_version_4_runs_version_3_where_the_tensor_cores_cannot(dtype, rank, K, 
     give the reference."""
     case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=5, B=2, projection="w2", offset=0)
     assert moe_ops.tensor_core_words(d["x"], d["lora_a"], d["lora_b"]) is None, why
-    built = _run_version_4(case, d, blocks, 2, monkeypatch)
+    built = _run_version(4, case, d, blocks, 2, monkeypatch)
     assert [name for name, _ in built] == [
         "build_moe_split_shrink_kernel",
         "build_moe_columns_expand_kernel",
@@ -974,3 +976,47 @@ def test_version_4s_shrink_writes_only_the_pairs_of_its_blocks():
     torch.testing.assert_close(buffer[0, listed].double(), want, rtol=1e-6, atol=1e-6)
     others = [p for p in range(P) if p not in listed]
     assert bool((buffer[0, others] == 7.0).all()), "a pair in no block was written"
+
+
+# -- 7. version 5: the tensor-core shrink where blocks are full ------------------------------
+
+
+def test_version_5s_measure_of_full_blocks_on_the_measured_cases():
+    """``pairs_per_block`` on the H200 cases that place the threshold (Qwen3-30B-A3B: 128
+    experts, top-8): 16 tokens on one adapter, 1 pair a block (the split shrink was the
+    faster); 2048 tokens over 16 adapters, 8 (the tensor cores were); and a call of fewer
+    pairs than (slot, expert) blocks, 1."""
+    assert moe_ops.pairs_per_block(16 * 8, 1, 128) == 1
+    assert moe_ops.pairs_per_block(2048 * 8, 16, 128) == 8
+    assert moe_ops.pairs_per_block(2048 * 8, 1, 128) == 128
+    assert moe_ops.pairs_per_block(3, 4, 8) == 1
+    assert 1 < moe_ops.MMA_SHRINK_FROM_PAIRS < 8
+
+
+@pytest.mark.parametrize(
+    "pairs, projection, dtype, shrink",
+    [
+        (1, "w13", torch.bfloat16, "build_moe_split_shrink_kernel"),  # 1.5 a block
+        (5, "w2", torch.bfloat16, "build_moe_split_shrink_kernel"),  # 3.5: just below
+        (6, "w2", torch.bfloat16, "build_moe_mma_shrink_kernel"),  # 4: from there on
+        (6, "w13", torch.float16, "build_moe_mma_shrink_kernel"),
+        (6, "w13", torch.float32, "build_moe_split_shrink_kernel"),  # the gate: fp32
+    ],
+)
+def test_version_5_takes_the_tensor_core_shrink_from_its_threshold(
+    pairs, projection, dtype, shrink, monkeypatch
+):
+    """Slot 0 puts ``pairs`` pairs on each of 2 experts, slot 1 one token, one token is on
+    none: P = 2 (pairs + 2) over L * E = 4 blocks. Below MMA_SHRINK_FROM_PAIRS the split
+    shrink, from it on the tensor-core one where the operands allow it (the buffer it
+    writes read by the columns expand), and the columns expand always; each gives the
+    reference."""
+    B = 4
+    case, d, blocks = _one_block_call(dtype, rank=8, K=32, N=8, B=B, projection=projection,
+                                      offset=1, pairs=pairs)  # fmt: skip
+    average = moe_ops.pairs_per_block(d["topk_ids"].numel(), 2, 2)
+    assert average == (pairs + 2) / 2
+    gate = moe_ops.tensor_core_words(d["x"], d["lora_a"], d["lora_b"]) is not None
+    assert (average >= moe_ops.MMA_SHRINK_FROM_PAIRS and gate) == ("mma" in shrink)
+    built = _run_version(5, case, d, blocks, B, monkeypatch)
+    assert [name for name, _ in built] == [shrink, "build_moe_columns_expand_kernel"]

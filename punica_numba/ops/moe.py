@@ -9,7 +9,13 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
 3. the shrink with K split across a CUDA block's threads
    (:mod:`..kernels.moe_shrink_split`), the expand with a thread's columns of B in
    registers (:mod:`..kernels.moe_expand_columns`); their compile-time parameters are
-   :data:`SPLIT_SHRINK` and :data:`COLUMNS_EXPAND`.
+   :data:`SPLIT_SHRINK` and :data:`COLUMNS_EXPAND`;
+4. both on the tensor cores (:mod:`..kernels.moe_shrink_mma`,
+   :mod:`..kernels.moe_expand_mma`; :data:`MMA_SHRINK`, :data:`MMA_EXPAND`) where
+   :func:`tensor_core_words` allows it, else 3's;
+5. 4's shrink where the operands allow it and the call's pairs fill its blocks
+   (:func:`pairs_per_block` at least :data:`MMA_SHRINK_FROM_PAIRS`), else 3's; 3's
+   expand always.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -49,12 +55,21 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4)
+VERSIONS = (1, 2, 3, 4, 5)
 #: The version a call takes unless it asks for another: 3, which took 0.06-0.23x version
 #: 1's time on every case of ``bench --moe`` on an H200 (docs/benchmarks/h200_moe_v1.json
-#: at 00c41e9, h200_moe_v3.json at 282eaa9); versions 2 and 4 have no GPU timing of their
-#: own (4 is not the default until it is timed against 3 and vLLM's op).
+#: at 00c41e9, h200_moe_v3.json at 282eaa9); versions 2, 4 and 5 have no timing of the
+#: whole op (4 and 5 are not the default until they are timed against 3 and vLLM's op).
 DEFAULT_VERSION = 3
+
+#: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
+#: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
+#: at cc380e6 (torch.profiler; Qwen3-30B-A3B's layer, r=16, bf16, blocks of 16): at 1 pair
+#: a block (w13, 16 tokens on one adapter) the split shrink takes 12.5 µs and the
+#: tensor-core one 22.2; at 8 (w13, 2048 tokens over 16 adapters) 351.2 and 120.5, and at
+#: 16 and 128 (256 and 2048 tokens on one) the tensor cores win too. Nothing between 1 and 8
+#: was measured: 4 is a point between them, not a measured crossing.
+MMA_SHRINK_FROM_PAIRS = 4
 
 
 class SplitShrink(NamedTuple):
@@ -98,9 +113,10 @@ COLUMNS_EXPAND = (
 
 
 class MmaShrink(NamedTuple):
-    """Version 4's shrink (:mod:`..kernels.moe_shrink_mma`): threads per CUDA block (whole
-    warps, which split K), the 16-pair tiles of one pass (at most; fewer where the block
-    size needs fewer) and the 8-rank tiles of one rank group (likewise, for the rank)."""
+    """Version 4's and 5's shrink (:mod:`..kernels.moe_shrink_mma`): threads per CUDA block
+    (whole warps, which split K), the 16-pair tiles of one pass (at most; fewer where the
+    block size needs fewer) and the 8-rank tiles of one rank group (likewise, for the
+    rank)."""
 
     threads: int
     m_tiles: int
@@ -152,6 +168,22 @@ def tensor_core_words(x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tens
     if x_words is None or any(w is None for w in (*a_words, *b_words)):
         return None
     return x_words, a_words, b_words
+
+
+def pairs_per_block(num_pairs: int, slots: int, experts: int) -> float:
+    """Version 5's measure of how full the call's blocks are, from shapes alone (reading
+    the metadata's values would need a sync, and the op must stay capturable in a CUDA
+    graph): ``num_pairs / min(num_pairs, slots * experts)``, the P pairs spread evenly
+    over the (slot, expert) blocks, of which at most P are in use (``slots`` is L of the
+    stacks, ``experts`` E; ``num_pairs`` > 0).
+
+    A (slot, expert) here is all its pairs, which the align step cuts into blocks of
+    ``block_size``: 2048 tokens of top-8 on one adapter of 128 experts give 128 pairs a
+    block here, full blocks of 16 in the kernels. It counts every slot and every pair,
+    used or not, so idle slots and tokens without an adapter make it understate the
+    average (the split shrink is then taken where the tensor cores might still pay).
+    """
+    return num_pairs / min(num_pairs, slots * experts)
 
 
 def columns_shape(rank: int, config: ColumnsExpand = COLUMNS_EXPAND) -> tuple[int, int]:
@@ -208,8 +240,12 @@ def fused_moe_lora(
     (:mod:`..kernels.moe_shrink_mma`, :mod:`..kernels.moe_expand_mma`: exact products of
     16-bit x and A, the fp32 buffer split into two bf16 for the expand), where
     :func:`tensor_core_words` says the operands allow it (bf16 or fp16, K and the rank
-    multiples of 4), else 3's; not yet timed on a GPU. The same sums in other orders;
-    :data:`DEFAULT_VERSION` (3) unless asked.
+    multiples of 4), else 3's; 5, 4's shrink where the operands allow it and the pairs
+    average at least :data:`MMA_SHRINK_FROM_PAIRS` (4) a (slot, expert) block in use
+    (:func:`pairs_per_block`, from P, L and E: no sync), else 3's, and 3's expand always
+    (on an H200 each kernel so taken was the faster of the two where it was measured;
+    the whole op is not yet timed). The same sums in other orders; :data:`DEFAULT_VERSION`
+    (3) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
@@ -285,20 +321,34 @@ def fused_moe_lora(
     weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
     grid = (expert_ids.shape[1], L, len(a))
     metadata = (sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled)
-    tensor_cores = tensor_core_words(x, a, b) if version == 4 else None
-    if tensor_cores is not None:
-        _on_the_tensor_cores(
-            y.view(num_pairs, columns), *tensor_cores, buffer, weights, metadata, top_k=top_k,
-            block_size=block_size, by_pair=mul_routed_weight, offset=offset,
-            add_inputs=add_inputs, rank=rank, hidden=hidden, dtype=x.dtype,
-        )  # fmt: skip
-        return
-    if version in (3, 4):
-        _split_and_columns(
-            y.view(num_pairs, columns), x, a, b, buffer, weights, metadata, top_k=top_k,
-            block_size=block_size, by_pair=mul_routed_weight, offset=offset,
-            add_inputs=add_inputs,
-        )  # fmt: skip
+    out = y.view(num_pairs, columns)  # [P, W]
+    if version >= 3:
+        # The tensor-core shrink: version 4's, and 5's where its blocks are full enough.
+        mma = version == 4 or (
+            version == 5 and pairs_per_block(num_pairs, L, E) >= MMA_SHRINK_FROM_PAIRS
+        )
+        tensor_cores = tensor_core_words(x, a, b) if mma else None
+        if tensor_cores is not None:
+            _mma_shrink(
+                *tensor_cores[:2], buffer, metadata, top_k=top_k, block_size=block_size,
+                by_pair=mul_routed_weight, rank=rank, hidden=hidden, dtype=x.dtype,
+            )  # fmt: skip
+        else:
+            _split_shrink(
+                x, a, buffer, metadata, top_k=top_k, block_size=block_size,
+                by_pair=mul_routed_weight,
+            )  # fmt: skip
+        if version == 4 and tensor_cores is not None:
+            _mma_expand(
+                out, tensor_cores[2], buffer, weights, metadata, block_size=block_size,
+                by_pair=mul_routed_weight, offset=offset, add_inputs=add_inputs, rank=rank,
+                dtype=x.dtype,
+            )  # fmt: skip
+        else:
+            _columns_expand(
+                out, b, buffer, weights, metadata, block_size=block_size,
+                by_pair=mul_routed_weight, offset=offset, add_inputs=add_inputs,
+            )  # fmt: skip
         return
     w0, w1 = a[0], a[-1]  # (one slice: the same weight twice, never read twice)
     tiled = version == 2 and block_size <= tiled_shrink.MAX_PAIRS and rank <= tiled_shrink.MAX_RANK
@@ -306,7 +356,6 @@ def fused_moe_lora(
     shrink = launcher_of(build(x.dtype, a[0].dtype, THREADS))
     shrink(grid, THREADS, (x, w0, w1, buffer, *metadata, top_k, block_size, mul_routed_weight))
     expand = launcher_of(build_moe_expand_kernel(torch.float32, b[0].dtype, y.dtype, THREADS))
-    out = y.view(num_pairs, columns)  # [P, W]
     expand(
         grid,
         THREADS,
@@ -325,112 +374,136 @@ def fused_moe_lora(
     )
 
 
-def _split_and_columns(
-    out: torch.Tensor,
+def _split_shrink(
     x: torch.Tensor,
     a: list[torch.Tensor],
-    b: list[torch.Tensor],
     buffer: torch.Tensor,
-    weights: torch.Tensor,
     metadata: tuple,
     *,
     top_k: int,
     block_size: int,
     by_pair: bool,
-    offset: int,
-    add_inputs: bool,
 ) -> None:
-    """Version 3's two launches on checked arguments: ``out`` [P, W] (y's rows of pairs),
-    ``buffer`` [S, P, r] fp32, ``weights`` [P] fp32. x and A go as packed int64 words
-    where every one of them allows it, B likewise (:func:`.operands.words`)."""
+    """Version 3's shrink (and 5's below :data:`MMA_SHRINK_FROM_PAIRS`) on checked
+    arguments into ``buffer`` [S, P, r] fp32. x and A go as packed int64 words where every
+    one of them allows it (:func:`.operands.words`)."""
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
-    slices, rank, width = len(a), a[0].shape[2], b[0].shape[2]
-
-    shrink_config, dtype = SPLIT_SHRINK, a[0].dtype
+    slices, rank = len(a), a[0].shape[2]
+    config, dtype = SPLIT_SHRINK, a[0].dtype
     x_words, a_words = words(x), [words(w) for w in a]
     packed = x_words is not None and all(w is not None for w in a_words)
     if packed:
         x, a = x_words, a_words
-    shrink = launcher_of(split_shrink.build_moe_split_shrink_kernel(dtype, *shrink_config, packed))
-    rank_groups = -(-rank // shrink_config.tile_n)
-    shrink(
-        (blocks, slots, slices * rank_groups),
-        shrink_config.threads,
-        (x, a[0], a[-1], buffer, *metadata, top_k, block_size, by_pair),
-    )
-
-    expand_config = COLUMNS_EXPAND
-    vec, tile_p = columns_shape(rank, expand_config)
-    b_words = [words(w) for w in b]
-    packed_b = all(w is not None for w in b_words)
-    wide = rank % 4 == 0 and buffer.data_ptr() % 16 == 0  # every buffer row at 16 bytes
-    shape = (expand_config.threads, vec, tile_p, rank)
-    options = (packed_b, wide, by_pair, add_inputs)
-    expand = launcher_of(
-        columns_expand.build_moe_columns_expand_kernel(b[0].dtype, out.dtype, *shape, *options)
-    )
-    kernel_b = b_words if packed_b else b
-    column_groups = -(-width // (expand_config.threads * vec))
-    expand(
-        (blocks, slots, slices * column_groups),
-        expand_config.threads,
-        (buffer, kernel_b[0], kernel_b[-1], out, weights, *metadata, block_size, offset),
-    )
-
-
-def _on_the_tensor_cores(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    a: list[torch.Tensor],
-    b: list[torch.Tensor],
-    buffer: torch.Tensor,
-    weights: torch.Tensor,
-    metadata: tuple,
-    *,
-    top_k: int,
-    block_size: int,
-    by_pair: bool,
-    offset: int,
-    add_inputs: bool,
-    rank: int,
-    hidden: int,
-    dtype: torch.dtype,
-) -> None:
-    """Version 4's two launches on checked arguments: ``out`` [P, W] (y's rows of pairs),
-    x, A and B of ``dtype`` as int64 words (:func:`tensor_core_words`), ``buffer`` [S, P,
-    r] fp32, ``weights`` [P] fp32."""
-    blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
-    slices, width = len(a), b[0].shape[2]
-    m_tiles = -(-block_size // 16)  # 16-pair tiles a block needs
-
-    config = MMA_SHRINK
-    n_tiles = min(config.n_tiles, -(-rank // 8))
-    # 16-byte loads where every row is whole 16-byte pairs of words at multiples of 16
-    wide = hidden % 8 == 0 and all(rows_start_at(t, 16) for t in (x, *a))
-    shrink = launcher_of(
-        mma_shrink.build_moe_mma_shrink_kernel(
-            dtype, config.threads, min(config.m_tiles, m_tiles), n_tiles, wide
-        )
-    )  # fmt: skip
-    rank_groups = -(-rank // (8 * n_tiles))
+    shrink = launcher_of(split_shrink.build_moe_split_shrink_kernel(dtype, *config, packed))
+    rank_groups = -(-rank // config.tile_n)
     shrink(
         (blocks, slots, slices * rank_groups),
         config.threads,
         (x, a[0], a[-1], buffer, *metadata, top_k, block_size, by_pair),
     )
 
+
+def _columns_expand(
+    out: torch.Tensor,
+    b: list[torch.Tensor],
+    buffer: torch.Tensor,
+    weights: torch.Tensor,
+    metadata: tuple,
+    *,
+    block_size: int,
+    by_pair: bool,
+    offset: int,
+    add_inputs: bool,
+) -> None:
+    """Version 3's expand (and 5's) on checked arguments: ``out`` [P, W] (y's rows of
+    pairs), ``buffer`` [S, P, r] fp32 as either shrink leaves it, ``weights`` [P] fp32. B
+    goes as packed int64 words where every slice allows it (:func:`.operands.words`)."""
+    blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
+    slices, width, rank = len(b), b[0].shape[2], b[0].shape[3]
+    config = COLUMNS_EXPAND
+    vec, tile_p = columns_shape(rank, config)
+    b_words = [words(w) for w in b]
+    packed_b = all(w is not None for w in b_words)
+    wide = rank % 4 == 0 and buffer.data_ptr() % 16 == 0  # every buffer row at 16 bytes
+    shape = (config.threads, vec, tile_p, rank)
+    options = (packed_b, wide, by_pair, add_inputs)
+    expand = launcher_of(
+        columns_expand.build_moe_columns_expand_kernel(b[0].dtype, out.dtype, *shape, *options)
+    )
+    kernel_b = b_words if packed_b else b
+    column_groups = -(-width // (config.threads * vec))
+    expand(
+        (blocks, slots, slices * column_groups),
+        config.threads,
+        (buffer, kernel_b[0], kernel_b[-1], out, weights, *metadata, block_size, offset),
+    )
+
+
+def _mma_shrink(
+    x: torch.Tensor,
+    a: list[torch.Tensor],
+    buffer: torch.Tensor,
+    metadata: tuple,
+    *,
+    top_k: int,
+    block_size: int,
+    by_pair: bool,
+    rank: int,
+    hidden: int,
+    dtype: torch.dtype,
+) -> None:
+    """Version 4's shrink (and 5's, where the blocks are full) on checked arguments: x and
+    A of ``dtype`` as int64 words (:func:`tensor_core_words`), into ``buffer`` [S, P, r]
+    fp32, the layout either expand reads."""
+    blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
+    config = MMA_SHRINK
+    n_tiles = min(config.n_tiles, -(-rank // 8))
+    m_tiles = min(config.m_tiles, -(-block_size // 16))  # of the 16-pair tiles a block needs
+    # 16-byte loads where every row is whole 16-byte pairs of words at multiples of 16
+    wide = hidden % 8 == 0 and all(rows_start_at(t, 16) for t in (x, *a))
+    shrink = launcher_of(
+        mma_shrink.build_moe_mma_shrink_kernel(dtype, config.threads, m_tiles, n_tiles, wide)
+    )
+    rank_groups = -(-rank // (8 * n_tiles))
+    shrink(
+        (blocks, slots, len(a) * rank_groups),
+        config.threads,
+        (x, a[0], a[-1], buffer, *metadata, top_k, block_size, by_pair),
+    )
+
+
+def _mma_expand(
+    out: torch.Tensor,
+    b: list[torch.Tensor],
+    buffer: torch.Tensor,
+    weights: torch.Tensor,
+    metadata: tuple,
+    *,
+    block_size: int,
+    by_pair: bool,
+    offset: int,
+    add_inputs: bool,
+    rank: int,
+    dtype: torch.dtype,
+) -> None:
+    """Version 4's expand on checked arguments: ``out`` [P, W] (y's rows of pairs), B of
+    ``dtype`` as int64 words (:func:`tensor_core_words`), ``buffer`` [S, P, r] fp32,
+    ``weights`` [P] fp32."""
+    blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
+    width = b[0].shape[2]
     config = MMA_EXPAND
     n_tiles = min(config.n_tiles, -(-width // 8))
+    m_tiles = min(config.m_tiles, -(-block_size // 16))  # of the 16-pair tiles a block needs
     wide_x = buffer.data_ptr() % 16 == 0  # every row too: the rank is a multiple of 4
     expand = launcher_of(
         mma_expand.build_moe_mma_expand_kernel(
-            dtype, out.dtype, config.threads, min(config.m_tiles, m_tiles),
-            n_tiles, rank, wide_x, by_pair, add_inputs,
+            dtype, out.dtype, config.threads, m_tiles, n_tiles, rank, wide_x, by_pair,
+            add_inputs,
         )
     )  # fmt: skip
     column_groups = -(-width // (config.threads // 32 * 8 * n_tiles))
     expand(
-        (blocks, slots, slices * column_groups),
+        (blocks, slots, len(b) * column_groups),
         config.threads,
         (buffer, b[0], b[-1], out, weights, *metadata, block_size, offset),
     )
