@@ -88,7 +88,7 @@ if want ab; then
     fi
 fi
 if want moe; then
-    for version in 1 2 3 4; do
+    for version in 1 2 3 4 5; do
         "$PYTHON" -m punica_numba bench --moe --version "$version" --commit "$COMMIT" \
             --json "$OUT/moe_v$version.json" >"$OUT/moe_v$version.log" 2>&1 || status=1
         note "moe, version $version: $(tail -n 1 "$OUT/moe_v$version.log")"
