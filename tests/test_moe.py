@@ -874,18 +874,19 @@ def _run_version(version, case, d, blocks, B, monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(
-    "projection, dtype, rank",
-    [("w13", torch.bfloat16, 12), ("w2", torch.float16, 24)],
-    ids=["w13-bf16-r12", "w2-fp16-r24"],
+    "projection, dtype, past",
+    [("w13", torch.bfloat16, 4), ("w2", torch.float16, 12)],
+    ids=["w13-bf16-one-group-and-4", "w2-fp16-one-group-and-12"],
 )
-def test_version_4_crosses_its_tiles(projection, dtype, rank, monkeypatch):
+def test_version_4_crosses_its_tiles(projection, dtype, past, monkeypatch):
     """Sizes past each of version 4's tiles, from its own parameters: a rank of several
-    rank groups and no multiple of 16 (the expand's last rank step half zeros; 12 not
-    even of 8: the shrink's last tile stores half its ranks), K of an odd number of words
+    rank groups and no multiple of 16 (the expand's last rank step part zeros; no
+    multiple of 8: the shrink's last tile stores half its ranks), K of an odd number of words
     and past one chunk a warp (the shrink's 16-byte loads off, its last chunk partial),
     blocks of more than 16 pairs (two passes of the shrink, two m-tiles of the expand on
     the simulator) and of one, more columns than a column group, and an offset."""
     shrink, expand = moe_ops.MMA_SHRINK, moe_ops.MMA_EXPAND
+    rank = 8 * shrink.n_tiles + past  # one rank group and part of the next, on each machine
     K = 4 * (8 * shrink.threads // 32 + 1)  # words: one past a chunk for every warp
     N = 8 * expand.n_tiles * (expand.threads // 32) * 2 + 4
     B = 17
