@@ -238,9 +238,12 @@ _KEPT: list[tuple] = []
 
 
 def _stream_key(device: torch.device) -> tuple:
-    """The cache's key of the current stream of ``device`` (one stream on the simulator)."""
+    """The cache's key of the current stream of ``device`` (one stream on the simulator);
+    ``cuda`` and ``cuda:N`` of the current device are one key."""
     if SIMULATOR:
         return (device, None)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     return (device, torch.cuda.current_stream(device).cuda_stream)
 
 
