@@ -267,8 +267,7 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # are not fast: a thread per output reads its rows of A or B with no reuse beyond the
 # caches. The package's later versions are the next rungs, each checked the same way:
 # 2 reads a block's pairs and its A once, in shared-memory tiles
-# (`kernels.moe_shrink_tiled`); 3, the op's default (the wrapper's call above ran it),
-# splits K across a CUDA block's threads in the shrink and keeps each thread's columns of
+# (`kernels.moe_shrink_tiled`); 3 splits K across a CUDA block's threads in the shrink and keeps each thread's columns of
 # B in registers in the expand (`kernels.moe_shrink_split`, `kernels.moe_expand_columns`).
 # On an H200 at Qwen3-30B-A3B's layer (`bench --moe`) version 3 takes 0.06-0.23x this
 # rung's time, and beats vLLM's Triton `fused_moe_lora`
@@ -280,5 +279,6 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # or fp16 with K and the rank multiples of 4 (other calls run version 3's kernels). Version
 # 5 takes 4's shrink where a call's pairs average 4 or more a (slot, expert) block, else
 # 3's, and 3's expand always (timed kernel by kernel on an H200, 4's shrink lost with one
-# pair a block and 4's expand on every case). Both are checked like the others, but neither
-# is timed as a whole op yet, so 3 stays the default.
+# pair a block and 4's expand on every case). Version 5 is the op's default (the wrapper's
+# call above ran it): on the H200 it takes 0.53-0.87x version 3's time where its blocks are
+# full enough for the tensor cores, and version 3's kernels elsewhere.

@@ -56,11 +56,14 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
 VERSIONS = (1, 2, 3, 4, 5)
-#: The version a call takes unless it asks for another: 3, which took 0.06-0.23x version
-#: 1's time on every case of ``bench --moe`` on an H200 (docs/benchmarks/h200_moe_v1.json
-#: at 00c41e9, h200_moe_v3.json at 282eaa9); versions 2, 4 and 5 have no timing of the
-#: whole op (4 and 5 are not the default until they are timed against 3 and vLLM's op).
-DEFAULT_VERSION = 3
+#: The version a call takes unless it asks for another: 5. On the 30 cases of ``bench
+#: --moe`` on an H200 (docs/benchmarks/h200_moe_v5.json at 1ec6e02, h200_moe_v3.json at
+#: 282eaa9) it took 0.53-0.87x version 3's time where it takes the tensor-core shrink (10
+#: cases: 256 and 2048 tokens on 1-4 adapters, 2048 on 16) and 0.96-1.08x on the other 20,
+#: where it runs version 3's kernels; version 3 took 0.06-0.23x version 1's
+#: (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
+#: measured kernel by kernel; version 2 is not timed on a GPU.
+DEFAULT_VERSION = 5
 
 #: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
 #: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
@@ -243,9 +246,8 @@ def fused_moe_lora(
     multiples of 4), else 3's; 5, 4's shrink where the operands allow it and the pairs
     average at least :data:`MMA_SHRINK_FROM_PAIRS` (4) a (slot, expert) block in use
     (:func:`pairs_per_block`, from P, L and E: no sync), else 3's, and 3's expand always
-    (on an H200 each kernel so taken was the faster of the two where it was measured;
-    the whole op is not yet timed). The same sums in other orders; :data:`DEFAULT_VERSION`
-    (3) unless asked.
+    (on an H200 each kernel so taken was the faster of the two where it was measured). The
+    same sums in other orders; :data:`DEFAULT_VERSION` (5) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
