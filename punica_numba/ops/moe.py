@@ -340,17 +340,13 @@ def fused_moe_lora(
                 x, a, buffer, metadata, top_k=top_k, block_size=block_size,
                 by_pair=mul_routed_weight,
             )  # fmt: skip
+        call = _Expand(
+            out, buffer, weights, metadata, block_size, mul_routed_weight, offset, add_inputs
+        )
         if version == 4 and tensor_cores is not None:
-            _mma_expand(
-                out, tensor_cores[2], buffer, weights, metadata, block_size=block_size,
-                by_pair=mul_routed_weight, offset=offset, add_inputs=add_inputs, rank=rank,
-                dtype=x.dtype,
-            )  # fmt: skip
+            _mma_expand(call, tensor_cores[2], x.dtype)
         else:
-            _columns_expand(
-                out, b, buffer, weights, metadata, block_size=block_size,
-                by_pair=mul_routed_weight, offset=offset, add_inputs=add_inputs,
-            )  # fmt: skip
+            _columns_expand(call, b)
         return
     w0, w1 = a[0], a[-1]  # (one slice: the same weight twice, never read twice)
     tiled = version == 2 and block_size <= tiled_shrink.MAX_PAIRS and rank <= tiled_shrink.MAX_RANK
@@ -405,21 +401,25 @@ def _split_shrink(
     )
 
 
-def _columns_expand(
-    out: torch.Tensor,
-    b: list[torch.Tensor],
-    buffer: torch.Tensor,
-    weights: torch.Tensor,
-    metadata: tuple,
-    *,
-    block_size: int,
-    by_pair: bool,
-    offset: int,
-    add_inputs: bool,
-) -> None:
-    """Version 3's expand (and 5's) on checked arguments: ``out`` [P, W] (y's rows of
-    pairs), ``buffer`` [S, P, r] fp32 as either shrink leaves it, ``weights`` [P] fp32. B
-    goes as packed int64 words where every slice allows it (:func:`.operands.words`)."""
+class _Expand(NamedTuple):
+    """What either expand of one call takes beside B, checked: ``out`` [P, W] (y's rows of
+    pairs), ``buffer`` [S, P, r] fp32 as either shrink leaves it, ``weights`` [P] fp32,
+    the four metadata tensors, and the call's options."""
+
+    out: torch.Tensor
+    buffer: torch.Tensor
+    weights: torch.Tensor
+    metadata: tuple
+    block_size: int
+    by_pair: bool
+    offset: int
+    add_inputs: bool
+
+
+def _columns_expand(call: _Expand, b: list[torch.Tensor]) -> None:
+    """Version 3's expand (and 5's): B goes as packed int64 words where every slice allows
+    it (:func:`.operands.words`)."""
+    out, buffer, weights, metadata, block_size, by_pair, offset, add_inputs = call
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
     slices, width, rank = len(b), b[0].shape[2], b[0].shape[3]
     config = COLUMNS_EXPAND
@@ -474,25 +474,11 @@ def _mma_shrink(
     )
 
 
-def _mma_expand(
-    out: torch.Tensor,
-    b: list[torch.Tensor],
-    buffer: torch.Tensor,
-    weights: torch.Tensor,
-    metadata: tuple,
-    *,
-    block_size: int,
-    by_pair: bool,
-    offset: int,
-    add_inputs: bool,
-    rank: int,
-    dtype: torch.dtype,
-) -> None:
-    """Version 4's expand on checked arguments: ``out`` [P, W] (y's rows of pairs), B of
-    ``dtype`` as int64 words (:func:`tensor_core_words`), ``buffer`` [S, P, r] fp32,
-    ``weights`` [P] fp32."""
+def _mma_expand(call: _Expand, b: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """Version 4's expand: B of ``dtype`` as int64 words (:func:`tensor_core_words`)."""
+    out, buffer, weights, metadata, block_size, by_pair, offset, add_inputs = call
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
-    width = b[0].shape[2]
+    width, rank = b[0].shape[2], buffer.shape[2]
     config = MMA_EXPAND
     n_tiles = min(config.n_tiles, -(-width // 8))
     m_tiles = min(config.m_tiles, -(-block_size // 16))  # of the 16-pair tiles a block needs
