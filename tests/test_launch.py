@@ -6,6 +6,9 @@ table applies from ``punica_numba.launch.SIMULATOR``, which the tests switch.
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import pytest
 
 from punica_numba import LoRAKernelMeta, launch
@@ -244,6 +247,49 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
         rank = picked[0]
         below = _choose(op, rows - 1, slots, rank, tensor_cores, slices)
         assert below != config, config
+
+
+def test_from_work_holds_back_a_config(monkeypatch):
+    """A configuration gated on the products' rows (tokens x rank x slices: the H200's
+    8-rank tensor-core shrink from 3072) waits for them: reached at that work, not one
+    row below it, at the same tokens per slot."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    gated = [(op, c) for op in OPS for c in launch_configs(op) if c.from_work]
+    assert gated, "the GPU table gates a configuration on the products' rows"
+    for op, config in gated:
+        rank, slices = _rank_for(config), config.from_slices
+        rows = -(-config.from_work // (rank * slices))  # the fewest tokens reaching it
+        # slots that keep a row fewer at the tokens per slot it asks for
+        slots = max(1, int((rows - 1) // max(config.from_tokens_per_slot, 1)))
+        tensor_cores = config.kernel == "mma"
+        assert _choose(op, rows, slots, rank, tensor_cores, slices) == config, config
+        assert (rows - 1) / slots >= config.from_tokens_per_slot
+        below = _choose(op, rows - 1, slots, rank, tensor_cores, slices)
+        assert below != config, (config, below)
+        # more slices reach it with fewer tokens
+        assert _choose(op, -(-rows // 3), 1, rank, tensor_cores, 3) == config
+
+
+def test_a_tuned_only_config_is_never_the_heuristics_pick(monkeypatch):
+    """A configuration marked ``tuned_only`` (the H200's split shrinks, never the fastest
+    there) is timed by the tuner (it is among the configurations) and taken when forced or
+    named by a table, but the heuristic never picks it, even where every threshold of its
+    own is reached."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    marked = [(op, c) for op in OPS for c in launch_configs(op) if c.tuned_only]
+    assert marked, "the GPU table marks a configuration for the tuner alone"
+    for op, config in marked:
+        tokens = 16  # over slots that reach its own tokens-per-slot cap, in few tiles
+        slots = max(1, int(tokens // (config.to_tokens_per_slot or 4)))
+        hidden = max(config.from_hidden, 1)
+        chosen = choose_launch_config(op, tokens, slots, 16, True, K=hidden, N=16)
+        assert not chosen.tuned_only, chosen
+        with force_launch_config(op, config):
+            assert choose_launch_config(op, tokens, slots, 16, True, K=hidden, N=16) == config
+        unmarked = dataclasses.replace(config, tuned_only=False)
+        table = tuple(unmarked if c == config else c for c in launch_configs(op))
+        with mock.patch.dict(launch._GPU_CONFIGS, {op: table}):
+            assert choose_launch_config(op, tokens, slots, 16, True, K=hidden, N=16) == unmarked
 
 
 def test_arithmetic_keys_group_what_adds_alike(table):
