@@ -507,12 +507,22 @@ def forced_launch_configs() -> tuple:
     return tuple(_forced.items())
 
 
-def launch_configs(op: str) -> tuple[LaunchConfig, ...]:
-    """Every configuration the heuristic can pick for ``op`` on this machine: the FFMA
-    ones, then the tensor-core ones, each in the order of ``from_tokens_per_slot``."""
+#: The machines whose configuration tables :func:`launch_configs` can give.
+MACHINES = ("gpu", "simulator")
+
+
+def launch_configs(op: str, machine: str | None = None) -> tuple[LaunchConfig, ...]:
+    """Every configuration the heuristic can pick for ``op`` on this machine (or on
+    ``machine``, "gpu" or "simulator", e.g. to weigh the GPU's heuristic against a tuned
+    table on a CPU): the FFMA ones, then the tensor-core ones, each in the order of
+    ``from_tokens_per_slot``."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    return (_SIMULATOR_CONFIGS if SIMULATOR else _GPU_CONFIGS)[op]
+    if machine is None:
+        machine = "simulator" if SIMULATOR else "gpu"
+    if machine not in MACHINES:
+        raise ValueError(f"machine must be one of {MACHINES}, got {machine!r}")
+    return (_SIMULATOR_CONFIGS if machine == "simulator" else _GPU_CONFIGS)[op]
 
 
 def tile_sizes() -> tuple[int, ...]:
@@ -542,15 +552,17 @@ def choose_launch_config(
     dtype=None,
     K: int | None = None,
     N: int | None = None,
+    machine: str | None = None,
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count, the rank and
     the number of slices (host-side facts only): the last tensor-core one whose
     ``from_tokens_per_slot``, ``from_tokens``, ``to_tokens``, ``from_rank``, ``to_rank``,
-    ``from_slices``, ``to_slices``, ``from_hidden`` (``K``), ``to_tokens_per_slot`` and
-    ``to_tiles`` the call all reaches, when ``tensor_cores`` (the
-    call's dtypes and layout allow them) and there is one; otherwise the last such FFMA
-    one, lane-split expands included only when ``lane_split`` (the call's rows of B split
-    into a few words a lane: :func:`.kernels.expand_lanes.splits`).
+    ``from_slices``, ``to_slices``, ``from_hidden`` (``K``), ``to_tokens_per_slot``,
+    ``to_tiles`` and ``from_work`` (T x rank x slices) the call all reaches, when
+    ``tensor_cores`` (the call's dtypes and layout allow them) and there is one; otherwise
+    the last such FFMA one, lane-split expands included only when ``lane_split`` (the
+    call's rows of B split into a few words a lane: :func:`.kernels.expand_lanes.splits`).
+    Configurations marked ``tuned_only`` are never picked here.
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
     every token is then taken to have its own slot. ``rank`` 0 (not given) reaches
@@ -563,12 +575,15 @@ def choose_launch_config(
     configuration for the nearest tuned problem, under the same rule (a kernel the call
     can use, within its ``to_rank``). Without them, or where the table has nothing near
     or nothing the call can use, the heuristic above.
+
+    ``machine`` ("gpu" or "simulator"; default: this one) picks whose configurations the
+    heuristic chooses among (:func:`launch_configs`); with it, no tuned table is read.
     """
-    configs = launch_configs(op)
+    configs = launch_configs(op, machine)
     forced = _forced.get(op)
     if forced is not None and _can_take(forced, tensor_cores, lane_split, rank):
         return forced
-    if dtype is not None and K is not None and N is not None:
+    if machine is None and dtype is not None and K is not None and N is not None:
         tuned = tuned_config(op, dtype, slices, K, N, rank, num_tokens, active_slots)
         if tuned is not None and _can_take(tuned, tensor_cores, lane_split, rank):
             return tuned

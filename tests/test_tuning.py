@@ -585,3 +585,49 @@ def test_the_full_grid_of_one_model(monkeypatch, capsys):
         with pytest.raises(SystemExit) as stopped:
             sweep.main(["--out", "x", *wrong])
         assert stopped.value.code == 2 and why in capsys.readouterr().err
+
+
+# -- the report: the heuristic against a table --------------------------------------------
+
+
+def _report_table(path) -> dict:
+    """A GPU's table of three problems: on the first the GPU heuristic's pick (a token a
+    slot, T=1: two ranks a block) took twice the fastest's time; on the second it was the
+    fastest; on the third its pick has no time (it failed its check)."""
+    doc = new_table(GPU, "0.1.0", "abc1234")
+    one = entry(config="rows_t256_m1_n4", us=2.0, T=1, tokens_per_lora=1, loras=1)
+    one["times_us"] = {"rows_t256_m1_n2": 4.0, "rows_t256_m1_n4": 2.0}
+    two = entry(config="rows_t256_m1_n2", us=3.0, T=2, tokens_per_lora=1, loras=2)
+    two["times_us"] = {"rows_t256_m1_n2": 3.0, "rows_t256_m1_n4": 3.5}
+    three = entry(config="rows_t256_m1_n4", us=3.0, T=4, tokens_per_lora=1, loras=4)
+    three["times_us"] = {"rows_t256_m1_n4": 3.0}
+    doc["entries"] = [one, two, three]
+    write_table(path, doc)
+    return doc
+
+
+def test_the_report_weighs_the_gpu_heuristic_on_any_machine(tmp_path, capsys):
+    """On the simulator too, a GPU's table is read with the GPU's configurations, and each
+    problem's ratio is the GPU heuristic's time over the fastest: 2.0 and 1.0 here
+    (geometric mean 1.414), the third not timed."""
+    from punica_numba.tuning import report
+
+    path = tmp_path / "table.json"
+    doc = _report_table(path)  # (written on the simulator: checked by the GPU's names)
+    assert launch.choose_launch_config("shrink", 1, 1, 16, machine="gpu").tile_n == 2
+    timed, not_timed = report.heuristic_ratios(read_table(path))
+    assert [round(r, 6) for r, _, _ in timed] == [2.0, 1.0]
+    assert [name for _, name in not_timed] == ["rows_t256_m1_n2"]
+    assert cli.main(["tune", "--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "shrink: 2 problems, geometric mean 1.414x, largest 2.00x" in out
+    assert "1 over 1.10x" in out and "not timed: 1 problems" in out
+    assert doc["gpu"] in out
+
+
+def test_the_report_refuses_a_bad_table(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text("{}")
+    assert sweep.main(["--report", str(path)]) == 2
+    assert "bad.json" in capsys.readouterr().err
+    assert sweep.main(["--report", str(tmp_path / "missing.json")]) == 2

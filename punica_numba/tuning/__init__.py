@@ -5,6 +5,8 @@
            checked, and the nearest-entry lookup the launcher consults
 ``sweep``  ``python -m punica_numba tune``: check and time every configuration
            over a grid of problems, and write this GPU's table
+``report`` ``tune --report``: the heuristic's time over the fastest, per problem
+           of a table
 =========  ==================================================================
 
 The launcher (:func:`punica_numba.launch.choose_launch_config`) takes a forced

@@ -25,11 +25,15 @@ layers (QKV with GQA, gate_up, o, down) of four models (hidden 2560, 4096, 5120,
 ranks 8 to 256, 1 to 8192 tokens, bf16 and fp16: 5928 problems; ``--hiddens`` keeps the
 models of some hidden sizes (``--hiddens 4096 --ranks 16,64,128 --dtypes bf16``: Llama-3-8B's
 layers, its down projection's K of 14336 and gate_up's two slices among them, 399 problems,
-about 16 minutes at the 2.4 s a problem the quick grid took on an H200); ``--part I/N``
+about 9 minutes: on an H200 the quick grid took 163 s, r=32 and 128 of Llama-3-8B's layers
+260 s for 266 problems); ``--part I/N``
 takes its I-th of N contiguous parts (neighbouring problems share their compiled kernels),
 ``--budget-s`` stops before a problem that could end past a time limit. On the CUDA
 simulator it runs a smoke grid of three tiny problems whatever is asked: its times are
 host wall-clock and mean nothing for speed.
+
+``--report TABLE`` runs nothing: it weighs this package's heuristic against a table made
+before, on any machine (:mod:`.report`).
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ from .. import __version__, bench, bench_grid
 from .._cuda import SIMULATOR, device_of
 from ..launch import choose_launch_config, config_name, force_launch_config, launch_configs
 from ..meta import LoRAKernelMeta
+from .report import report
 from .table import (
     CONFIG_DIR_VARIABLE,
     KEY_FIELDS,
+    TunedTableError,
     entry_key,
     gpu_name,
     new_table,
@@ -307,6 +313,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=REPEATS, help="replays timed (median)")
     parser.add_argument("--commit", default=None, help="the commit tuned (default: git HEAD)")
     parser.add_argument("--dry-run", action="store_true", help="count the problems; run none")
+    parser.add_argument(
+        "--report",
+        metavar="TABLE",
+        help="weigh this package's heuristic against a tuned TABLE (a JSON file) and stop: "
+        "its time over the fastest on each problem (no GPU needed)",
+    )
     return parser
 
 
@@ -344,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the sweep; return 0, or 2 for a usage error."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.report:
+        try:
+            print(report(read_table(args.report)))
+        except (OSError, TunedTableError) as error:
+            print(f"tune --report: {error}", file=sys.stderr)
+            return 2
+        return 0
     folder = args.out or os.environ.get(CONFIG_DIR_VARIABLE)
     if not folder:
         parser.error(f"give --out DIR or set {CONFIG_DIR_VARIABLE}")

@@ -166,12 +166,18 @@ def new_table(gpu: str, version: str, commit: str) -> dict:
 # --------------------------------------------------------------------------- #
 # Validation
 # --------------------------------------------------------------------------- #
-def _configs_by_name() -> dict:
-    """``op -> {config_name: LaunchConfig}`` of this machine's configurations."""
+def table_machine(doc: dict) -> str:
+    """Whose configurations a table names: "simulator" for a table the tuner wrote on the
+    simulator (its ``gpu`` is ``"simulator"``), else "gpu"."""
+    return "simulator" if doc.get("gpu") == "simulator" else "gpu"
+
+
+def _configs_by_name(machine: str) -> dict:
+    """``op -> {config_name: LaunchConfig}`` of ``machine``'s configurations."""
     # Imported here: launch imports this module to consult the table.
     from ..launch import config_name, launch_configs
 
-    return {op: {config_name(c): c for c in launch_configs(op)} for op in OPS}
+    return {op: {config_name(c): c for c in launch_configs(op, machine)} for op in OPS}
 
 
 def _fail(source, where: str, why: str):
@@ -297,7 +303,8 @@ def validate_table(doc, source="<table>") -> None:
     """Check a parsed table against the format; raise :class:`TunedTableError` naming
     ``source`` (the file) and the first bad field (``entries[3].config: unknown
     configuration 'x' of 'shrink' ...``). Configuration names are checked against
-    this machine's :func:`~punica_numba.launch.launch_configs`."""
+    the :func:`~punica_numba.launch.launch_configs` of the table's machine
+    (:func:`table_machine`), so a GPU's table reads on any machine."""
     if not isinstance(doc, dict):
         _fail(source, "the file", f"expected a JSON object, got {type(doc).__name__}")
     unknown = sorted(set(doc) - {"format", "gpu", "package", "entries", "unresolved"})
@@ -311,7 +318,7 @@ def validate_table(doc, source="<table>") -> None:
         _fail(source, "package", f"expected {{'version': ..., 'commit': ...}}, got {package!r}")
     for field in ("version", "commit"):
         _typed(source, f"package.{field}", package[field], str)
-    names_by_op = _configs_by_name()
+    names_by_op = _configs_by_name(table_machine(doc))
     seen: dict[tuple, str] = {}
     for part in ("entries", "unresolved"):
         entries = doc.get(part, [] if part == "unresolved" else None)
@@ -406,7 +413,7 @@ def _tables() -> dict | None:
     doc = read_table(path)
     if doc["gpu"] != gpu:
         _fail(path, "gpu", f"a table for {doc['gpu']!r}, found for this GPU, {gpu!r}")
-    configs = _configs_by_name()
+    configs = _configs_by_name(table_machine(doc))
     groups: dict = {}
     for entry in doc["entries"]:
         sizes = {f: entry[f] for f in SIZE_FIELDS}

@@ -1,0 +1,93 @@
+"""How far the hand-written heuristic is from a tuned table: ``tune --report TABLE``.
+
+A table written by the tuner (:mod:`.sweep`) holds, for every problem, the time of every
+configuration that passed its check (``times_us``). So the heuristic of *this* package
+(:func:`punica_numba.launch.choose_launch_config`, with the configurations of the table's
+machine: the GPU's, or the simulator's for a simulator table) can be weighed against the
+fastest on each problem without a GPU: its time there over the fastest time. The report
+gives, per op, the geometric mean and the largest of those ratios, how many exceed 1.10
+and 1.25, and the worst problems. A problem where the heuristic picks a configuration that
+was not timed (it failed its check, or did not exist when the table was made) is counted
+apart, as *not timed*.
+
+The ratios are in-sample wherever thresholds were set from the same table: they say how
+well the rules fit these problems, not how they do on others.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..launch import choose_launch_config, config_name
+
+__all__ = ["heuristic_ratios", "report"]
+
+#: The ratios past which a problem counts as a miss in the report.
+MISSES = (1.10, 1.25)
+
+
+def _machine(doc: dict) -> str:
+    return "simulator" if doc["gpu"] == "simulator" else "gpu"
+
+
+def heuristic_ratios(doc: dict) -> tuple[list[tuple[float, dict, str]], list[tuple[dict, str]]]:
+    """``(timed, not_timed)``: for each entry of ``doc`` (a table as :func:`.table.read_table`
+    returns it) with ``times_us``, the heuristic's time over the entry's fastest, the
+    entry and the configuration picked; and the entries whose pick was not timed."""
+    timed, not_timed = [], []
+    machine = _machine(doc)
+    for entry in doc["entries"]:
+        times = entry.get("times_us")
+        if not times:
+            continue
+        kinds = {name.split("_", 1)[0] for name in times}
+        config = choose_launch_config(
+            entry["op"],
+            entry["T"],
+            entry.get("loras", max(1, round(entry["T"] / entry["tokens_per_lora"]))),
+            entry["rank"],
+            "mma" in kinds,
+            entry["slices"],
+            "lanes" in kinds,
+            K=entry["K"] if entry["op"] == "shrink" else None,
+            machine=machine,
+        )
+        name = config_name(config)
+        if name in times:
+            timed.append((times[name] / min(times.values()), entry, name))
+        else:
+            not_timed.append((entry, name))
+    return timed, not_timed
+
+
+def _describe(entry: dict) -> str:
+    sizes = f"K={entry['K']} N={entry['N']} r={entry['rank']} T={entry['T']}"
+    loras = entry.get("loras", "?")
+    return f"{entry['op']} {entry['dtype']} {entry['slices']} slice(s) {sizes}, {loras} LoRAs"
+
+
+def report(doc: dict, worst: int = 5) -> str:
+    """The report of the module docstring, as text."""
+    timed, not_timed = heuristic_ratios(doc)
+    lines = [
+        f"the heuristic of this package against {doc['gpu']}'s table (tuned at "
+        f"{doc['package']['commit']}): its time over the fastest, per problem"
+    ]
+    for op in sorted({entry["op"] for _, entry, _ in timed}):
+        mine = sorted((t for t in timed if t[1]["op"] == op), key=lambda t: -t[0])
+        ratios = [r for r, _, _ in mine]
+        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        misses = ", ".join(f"{sum(r > m for r in ratios)} over {m:.2f}x" for m in MISSES)
+        lines.append(
+            f"{op}: {len(ratios)} problems, geometric mean {geomean:.3f}x, largest "
+            f"{ratios[0]:.2f}x; {misses}"
+        )
+        for ratio, entry, name in mine[:worst]:
+            best = min(entry["times_us"], key=entry["times_us"].get)
+            lines.append(
+                f"  {ratio:.2f}x {_describe(entry)}: {name} {entry['times_us'][name]} µs, "
+                f"fastest {best} {entry['times_us'][best]} µs"
+            )
+    if not_timed:
+        lines.append(f"not timed: {len(not_timed)} problems where the pick has no time")
+    return "\n".join(lines)
