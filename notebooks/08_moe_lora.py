@@ -267,8 +267,9 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # are not fast: a thread per output reads its rows of A or B with no reuse beyond the
 # caches. The package's later versions are the next rungs, each checked the same way:
 # 2 reads a block's pairs and its A once, in shared-memory tiles
-# (`kernels.moe_shrink_tiled`); 3 splits K across a CUDA block's threads in the shrink and keeps each thread's columns of
-# B in registers in the expand (`kernels.moe_shrink_split`, `kernels.moe_expand_columns`).
+# (`kernels.moe_shrink_tiled`); 3 splits K across a CUDA block's threads in the shrink and
+# keeps each thread's columns of B in registers in the expand (`kernels.moe_shrink_split`,
+# `kernels.moe_expand_columns`).
 # On an H200 at Qwen3-30B-A3B's layer (`bench --moe`) version 3 takes 0.06-0.23x this
 # rung's time, and beats vLLM's Triton `fused_moe_lora`
 # (`docs/benchmarks/peers/vllm_moe_lora.py`) with few tokens or many adapters but not
