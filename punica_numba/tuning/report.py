@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from ..launch import choose_launch_config, config_name
+from .table import table_machine
 
 __all__ = ["heuristic_ratios", "report"]
 
@@ -26,16 +27,12 @@ __all__ = ["heuristic_ratios", "report"]
 MISSES = (1.10, 1.25)
 
 
-def _machine(doc: dict) -> str:
-    return "simulator" if doc["gpu"] == "simulator" else "gpu"
-
-
 def heuristic_ratios(doc: dict) -> tuple[list[tuple[float, dict, str]], list[tuple[dict, str]]]:
     """``(timed, not_timed)``: for each entry of ``doc`` (a table as :func:`.table.read_table`
     returns it) with ``times_us``, the heuristic's time over the entry's fastest, the
     entry and the configuration picked; and the entries whose pick was not timed."""
     timed, not_timed = [], []
-    machine = _machine(doc)
+    machine = table_machine(doc)
     for entry in doc["entries"]:
         times = entry.get("times_us")
         if not times:
