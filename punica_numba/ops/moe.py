@@ -330,16 +330,11 @@ def fused_moe_lora(
             version == 5 and pairs_per_block(num_pairs, L, E) >= MMA_SHRINK_FROM_PAIRS
         )
         tensor_cores = tensor_core_words(x, a, b) if mma else None
+        shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
         if tensor_cores is not None:
-            _mma_shrink(
-                *tensor_cores[:2], buffer, metadata, top_k=top_k, block_size=block_size,
-                by_pair=mul_routed_weight, rank=rank, hidden=hidden, dtype=x.dtype,
-            )  # fmt: skip
+            _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype)
         else:
-            _split_shrink(
-                x, a, buffer, metadata, top_k=top_k, block_size=block_size,
-                by_pair=mul_routed_weight,
-            )  # fmt: skip
+            _split_shrink(shrink, x, a)
         call = _Expand(
             out, buffer, weights, metadata, block_size, mul_routed_weight, offset, add_inputs
         )
@@ -372,19 +367,22 @@ def fused_moe_lora(
     )
 
 
-def _split_shrink(
-    x: torch.Tensor,
-    a: list[torch.Tensor],
-    buffer: torch.Tensor,
-    metadata: tuple,
-    *,
-    top_k: int,
-    block_size: int,
-    by_pair: bool,
-) -> None:
-    """Version 3's shrink (and 5's below :data:`MMA_SHRINK_FROM_PAIRS`) on checked
-    arguments into ``buffer`` [S, P, r] fp32. x and A go as packed int64 words where every
-    one of them allows it (:func:`.operands.words`)."""
+class _Shrink(NamedTuple):
+    """What either shrink of one call takes beside x and A, checked: ``buffer`` [S, P, r]
+    fp32 (the layout either expand reads), the four metadata tensors, and the call's
+    options."""
+
+    buffer: torch.Tensor
+    metadata: tuple
+    top_k: int
+    block_size: int
+    by_pair: bool
+
+
+def _split_shrink(call: _Shrink, x: torch.Tensor, a: list[torch.Tensor]) -> None:
+    """Version 3's shrink (and 5's below :data:`MMA_SHRINK_FROM_PAIRS`): x and A go as
+    packed int64 words where every one of them allows it (:func:`.operands.words`)."""
+    buffer, metadata, top_k, block_size, by_pair = call
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
     slices, rank = len(a), a[0].shape[2]
     config, dtype = SPLIT_SHRINK, a[0].dtype
@@ -442,21 +440,12 @@ def _columns_expand(call: _Expand, b: list[torch.Tensor]) -> None:
 
 
 def _mma_shrink(
-    x: torch.Tensor,
-    a: list[torch.Tensor],
-    buffer: torch.Tensor,
-    metadata: tuple,
-    *,
-    top_k: int,
-    block_size: int,
-    by_pair: bool,
-    rank: int,
-    hidden: int,
-    dtype: torch.dtype,
+    call: _Shrink, x: torch.Tensor, a: list[torch.Tensor], *, hidden: int, dtype: torch.dtype
 ) -> None:
-    """Version 4's shrink (and 5's, where the blocks are full) on checked arguments: x and
-    A of ``dtype`` as int64 words (:func:`tensor_core_words`), into ``buffer`` [S, P, r]
-    fp32, the layout either expand reads."""
+    """Version 4's shrink (and 5's, where the blocks are full): x and A of ``dtype`` as
+    int64 words (:func:`tensor_core_words`), K being ``hidden`` elements."""
+    buffer, metadata, top_k, block_size, by_pair = call
+    rank = buffer.shape[2]
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
     config = MMA_SHRINK
     n_tiles = min(config.n_tiles, -(-rank // 8))
