@@ -72,7 +72,10 @@ class LaunchConfig:
     the shrink ``tile_n`` ranks (0: every rank; else a block per group of ``tile_n``).
     An expand's blocks walk ``passes`` column groups each, striding by the grid: its
     tile's tokens and buffer rows are looked up and loaded once for them all, and a slice
-    narrower than the widest leaves fewer blocks idle.
+    narrower than the widest leaves fewer blocks idle. A tensor-core shrink with
+    ``splits`` > 1 also cuts K into that many chunks, a block each along grid.z, the last
+    block of each tile and rank group adding the chunks' sums (:mod:`.kernels.shrink_mma`,
+    "Split K").
     Only calls whose dtypes and layout the tensor cores take can use them
     (:func:`choose_launch_config`). ``kernel="split"`` is the split-K shrink
     (:mod:`.kernels.shrink_split`): ``tile_m`` tokens of one slot, ``tile_n`` ranks and one
@@ -91,7 +94,7 @@ class LaunchConfig:
     micro: tuple[int, int] = (1, 1)  # tiled: the register tile of one thread
     chunk: int = 0  # tiled: ranks staged in shared memory at a time
     vec: int = 1  # row expand: output columns per thread
-    splits: int = 1  # split shrink: the chunks K is cut into, a block each
+    splits: int = 1  # split or tensor-core shrink: the chunks K is cut into, a block each
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
     to_tokens: int | None = None  # and at most this many (None: any)
@@ -125,10 +128,13 @@ class LaunchConfig:
         the GPU; a tree on the simulator); the split shrink does so for each of its
         ``splits`` chunks of K, then adds the chunks' sums in order. The tensor-core
         kernels sum in an order of their own (the shrink's depends on its warps, the
-        expand's on nothing but the rank).
+        expand's on nothing but the rank; a tensor-core shrink split into chunks of K adds
+        each chunk's sums, then the chunks in order).
         """
         if self.kernel == "mma":  # the tensor cores' sums: an order of their own
-            return ("mma",) if op == "expand" else ("mma", self.threads)
+            if op == "expand":
+                return ("mma",)
+            return ("mma", self.threads) if self.splits == 1 else ("mma", self.threads, self.splits)
         if op == "expand":
             return ("lanes",) if self.kernel == "lanes" else ("sequential",)
         if self.kernel == "split":  # the chunks' trees, then the chunks in order
@@ -364,6 +370,14 @@ _GPU_CONFIGS = {
             to_rank=32,
             from_slices=3,
         ),
+        # The tensor-core shrink with K split too (v33, :mod:`.kernels.shrink_mma`, "Split
+        # K"): at K=14336 its blocks of the whole K took 12 µs at every token count from 1
+        # to 128 (the tuned table at cc380e6), a chain of ~14 passes of loads each, on as
+        # few as 8-32 blocks. Not measured yet: for the tuner only.
+        LaunchConfig("mma", threads=512, tile_m=16, tile_n=8, splits=4, tuned_only=True),
+        LaunchConfig("mma", threads=512, tile_m=16, tile_n=8, splits=8, tuned_only=True),
+        LaunchConfig("mma", threads=128, tile_m=16, tile_n=8, splits=8, tuned_only=True),
+        LaunchConfig("mma", threads=128, tile_m=16, tile_n=16, splits=16, tuned_only=True),
     ),
     "expand": (
         # For a call whose rows of B do not split among lanes (below).
@@ -647,7 +661,7 @@ def config_name(config: LaunchConfig) -> str:
         name += f"_p{config.passes}"
     if config.kernel == "tiled":
         name += f"_u{config.micro[0]}x{config.micro[1]}_c{config.chunk}"
-    if config.kernel == "split":
+    if config.kernel == "split" or config.splits > 1:
         name += f"_k{config.splits}"
     return name
 

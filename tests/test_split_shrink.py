@@ -10,7 +10,10 @@ rank group) adds the chunks' sums in order. Checked here:
 3. the workspace: cached per device, grown only when a call needs more;
 4. the heuristic: on the GPU it leaves the split to the tuner (the H200's table had the
    row shrink faster at every down projection measured), and never takes it at K=4096;
-5. on the GPU: a CUDA graph of it replays right.
+5. on the GPU: a CUDA graph of it replays right;
+6. the tensor-core shrink split the same way (``kernel="mma"`` with ``splits`` > 1,
+   :mod:`punica_numba.kernels.shrink_mma`, "Split K"): against the reference, its bits
+   under one key, its counters, and a CUDA graph of it on the GPU.
 """
 
 from __future__ import annotations
@@ -310,10 +313,12 @@ def test_the_op_takes_the_split_where_the_simulator_table_says():
 
 
 @pytest.mark.gpu
-def test_a_cuda_graph_of_the_split_replays_right():
+@pytest.mark.parametrize("kernel", ["split", "mma"])
+def test_a_cuda_graph_of_the_split_replays_right(kernel):
     """Captured after a warm-up call on the capture's stream (so the capture allocates
-    nothing), the split shrink of a down projection replays right with new inputs, replay
-    after replay, the same bits as an eager call, and leaves every counter at 0."""
+    nothing), the split shrink of a down projection (row or tensor-core) replays right
+    with new inputs, replay after replay, the same bits as an eager call, and leaves
+    every counter at 0."""
     from punica_numba.meta import LoRAKernelMeta
 
     T, L, K, r = 32, 8, 14336, 16
@@ -324,7 +329,12 @@ def test_a_cuda_graph_of_the_split_replays_right():
     meta = LoRAKernelMeta.make(L, T, "cuda")
     meta.prepare_tensors(slots)
     out = torch.zeros(1, T, r, device="cuda")
-    config = next(c for c in _gpu_splits() if c.tile_m == 4)  # (tiles of 4 tokens of a slot)
+    if kernel == "split":
+        config = next(c for c in _gpu_splits() if c.tile_m == 4)  # (tiles of 4 tokens a slot)
+    else:
+        config = next(
+            c for c in launch._GPU_CONFIGS["shrink"] if c.splits > 1 and c.kernel == kernel
+        )
     with force_launch_config("shrink", config):
         launch_ = prepare_shrink(x, [a], out, *meta.meta_args(T), 0.5)
     stream = torch.cuda.Stream()
@@ -350,4 +360,89 @@ def test_a_cuda_graph_of_the_split_replays_right():
         want = reference.lora_shrink(x, [a], torch.zeros_like(out), slots, 0.5)
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
     torch.cuda.synchronize()
+    assert counters_at_zero()
+
+
+# -- 6. the tensor-core split ---------------------------------------------------------------
+
+#: Drawn tensor-core split shrinks: warps, rank groups (0: every rank) and chunks of K.
+MMA_THREADS = (64,) if launch.SIMULATOR else (128, 256, 512)
+MMA_MAX_SPLITS = 3 if launch.SIMULATOR else 16
+
+
+def mma_split_config(threads: int, tile_n: int, splits: int) -> LaunchConfig:
+    """A tensor-core split shrink the heuristic never picks (forced only)."""
+    return LaunchConfig("mma", threads, 16, tile_n, splits=splits, tuned_only=True)
+
+
+def _run_mma(config: LaunchConfig, case: ShrinkCase, accumulate: bool) -> list:
+    """Check ``case`` under ``config`` through the launch the op makes; the configurations
+    its launches ran (a call the tensor cores cannot take would fall back)."""
+    ran = []
+
+    def shrink(*args):
+        call = check_shrink_arguments(args[0], args[1], args[2], tuple(args[3:9]), None, args[9])
+        if not call.idle:
+            launch_ = shrink_launch(
+                call.inputs, call.weights, call.output, call.metadata, call.scaling, accumulate
+            )
+            ran.append(launch_.config)
+            launch_()
+
+    with forced(config):
+        check_shrink(shrink, case, stores=not accumulate)
+    return ran
+
+
+@given(
+    shrink_cases(LIMITS),
+    st.integers(1, LIMITS.hidden // 8),
+    st.sampled_from(MMA_THREADS),
+    st.sampled_from((0, 8, 16)),
+    st.integers(1, MMA_MAX_SPLITS),
+    st.sampled_from((torch.bfloat16, torch.float16)),
+    st.booleans(),
+)
+def test_tensor_core_split_matches_reference(
+    case, words, threads, tile_n, splits, dtype, accumulate
+):
+    """Forced, the tensor-core shrink with K in ``splits`` chunks is right at every drawn
+    size (a hidden size the tensor cores take: a multiple of 8; chunks past the row's end
+    included), added into a nonzero buffer or stored, and leaves every counter at 0."""
+    case = dataclasses.replace(case, hidden=8 * words, dtype=dtype, four_d=False)
+    config = mma_split_config(threads, tile_n, splits)
+    ran = _run_mma(config, case, accumulate)
+    assert all(c == config for c in ran), ran
+    assert splits == 1 or counters_at_zero() or not ran
+
+
+def test_tensor_core_split_bits_under_one_key():
+    """Repeated runs, and rank groups of another size under the same warps and chunks,
+    give the same bits; another chunk count is another key, and so is the unsplit
+    kernel's."""
+    problem = Problem(slots=[0, 1, 1, -1, 0, 1, 1], prepared=7, num_loras=2, seed=5)
+    case = ShrinkCase(problem, 72, 12, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+    threads = MMA_THREADS[0]
+    first, twin = mma_split_config(threads, 8, 3), mma_split_config(threads, 16, 3)
+    assert first.arithmetic("shrink") == twin.arithmetic("shrink")
+    assert first.arithmetic("shrink") != mma_split_config(threads, 8, 2).arithmetic("shrink")
+    unsplit = mma_split_config(threads, 8, 1)
+    assert first.arithmetic("shrink") != unsplit.arithmetic("shrink") == ("mma", threads)
+    assert launch.config_name(first).endswith("_k3") and not launch.config_name(unsplit).endswith(
+        "_k1"
+    )
+    runs = [_run(first, case), _run(first, case), _run(twin, case)]
+    assert counters_at_zero()
+    for got in runs[1:]:
+        differ = got != runs[0]
+        assert not bool(differ.any()), f"different bits at {torch.nonzero(differ)[0].tolist()}"
+
+
+def test_tensor_core_split_takes_the_workspace_of_its_launch():
+    """Four slices take two launches of the tensor-core split, one after the other on the
+    stream's workspace, and the products are right."""
+    problem = Problem(slots=[1, 0, -1, 1, 1], prepared=5, num_loras=2, seed=22)
+    case = ShrinkCase(problem, 48, 5, 4, 0, torch.bfloat16, torch.float32, -0.25, False)
+    config = mma_split_config(MMA_THREADS[0], 8, 2)
+    assert _run_mma(config, case, True) == [config]
     assert counters_at_zero()

@@ -61,9 +61,26 @@ products of those columns are never stored) and its outputs past the rank are ne
 read nor written. The sums of a rank group are those of blocks of every rank: the same
 bits (the key ``("mma", threads)``).
 
+**Split K** (``splits`` > 1). Each block walks the whole K, so its time is a chain of
+passes, each waiting on its loads: at K=14336, 448 chunks over 16 warps of two chunks a
+pass make 14 passes, and the H200's tuned table (at cc380e6) has this kernel at about
+12 µs whatever the tokens, from T=1 to 128, where the bytes take 0.5-2 µs. Few tokens a
+slot make few blocks too (T=32 over 8 LoRAs at r=32: 8 tiles x 4 groups of 8 ranks = 32
+blocks for 132 SMs). Split, K's chunks are cut into ``splits`` runs of
+``ceil(chunks / splits)``, a block each along grid.z; a block's warps walk its run as
+above, add their tiles in warp order, and store the block's sums into the fp32
+workspace of :mod:`.shrink_split` (``[split, slice, token, rank]``); the last block of
+each (tile, slice, rank group) to arrive adds the runs' sums in order and writes the
+output (:func:`.shrink_split.last_block_adds`, the row split shrink's own code: one
+integer atomic a block, no float atomics, so the bits depend only on the warps, the
+splits and K: the key ``("mma", threads, splits)``). Only that last block reads the old
+outputs (``accumulate``). A run past the end of K (a short K in many chunks) walks
+nothing and still counts in.
+
 Memory traffic per block: ``TILE_M * K`` elements of x, ``TILE_N * K`` of A (from L2
 after the first tile of a slot), ``TILE_M * TILE_N`` outputs (read too when
-``accumulate``).
+``accumulate``); split, ``1 / splits`` of the first two, and ``TILE_M * TILE_N`` partial
+sums written (the last block reads ``splits`` of them per output).
 """
 
 from __future__ import annotations
@@ -71,13 +88,14 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import float32, int64, uint32
+from numba import float32, int32, int64, uint32
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import loader, storer, word_halves, words_loader
 from .mma import FRAGMENT_WORDS, mma_into
 from .segments import read_tile, tile_and_slice, tile_token
+from .shrink_split import last_block_adds
 
 __all__ = ["build_mma_shrink_kernel"]
 
@@ -91,17 +109,22 @@ def build_mma_shrink_kernel(
     n_tiles: int,
     accumulate: bool = True,
     wide: bool = True,
+    splits: int = 1,
 ):
     """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
     warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles per block
     (``blockIdx.y`` numbers the block's group of ``8 * n_tiles`` ranks), whether the
     products are added to the output or stored, and whether every row of x and A starts
-    at a multiple of 16 bytes (``wide``: 16-byte loads).
+    at a multiple of 16 bytes (``wide``: 16-byte loads), and the chunks K is cut into, a
+    block each (``splits``: "Split K").
 
     The kernel takes x as ``[T, K/4]`` and A as ``[L, r, K/4]`` int64 words of four
-    elements (K a multiple of 8)."""
+    elements (K a multiple of 8); split, it takes the workspace too
+    (:func:`.shrink_split.split_workspace`)."""
     if threads % 32:
         raise ValueError(f"threads must be whole warps, got {threads}")
+    if splits < 1:
+        raise ValueError(f"splits must be at least 1, got {splits}")
     add_product = mma_into(dtype)
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     two_words = words_loader(wide)
@@ -118,15 +141,17 @@ def build_mma_shrink_kernel(
     PER_THREAD = -(-TILE_M * TILE_N // THREADS)  # outputs each thread stores
     SCRATCH_WARPS = WARPS if SIMULATOR else 1
     ACCUMULATE = accumulate
+    SPLITS = splits
+    arrived_last, chunks_total = last_block_adds(splits)
 
     @cuda.jit(device=True)
-    def load_pass(x, w, slot, token, n0, g, t, chunk, xw, ww):
-        """A warp's words of one pass (its first chunk ``chunk``; zero past the rows' end):
+    def load_pass(x, w, slot, token, n0, g, t, chunk, xw, ww, end):
+        """A warp's words of one pass (its first chunk ``chunk``; zero from word ``end`` on):
         words 2t, 2t + 1 of each chunk, of the lane's token rows and of A's rows ``n0 + 8 nj
         + g`` (past the rank, the last row again: B's columns there are never stored)."""
         for u in range(UNROLL):
             q = 8 * (chunk + u * WARPS) + 2 * t
-            inside = q < x.shape[1]  # and so is q + 1: a row has an even number of words
+            inside = q < end  # and so is q + 1: ``end`` is even
             for i in range(ROWS):
                 v = (u * ROWS + i) * 2
                 xw[v], xw[v + 1] = two_words(x[token[i]], q) if inside else (int64(0), int64(0))
@@ -149,6 +174,42 @@ def build_mma_shrink_kernel(
                         b0, b1 = word_halves(ww[(u * N_TILES + nj) * 2 + step])
                         p = (mi * N_TILES + nj) * 4
                         add_product(acc, p, a0, a1, a2, a3, b0, b1, scratch)
+
+    @cuda.jit(device=True, inline="always")
+    def walk(x, w, slot, token, n0, g, t, warp, first_chunk, end_chunk, acc, my_scratch):
+        """Add the warp's products of chunks ``first_chunk .. end_chunk - 1`` into ``acc``:
+        chunks ``first_chunk + warp``, ``+ WARPS``, ..., ``UNROLL`` of them a pass."""
+        end = min(x.shape[1], 8 * end_chunk)  # the first word not read
+        # Two passes' words, used in turn: while one pass multiplies, the other's loads
+        # are on their way (a copy from one to the other would wait for them instead).
+        x_even = cuda.local.array(X_WORDS, int64)  # [u, row, word of the pair]
+        w_even = cuda.local.array(W_WORDS, int64)  # [u, n tile, word of the pair]
+        x_odd = cuda.local.array(X_WORDS, int64)
+        w_odd = cuda.local.array(W_WORDS, int64)
+        load_pass(x, w, slot, token, n0, g, t, first_chunk + warp, x_even, w_even, end)
+        for first in range(first_chunk, end_chunk, 2 * STRIDE):
+            load_pass(x, w, slot, token, n0, g, t, first + STRIDE + warp, x_odd, w_odd, end)
+            multiply_pass(x_even, w_even, acc, my_scratch)
+            load_pass(x, w, slot, token, n0, g, t, first + 2 * STRIDE + warp, x_even, w_even, end)
+            multiply_pass(x_odd, w_odd, acc, my_scratch)
+
+    @cuda.jit(device=True, inline="always")
+    def tile_to_shared(acc, partials, warp, g, t):
+        """The warp's product tiles into its plane of ``partials`` (``[warp, row, rank]``)."""
+        for mi in range(M_TILES):
+            for nj in range(N_TILES):
+                for i in range(4):  # (g + 8 * (i // 2), 2t + i % 2) of the product tile
+                    row = 16 * mi + g + 8 * (i // 2)
+                    partials[warp, row, 8 * nj + 2 * t + i % 2] = acc[(mi * N_TILES + nj) * 4 + i]
+        cuda.syncthreads()
+
+    @cuda.jit(device=True, inline="always")
+    def warps_total(partials, row, n):
+        """One output's sum over the block's warps, in warp order."""
+        total = partials[0, row, n]
+        for v in range(1, WARPS):
+            total += partials[v, row, n]
+        return total
 
     begin = prologue()
 
@@ -199,32 +260,83 @@ def build_mma_shrink_kernel(
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + i]
         for p in range(OUTPUTS):
             acc[p] = float32(0.0)
-        # Two passes' words, used in turn: while one pass multiplies, the other's loads
-        # are on their way (a copy from one to the other would wait for them instead).
-        x_even = cuda.local.array(X_WORDS, int64)  # [u, row, word of the pair]
-        w_even = cuda.local.array(W_WORDS, int64)  # [u, n tile, word of the pair]
-        x_odd = cuda.local.array(X_WORDS, int64)
-        w_odd = cuda.local.array(W_WORDS, int64)
-        load_pass(x, w, slot, token, n0, g, t, warp, x_even, w_even)
-        for first in range(0, chunks, 2 * STRIDE):
-            load_pass(x, w, slot, token, n0, g, t, first + STRIDE + warp, x_odd, w_odd)
-            multiply_pass(x_even, w_even, acc, my_scratch)
-            load_pass(x, w, slot, token, n0, g, t, first + 2 * STRIDE + warp, x_even, w_even)
-            multiply_pass(x_odd, w_odd, acc, my_scratch)
+        walk(x, w, slot, token, n0, g, t, warp, 0, chunks, acc, my_scratch)
 
-        for mi in range(M_TILES):
-            for nj in range(N_TILES):
-                for i in range(4):  # (g + 8 * (i // 2), 2t + i % 2) of the product tile
-                    row = 16 * mi + g + 8 * (i // 2)
-                    partials[warp, row, 8 * nj + 2 * t + i % 2] = acc[(mi * N_TILES + nj) * 4 + i]
-        cuda.syncthreads()
+        tile_to_shared(acc, partials, warp, g, t)
         for j in range(PER_THREAD):
             e = tid + THREADS * j
             row, n = e // TILE_N, e % TILE_N
             if e < TILE_M * TILE_N and row < rows and n0 + n < rank:
-                total = partials[0, row, n]
-                for v in range(1, WARPS):
-                    total += partials[v, row, n]
+                total = warps_total(partials, row, n)
                 out[out_slice, out_token[j], n0 + n] = store_out(old[j] + scaling * total)
 
-    return shrink
+    @jit_kernel(THREADS)
+    def shrink_split_k(
+        x, w0, w1, w2, out, slice_base, slices, workspace, arrivals, tiles, sorted_tokens, scaling
+    ):
+        # As ``shrink``; workspace: fp32, at least [SPLITS, slices, M, R] flat; arrivals:
+        # int32, at least [gridDim.x, gridDim.y] flat, all 0
+        # grid: (tiles * slices, rank groups, SPLITS)
+        begin()
+        tile, s_local = tile_and_slice(cuda.blockIdx.x, slices)
+        slot, position, rows, first_token = read_tile(tiles, tile)
+        if slot == -1:
+            return  # every chunk of this tile leaves, before any barrier or count
+        if s_local == 0:  # by hand, as in ``shrink``
+            w = w0
+        elif s_local == 1:
+            w = w1
+        else:
+            w = w2
+        out_slice = slice_base + s_local
+        rank = w.shape[1]
+        n0 = cuda.blockIdx.y * TILE_N
+        chunks = (x.shape[1] + 7) // 8
+        per_split = (chunks + SPLITS - 1) // SPLITS  # chunks of 32 elements a block walks
+        first_chunk = cuda.blockIdx.z * per_split
+        end_chunk = min(chunks, first_chunk + per_split)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
+        my_scratch = scratch[warp if SIMULATOR else 0]
+        partials = cuda.shared.array((WARPS, TILE_M, TILE_N), float32)
+        last = cuda.shared.array(1, int32)
+
+        token = cuda.local.array(ROWS, int64)
+        for i in range(ROWS):
+            token[i] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * i)
+        acc = cuda.local.array(OUTPUTS, float32)
+        for p in range(OUTPUTS):
+            acc[p] = float32(0.0)
+        walk(x, w, slot, token, n0, g, t, warp, first_chunk, end_chunk, acc, my_scratch)
+        tile_to_shared(acc, partials, warp, g, t)
+
+        # This chunk's sums into the workspace: [split, s_local, token, rank] ...
+        plane = slices * x.shape[0] * rank  # elements of one split's [S, M, R]
+        for j in range(PER_THREAD):
+            e = tid + THREADS * j
+            row, n = e // TILE_N, e % TILE_N
+            if e < TILE_M * TILE_N and row < rows and n0 + n < rank:
+                out_token = tile_token(sorted_tokens, position, rows, first_token, row)
+                at = (s_local * x.shape[0] + out_token) * rank + n0 + n
+                workspace[cuda.blockIdx.z * plane + at] = warps_total(partials, row, n)
+        # ... and the last block of the (tile, slice, rank group) adds them in order.
+        counter = cuda.blockIdx.x * cuda.gridDim.y + cuda.blockIdx.y
+        if not arrived_last(arrivals, counter, last):
+            return
+        for j in range(PER_THREAD):
+            e = tid + THREADS * j
+            row, n = e // TILE_N, e % TILE_N
+            if e < TILE_M * TILE_N and row < rows and n0 + n < rank:
+                out_token = tile_token(sorted_tokens, position, rows, first_token, row)
+                at = (s_local * x.shape[0] + out_token) * rank + n0 + n
+                total = chunks_total(workspace, plane, at)
+                old = float32(0.0)
+                if ACCUMULATE:
+                    old = load_out(out[out_slice, out_token, n0 + n])
+                out[out_slice, out_token, n0 + n] = store_out(old + scaling * total)
+        if tid == 0:
+            arrivals[counter] = 0  # ready for the next launch (and graph replay)
+
+    return shrink if SPLITS == 1 else shrink_split_k

@@ -73,6 +73,7 @@ __all__ = [
     "build_split_shrink_kernel",
     "cached_split_workspace",
     "clear_split_workspaces",
+    "last_block_adds",
     "split_workspace",
     "split_workspace_sizes",
 ]
@@ -92,6 +93,44 @@ def _read_shared(array, i):
 
 
 _read_l2 = _read_shared if SIMULATOR else cuda.ldcg
+
+
+@functools.cache
+def last_block_adds(splits: int):
+    """``(arrived_last, chunks_total)``, the device functions of "One launch, the last block
+    adds" for ``splits`` chunks, shared by the split shrinks (this one and the tensor-core
+    one, :mod:`.shrink_mma`):
+
+    * ``arrived_last(arrivals, counter, last)``: after the block's threads have stored
+      their chunk's sums, make them visible to the whole GPU and count the block in on
+      ``arrivals[counter]``; True in the block that finds ``splits - 1`` arrivals before
+      it (every thread of the block gets the same answer through ``last``, an int32 shared
+      array of one element). Every thread of the block must call it.
+    * ``chunks_total(partials, plane, row)``: the ``splits`` partial sums of one output,
+      ``partials[c * plane + row]`` for chunks c = 0, 1, ..., added in that order, read
+      from L2 (other blocks wrote them)."""
+    SPLITS = splits
+
+    @cuda.jit(device=True, inline="always")
+    def arrived_last(arrivals, counter, last):
+        cuda.threadfence()  # the block's stores are seen by every block before its count
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            last[0] = int32(cuda.atomic.add(arrivals, counter, 1) == SPLITS - 1)
+        cuda.syncthreads()
+        if last[0] == 0:
+            return False  # another chunk of this group is still running: it will add
+        cuda.threadfence()
+        return True
+
+    @cuda.jit(device=True, inline="always")
+    def chunks_total(partials, plane, row):
+        total = _read_l2(partials, row)  # chunk 0
+        for s in range(1, SPLITS):  # then 1, 2, ..., SPLITS - 1, in order
+            total += _read_l2(partials, s * plane + row)
+        return total
+
+    return arrived_last, chunks_total
 
 
 @functools.cache
@@ -138,6 +177,7 @@ def build_split_shrink_kernel(
     add_up, TREE_WIDTH = block_sum(threads, PARTIALS)  # the row shrink's order
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
     ACCUMULATE = accumulate
+    arrived_last, chunks_total = last_block_adds(splits)
 
     begin = prologue()
 
@@ -196,20 +236,12 @@ def build_split_shrink_kernel(
             row = (s_local * tokens + token[j]) * rank + n  # of one split's [S, M, R]
             plane = cuda.gridDim.y * tokens * rank  # elements of one split's [S, M, R]
             partials[split * plane + row] = tree[tid, 0]
-        cuda.threadfence()  # the stores above are seen by every block before the count
-        cuda.syncthreads()
         counter = (cuda.blockIdx.x * cuda.gridDim.y + s_local) * (cuda.gridDim.z // SPLITS)
         counter += group
-        if tid == 0:
-            last[0] = int32(cuda.atomic.add(arrivals, counter, 1) == SPLITS - 1)
-        cuda.syncthreads()
-        if last[0] == 0:
-            return  # another chunk of this group is still running: it will add
-        cuda.threadfence()
+        if not arrived_last(arrivals, counter, last):
+            return
         if mine:
-            total = _read_l2(partials, row)  # split 0
-            for s in range(1, SPLITS):  # then 1, 2, ..., SPLITS - 1, in order
-                total += _read_l2(partials, s * plane + row)
+            total = chunks_total(partials, plane, row)
             old = float32(0.0)
             if ACCUMULATE:
                 old = load_out(out[out_slice, token[j], n])

@@ -109,6 +109,7 @@ def choose_shrink(
             -(-min(rank, config.tile_n or rank) // 8),  # 8-rank tiles of one rank group
             accumulate,
             wide,
+            config.splits,
         )
         return ShrinkChoice(config, kernel, x, packed, rank_groups, True, False)
     groups = -(-rank // config.tile_n)

@@ -132,10 +132,12 @@ def shrink_launch(
     launcher = launcher_of(chosen.kernel)
     scaling32 = np.float32(scaling)
     sizes = None  # a split-K shrink's workspace sizes (its pair is taken at each launch)
-    if config.kernel == "split" and blocks:
+    if (config.kernel == "split" or config.splits > 1) and blocks:
         slices = min(len(kernel_weights), MAX_SLICES)  # (the most one launch covers)
         rank = weights[0].rows
-        groups = chosen.rank_groups // config.splits
+        # Rank groups along y on the tensor cores (the chunks along z), else with the
+        # chunks along z.
+        groups = chosen.rank_groups // (1 if chosen.tensor_cores else config.splits)
         sizes = (config.splits, slices, num_tokens, rank, blocks, groups)
 
     def launch() -> None:
@@ -147,8 +149,8 @@ def shrink_launch(
             count = len(chunk)
             chunk += [chunk[0]] * (MAX_SLICES - count)  # unused slots: never read
             if chosen.tensor_cores:  # a tile's slices side by side along x
-                grid = (blocks * count, chosen.rank_groups, 1)
-                args = (x, *chunk, output_tensor, base, count)
+                grid = (blocks * count, chosen.rank_groups, config.splits)
+                args = (x, *chunk, output_tensor, base, count, *workspace)
             else:
                 grid = (blocks, count, chosen.rank_groups)
                 args = (x, *chunk, output_tensor, base, *workspace)
