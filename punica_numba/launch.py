@@ -82,7 +82,9 @@ class LaunchConfig:
     of ``splits`` chunks of K per block, the last block of each tile and rank group adding
     the chunks' sums; the heuristic picks it only from ``from_hidden`` (K) on, up to
     ``to_tokens_per_slot`` tokens per active slot and ``to_tiles`` tiles (the blocks along
-    x: beyond them the row shrink has blocks enough).
+    x: beyond them the row shrink has blocks enough). ``to_blocks`` caps the blocks a
+    configuration makes before any split of K (tiles x slices x groups of ``tile_n``
+    ranks): a split pays only where they are few.
     """
 
     kernel: str  # "rows", "tiled", "lanes", "mma" or "split"
@@ -105,6 +107,7 @@ class LaunchConfig:
     from_hidden: int = 0  # and where the shrink's K is at least this (unknown K: never)
     to_tokens_per_slot: float | None = None  # and at most this many tokens per slot
     to_tiles: int | None = None  # and at most this many tiles of tile_m (None: any)
+    to_blocks: int | None = None  # and at most this many tiles x slices x groups of tile_n
     from_work: int = 0  # and where tokens x rank x slices (the products' rows) is at least this
     tuned_only: bool = False  # never the heuristic's pick: the tuner times it, a table may name it
 
@@ -312,8 +315,45 @@ _GPU_CONFIGS = {
             from_tokens=1024,
             from_rank=33,
         ),
-        # ... 4 of every rank at T=4096 and r=64 (4096/64: 42.8 -> 32.4 µs, 4096 on one LoRA
-        # 37.6 -> 26.7; 16-rank groups lost there, 40.3 with 4 warps of 32), up to r=64:
+        # From 16 tokens per slot too, the tensor-core shrink with K split (v33,
+        # :mod:`.kernels.shrink_mma`, "Split K"): at K=14336 its blocks of the whole K took
+        # 12 µs at every token count from 1 to 128 (the tuned table at cc380e6), a chain of
+        # ~14 passes of loads each, on as few as 8-32 blocks. Timed by the tuner at 27cff5c
+        # on 120 shrinks (K = 4096, 9728, 14336, 28672; r = 16-128; T = 1-2048 on 1 or 8
+        # LoRAs; h200_v33_split_probe.json), it won where the unsplit blocks (tiles x
+        # slices x 8-rank groups) are at most 32, each slot has 16 tokens or more and the
+        # products have 2048 rows or more, from K=9728 on. Up to 32 blocks, in 4 chunks
+        # (T=128 on one LoRA, r=32: K=14336 12.15 -> 9.04 µs, K=28672 21.98 -> 12.07, K=9728
+        # 9.59 -> 8.35; T=32 on one LoRA, r=128: K=28672 21.55 -> 12.66) ...
+        LaunchConfig(
+            "mma",
+            threads=512,
+            tile_m=16,
+            tile_n=8,
+            splits=4,
+            from_tokens_per_slot=16,
+            from_hidden=9728,
+            from_work=2048,
+            to_blocks=32,
+        ),
+        # ... up to 16, in 8 (T=128 over 8 LoRAs, r=16: K=14336 11.87 -> 9.01, K=28672 18.49
+        # -> 11.26; T=32 on one LoRA, r=64: K=14336 11.22 -> 8.34). It lost everywhere else
+        # measured: at T <= 8 (up to 3.5x at K=4096, T=1) and from 64 blocks on (up to 2.5x at
+        # T=2048). Those figures are in-sample: no other shape was timed.
+        LaunchConfig(
+            "mma",
+            threads=512,
+            tile_m=16,
+            tile_n=8,
+            splits=8,
+            from_tokens_per_slot=16,
+            from_hidden=9728,
+            from_work=2048,
+            to_blocks=16,
+        ),
+        # Back to blocks of the whole K: 4 of every rank at T=4096 and r=64 (4096/64: 42.8 ->
+        # 32.4 µs, 4096 on one LoRA 37.6 -> 26.7; 16-rank groups lost there, 40.3 with 4
+        # warps of 32), up to r=64:
         # past it the outputs of every rank would not fit a thread's registers
         # (ops.operands.MMA_ONE_BLOCK_RANK) ...
         LaunchConfig(
@@ -370,13 +410,10 @@ _GPU_CONFIGS = {
             to_rank=32,
             from_slices=3,
         ),
-        # The tensor-core shrink with K split too (v33, :mod:`.kernels.shrink_mma`, "Split
-        # K"): at K=14336 its blocks of the whole K took 12 µs at every token count from 1
-        # to 128 (the tuned table at cc380e6), a chain of ~14 passes of loads each, on as
-        # few as 8-32 blocks. Not measured yet: for the tuner only.
-        LaunchConfig("mma", threads=512, tile_m=16, tile_n=8, splits=4, tuned_only=True),
-        LaunchConfig("mma", threads=512, tile_m=16, tile_n=8, splits=8, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=8, splits=8, tuned_only=True),
+        # Timed by the tuner only (the one above too): 16-rank groups in 16 chunks were the
+        # fastest on 5 of the 120 shrinks above (K=28672 r=64 T=32 over 8 LoRAs 17.57 ->
+        # 16.10 µs), with no rule of thresholds that holds them apart.
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=16, splits=16, tuned_only=True),
     ),
     "expand": (
@@ -572,8 +609,9 @@ def choose_launch_config(
     the number of slices (host-side facts only): the last tensor-core one whose
     ``from_tokens_per_slot``, ``from_tokens``, ``to_tokens``, ``from_rank``, ``to_rank``,
     ``from_slices``, ``to_slices``, ``from_hidden`` (``K``), ``to_tokens_per_slot``,
-    ``to_tiles`` and ``from_work`` (T x rank x slices) the call all reaches, when
-    ``tensor_cores`` (the call's dtypes and layout allow them) and there is one; otherwise
+    ``to_tiles``, ``to_blocks`` and ``from_work`` (T x rank x slices) the call all
+    reaches, when ``tensor_cores`` (the call's dtypes and layout allow them) and there is
+    one; otherwise
     the last such FFMA one, lane-split expands included only when ``lane_split`` (the
     call's rows of B split into a few words a lane: :func:`.kernels.expand_lanes.splits`).
     Configurations marked ``tuned_only`` are never picked here.
@@ -620,10 +658,18 @@ def choose_launch_config(
             and hidden >= config.from_hidden
             and _fits(config.to_tokens_per_slot, per_slot)
             and (config.to_tiles is None or _tiles(config, num_tokens, slots) <= config.to_tiles)
+            and _fits(config.to_blocks, _blocks(config, num_tokens, slots, rank, slices))
             and num_tokens * rank * slices >= config.from_work
         ):
             chosen[config.kernel == "mma"] = config
     return chosen[True] or chosen[False]
+
+
+def _blocks(config: LaunchConfig, num_tokens: int, slots: int, rank: int, slices: int) -> int:
+    """The blocks of ``config``'s kernel before any split of K: its tiles (:func:`_tiles`)
+    x the slices x the groups of ``tile_n`` ranks (one group where ``tile_n`` is 0)."""
+    groups = -(-rank // config.tile_n) if config.tile_n else 1
+    return _tiles(config, num_tokens, slots) * slices * groups
 
 
 def _tiles(config: LaunchConfig, num_tokens: int, slots: int) -> int:

@@ -446,3 +446,29 @@ def test_tensor_core_split_takes_the_workspace_of_its_launch():
     config = mma_split_config(MMA_THREADS[0], 8, 2)
     assert _run_mma(config, case, True) == [config]
     assert counters_at_zero()
+
+
+@pytest.mark.parametrize(
+    "K, rank, T, loras, splits",
+    [
+        (14336, 16, 128, 8, 8),  # 8 tiles x 2 rank groups: 8 chunks
+        (28672, 32, 128, 1, 4),  # 8 tiles x 4 rank groups: 4 chunks
+        (9728, 64, 32, 1, 8),  # 2 tiles x 8 rank groups: 8 chunks
+        (14336, 128, 32, 1, 4),  # 2 tiles x 16 rank groups: 4 chunks
+        (14336, 16, 8, 8, 1),  # a token a slot: the rows
+        (4096, 16, 128, 8, 1),  # a short K
+        (14336, 16, 512, 8, 1),  # 32 tiles: blocks enough unsplit
+        (14336, 64, 128, 8, 1),  # 8 tiles x 8 rank groups
+        (14336, 32, 32, 1, 1),  # 1024 rows of products
+    ],
+)
+def test_the_heuristic_splits_the_tensor_core_shrink_where_blocks_are_few(
+    K, rank, T, loras, splits
+):
+    """On the GPU the heuristic splits K on the tensor cores (v33) where the unsplit blocks
+    would be few (tiles x 8-rank groups at most 32), the slots hold 16 tokens or more and
+    K is long; elsewhere it keeps what it had."""
+    picked = _pick(T, loras, K, rank)
+    assert picked.splits == splits, picked
+    if splits > 1:
+        assert picked.kernel == "mma" and not picked.tuned_only
