@@ -89,9 +89,9 @@ captured, plus 24 device runs: the eager one, 3 warm-up replays and 20 timed rep
 a device run taking :data:`LAUNCH_US` per launch plus its bytes at :data:`ASSUMED_TBPS`.
 A part adds :data:`PROCESS_S` for the process. :func:`parts_needed` gives the fewest parts
 each estimated under :data:`PART_BUDGET_S`, half a 10-minute limit, as the estimate is
-rough (no compile time of these kernels was measured on the H200): 3 parts of about 240 s
-each. Every record keeps its ``estimate_s`` beside its measured ``wall_s``, to correct the
-estimate from a run.
+rough: 2 parts of about 165 s each, with the constants set from the whole grid's run on the
+H200 (263 s for the 71 cases, in 3 parts). Every record keeps its ``estimate_s`` beside its
+measured ``wall_s``, to correct the estimate from a run.
 ``--list`` prints the cases, their estimates and the parts without running anything. A part
 stopped by its limit has its finished cases in its JSON already; ``--resume`` that file,
 with the same ``--part``, runs only the rest.
@@ -189,11 +189,13 @@ TORCH_GATHER_LIMIT = 2 * 2**30
 
 # The time estimate (seconds), for cutting the grid into parts. Rough by design: every
 # record keeps its estimate beside its measured wall time, to correct these from a run.
-PROCESS_S = 45.0  # a part's process: imports, CUDA context, copy bandwidth, graph settling
-CASE_S = 8.0  # a case's fixed cost: its new kernels' compiles (up to four: the op's shrink
-# and expand, the layer's storing shrink and its expand; a first bf16 kernel was noted at
-# 1.12 s on the H200, and these are larger), the float64 checks, filling the pools on the
-# GPU, graph instantiation
+PROCESS_S = 15.0  # a part's process: imports, CUDA context, copy bandwidth, graph settling
+CASE_S = 4.0  # a case's fixed cost: its new kernels' compiles (up to four: the op's shrink
+# and expand, the layer's storing shrink and its expand), the float64 checks, filling the
+# pools on the GPU, graph instantiation. Measured on the H200 at e8b108f: the 71 cases took
+# 263 s in all (a median of 3.5 s, the longest 9.3), of which this model's pool-dependent
+# part was 17 s; each part's process, 8-10 s besides its cases (first estimate: 45 s and
+# 8 s a case, which made 3 parts of 240 s that ran in 80-107 s)
 HOST_US = {"shrink": 150.0, "expand": 150.0, "pair": 300.0}  # preparing one call on the
 # host: 53 µs an eager shrink and 132 µs an add_lora_linear with moved tensors on the H200
 # machine's host (docs/benchmarks/README.md), about doubled for its slow processes
