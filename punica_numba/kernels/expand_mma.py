@@ -51,15 +51,75 @@ the same fp32 accumulator. That keeps 16 significant bits of each buffer element
 buffer is used as it is, in one ``mma``. The old output is added last, and the sum
 rounded once.
 
-*fp16 B and output* (``dtype``; the buffer fp32 or fp16). There were two ways to put
-them on the tensor cores: their fp16 product (``mma ... f32.f16.f16.f32``, as the
-tensor-core shrink does) with the buffer split into two fp16, or the bf16 product above
-with B split as well. This kernel takes the second, for range. fp16 holds magnitudes from
-2**-24 (6.0e-8, subnormal; normal from 6.1e-5) to 65504, while a shrink's fp32 buffer
-may hold anything fp32 does: above 65504 an fp16 ``hi`` is infinite, and below about
-2**-3 the bits of an fp16 ``lo`` fall into fp16's subnormals and then to zero. A kernel
-cannot look at the values before it splits them without a device sync, or scale them
-without another pass over the buffer. bf16 has fp32's exponents, so the buffer's split
+*fp16 B and output* (``dtype``; the buffer fp32 or fp16). By default (``f16_products``)
+fp16 B goes on the tensor cores as it is, in their fp16 product (``mma ...
+f32.f16.f16.f32``, as the tensor-core shrink does), two ``mma`` a product tile as with bf16
+B. What stands in the way is the buffer: fp16 holds magnitudes from 2**-24 (6.0e-8,
+subnormal; normal from 6.1e-5) to 65504, while a shrink's fp32 buffer may hold anything
+fp32 does (split as it is, above 65504 an fp16 ``hi`` would be infinite, and below about
+2**-3 the bits of an fp16 ``lo`` fall into fp16's subnormals and then to zero). So each
+token row of the buffer is first scaled by a power of two of its own:
+
+* its largest magnitude: each lane takes the largest of its own elements of the row, of
+  every rank step, before the first split (a build of one chunk holds the values it
+  splits, ``HELD``: read first in ``BUFFER_FIRST`` builds, else where the fragments were
+  read; a build of chunks makes one pass over its elements first, and reads them again
+  for each chunk, mostly from L1), then the four lanes ``4g .. 4g + 3``, which share rows
+  ``g`` and ``g + 8``, take the largest of theirs (:func:`.mma.largest_of_lane_group`: two
+  ``shfl.sync.bfly``, lane xor 1 and 2). Magnitudes are compared as bits
+  (:func:`.mma.abs_bits`), so an infinity or a NaN ranks above every finite value;
+* the power of two ``2**s`` that brings that magnitude into [2**14, 2**15), room left for
+  the largest to round up (:func:`.mma.f16_row_scale`). ``s`` is held to -113 .. 126, so
+  that ``2**s`` and ``2**-s`` are both normal fp32 numbers: a row whose largest is below
+  2**-112 (fp32 subnormals included) is scaled by 2**126 only, and its products lie far
+  below fp16's smallest subnormal anyway. A zero row, and a row holding an infinity or a
+  NaN, are scaled by 1;
+* each scaled value split into fp16 ``hi`` (rounded to nearest) and ``lo``, the remainder
+  (exact in fp32) rounded (:func:`.mma.split_to_f16`), packed two to a fragment register,
+  and the tile's products ``lo @ B`` first, then ``hi @ B``, into the fp32 accumulator;
+* the row's sums scaled back by ``2**-s`` (:func:`.mma.scaled_back`), before the old
+  output is added and the sum rounded to fp16, once.
+
+Scaling by a power of two is exact both ways (but for a result past fp32's range, an
+infinity, as fp16's output would be by far, or below fp32's normal numbers, far under
+fp16's subnormals), and a product of two fp16 is exact in fp32, so what is lost is what
+the split drops. ``hi + lo`` holds a scaled value to 22 significant bits (relative error
+at most 2**-22) while it is at least 2**-3, and to an absolute 2**-25 (half fp16's
+subnormal spacing) below that. Scaled back, an element ``x_k`` of a row whose largest
+magnitude is ``m`` errs by at most ``2**-22 |x_k| + 2**-39 m``: an output errs by at most
+2**-22 of its magnitude ``sum_k |x_k| |B_k|``, plus ``2**-39 m sum_k |B_k|``. Elements
+below about ``2**-38 m`` lose their bits (below ``2**-40 m`` they become zero), and those
+a little above keep fewer than 22 (at ``2**-30 m`` about fp16's 11). Where B is not
+small at a row's largest elements that is far below fp16's own rounding of the result
+(2**-11), and below the reference check's tolerance, which is relative to the magnitude;
+an output whose terms come only from the small elements of a row whose large ones meet
+zeros (or tiny values) of B is not held to it: the price of one scale a row. An fp16
+buffer goes as it is, one ``mma`` a product tile, unscaled: its products with B are exact
+in fp32, and only the sum rounds. Non-finite values: a row holding an infinity or a NaN
+is not scaled, and its values go as they are; an infinite ``hi`` (an infinity, or a
+finite value past 65504 in such a row) has ``lo = 0``. So every output of such a row is
+infinite or NaN, as in the reference, and where the row's values past fp16's range are
+its infinities alone (the others at most 65504) they are the reference's own (an
+infinity of the sign of its terms, NaN where B is zero at the infinity or the signs
+meet); values past 65504 beside them may turn an infinity into NaN. An infinite element
+of B may give NaN rather than an infinity: a zero ``lo`` (of a buffer value exact in
+fp16) times it. The other rows are not touched by it: each has its own scale. The cost
+against bf16 B, past the same two products: per token row, an integer maximum over the
+lane's elements, two shuffles and the scale's integer arithmetic, once a block; per pair
+of buffer elements two multiplications by the scale, two ``cvt.rn.f16x2.f32``, two
+``cvt.f32.f16``, two infinity checks and two subtractions (:func:`.mma.split_to_f16`,
+where bf16 B splits by cuts); per output one multiplication by the inverse scale; in a
+build of chunks, the first pass's loads. Compiled on a CPU machine (ptxas 13.0, sm_90a;
+builds that do not ask ahead), the build of r=64 with 64 columns a warp, one pass, takes
+158 registers (the three products below: 96; bf16 B: 142), and the build of r=128 in
+chunks 176 (132), held to :data:`MAX_REGISTERS` with 60 bytes of spills (bf16 B: 108).
+The outputs are rounded two at a time by ``cvt.rn.f16x2.f32`` (:func:`.dtypes.f16_pair`)
+and the old ones widened by ``cvt.f32.f16``. The speed of the two f16 products is not yet
+measured on a GPU.
+
+*Three bf16 products* (``f16_products=False``; the build before the two f16 products,
+v31, kept for the comparison on a GPU). The bf16 product above with B split as well, for
+range without looking at the values: bf16 has fp32's exponents, so the buffer's split
 above holds for every finite fp32 value; and an fp16 element of B is exactly the sum of
 two bf16 (:func:`.mma.split_f16_pair`): of its 11 significant bits ``B_hi`` takes 8 and
 ``B_lo`` the other 3, and bf16's exponents cover fp16's, subnormals included. So each
@@ -77,9 +137,9 @@ past fp32's range is past fp16's by far, infinite in the FFMA kernels too. As wi
 B, an infinite element of B or of the buffer may give NaN rather than an infinity (a
 zero ``lo`` times it, in one of the terms). The cost against bf16 B: one ``mma`` more a
 product tile, and a split of each register of two fp16 of B (two ``cvt.f32.f16``, two
-cuts, two infinity checks, two subtractions and one ``cvt.rn.bf16x2.f32``); the outputs
-are rounded two at a time by ``cvt.rn.f16x2.f32`` (:func:`.dtypes.f16_pair`) and the old
-ones widened by ``cvt.f32.f16``. Its speed is not yet measured on a GPU.
+cuts, two infinity checks, two subtractions and one ``cvt.rn.bf16x2.f32``). On the H200
+(lab notes, "fp16 on the tensor cores: the third product"; at 54ec7f5) that third product
+made r=64 at 256 tokens over 16 LoRAs 17.0 µs against bf16's 5.84.
 
 The sum is a tensor-core sum, not the FFMA kernels' sequential one, so this kernel has
 an arithmetic key of its own (:meth:`..launch.LaunchConfig.arithmetic`); it does not
@@ -326,7 +386,8 @@ every build it made ptxas spend more, 78 registers at r=16 became 102, and slowe
 
 **Ranks past 64** (``chunk_steps``). A lane holds its buffer fragments of every rank step
 for all of its block's column groups: ``4 * TERMS`` registers a step and m-tile (8 with
-an fp32 or fp16 buffer, split in two, 4 with bf16), 32 at r=64 with an fp32 buffer. At
+an fp32 or fp16 buffer, split in two, 4 with bf16, or with fp16 beside fp16 B on the f16
+products), 32 at r=64 with an fp32 buffer. At
 r=256 that would be 128, a thread's whole ceiling before its 32 accumulators, old output
 words and B. So a build of more than :data:`CHUNK_STEPS` rank steps (r > 64) walks the
 rank in chunks of four steps (64 ranks): for each column group, chunk by chunk, a lane
@@ -340,7 +401,10 @@ made once for all of them; a block's second reading of its rows mostly finds the
 L1 or L2); B's words a step at a time, never early ("Order of the loads": a build of
 chunks is not ``EARLY``, so neither is "B before the wait"); and no accumulator more.
 A build of chunks so needs about what the r=64 builds that load B late need, under
-:data:`MAX_REGISTERS`. A last chunk may be short (r=80: four steps, then one); with
+:data:`MAX_REGISTERS`. With fp16 B on the f16 products and an fp32 buffer, a build of
+chunks reads the lane's elements of every chunk once more, before the first, for each
+row's largest magnitude ("Precision"): the scale of a row is the same whatever the
+chunks. A last chunk may be short (r=80: four steps, then one); with
 ``wide_b`` (a rank that is a multiple of 32) its steps are an even number.
 
 The chunks change which registers hold the fragments, not the sums: the rank keeps one
@@ -362,7 +426,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import float32, int64, uint32, uint64
+from numba import float32, int32, int64, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda, dependent_launch, jit_kernel
 from .dependent_launch import next_launch, prologue
@@ -379,7 +443,19 @@ from .dtypes import (
     words_storer,
 )
 from .l2_prefetch import bytes_asker, line_asker
-from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into, pair_of, split_f16_pair, split_pair
+from .mma import (
+    FRAGMENT_WORDS,
+    MMA_DTYPES,
+    abs_bits,
+    f16_row_scale,
+    largest_of_lane_group,
+    mma_into,
+    pair_of,
+    scaled_back,
+    split_f16_pair,
+    split_pair,
+    split_to_f16,
+)
 from .segments import read_tile, slice_of
 
 __all__ = ["build_mma_expand_kernel", "output_column", "rank_chunks"]
@@ -436,6 +512,7 @@ def build_mma_expand_kernel(
     b_before_the_wait: bool = False,
     dtype: torch.dtype = torch.bfloat16,
     chunk_steps: int = CHUNK_STEPS,
+    f16_products: bool = True,
 ):
     """Compile-time specialisation: the buffer's dtype (fp32 or fp16, split in two bf16, or
     bf16),
@@ -473,9 +550,13 @@ def build_mma_expand_kernel(
       launch just ahead of this one on the stream is one of this package's kernels that
       waits before it ends and writes neither (the wrapper's own shrink).
       The same loads, products and stores: the same bits.
-    * ``dtype``: the dtype of B and of the output, bf16 or fp16 (then B is split into two
-      bf16 too, and each product tile is three ``mma``: "Precision"); the buffer is fp32
-      or of this dtype.
+    * ``dtype``: the dtype of B and of the output, bf16 or fp16; the buffer is fp32 or of
+      this dtype.
+    * ``f16_products``: with fp16 B, its products on the f16 tensor cores, B as it is, two
+      ``mma`` a product tile: an fp32 buffer's rows each scaled by a power of two into
+      fp16's range and split into fp16 hi + lo, an fp16 buffer as it is ("Precision").
+      Off, B is split into two bf16 too, and each product tile is three bf16 ``mma``
+      ("Three bf16 products"). Nothing changes for bf16 B.
     * ``chunk_steps``: the rank steps whose buffer fragments a lane holds at once; a
       rank of more steps is walked in chunks of this many, each chunk's fragments loaded
       for each column group ("Ranks past 64"; an even number with ``wide_b``). The
@@ -501,8 +582,15 @@ def build_mma_expand_kernel(
         raise ValueError(f"B and the output must be bf16 or fp16, got {dtype}")
     if x_dtype not in (torch.float32, dtype):
         raise ValueError(f"the buffer must be fp32 or {dtype} (B's dtype), got {x_dtype}")
-    SPLIT = x_dtype != torch.bfloat16  # fp32 or fp16: split into bf16 hi + lo ("Precision")
-    HALF = dtype == torch.float16  # fp16 B, split into bf16 hi + lo too; fp16 outputs
+    HALF = dtype == torch.float16  # fp16 B and outputs
+    # fp16 B on the f16 tensor cores as it is ("Precision"): the buffer's rows scaled and
+    # split into fp16 hi + lo (an fp32 buffer, SCALED) or as they are (an fp16 buffer) ...
+    F16 = HALF and f16_products
+    SCALED = F16 and x_dtype == torch.float32
+    # ... else (bf16 B, or f16_products off) an fp32 or fp16 buffer split into bf16 hi + lo,
+    # and fp16 B too ("three bf16 products").
+    VALUES = x_dtype != torch.bfloat16  # the buffer read as fp32 values, not bf16 bits
+    SPLIT = VALUES and not (F16 and not SCALED)  # two terms, lo and hi
     round_pair = f16_pair if HALF else bf16_pair  # two fp32 outputs -> one 32-bit pair
     pair_values = f16_pair_values if HALF else bf16_pair_values  # and back (old outputs)
     if wide_x and not (x_dtype == torch.float32 and whole):
@@ -525,7 +613,7 @@ def build_mma_expand_kernel(
     SHORT_LAST = k_steps % CHUNK != 0  # the last chunk has fewer steps
     KQ = 4 * k_steps  # elements of a row one lane multiplies, over every rank step
     load_four = four_float32_loader(wide_x)
-    add_product = mma_into(torch.bfloat16)
+    add_product = mma_into(torch.float16 if F16 else torch.bfloat16)
     load_x = loader(x_dtype)
     WARPS, M_TILES, N_TILES, K_STEPS = threads // 32, m_tiles, n_tiles, k_steps
     WHOLE_STEPS = whole  # no k of any step lies past the rank: no checks
@@ -552,7 +640,12 @@ def build_mma_expand_kernel(
     # Whether the buffer's rows are read before B ("The buffer before B"): the one-pass
     # builds holding more words of B early than EARLY_B_WORDS (r=64 with 64 columns).
     BUFFER_FIRST = EARLY and ONE_PASS and WIDE_X and K_STEPS * N_TILES > EARLY_B_WORDS
-    BUFFER_WORDS = K_STEPS * M_TILES * 8 if BUFFER_FIRST else 1  # 2 rows x 4 a step and m-tile
+    # Whether the lane's buffer values of every step are held before the split: read first
+    # (BUFFER_FIRST), or, in a SCALED build of one chunk, read where the fragments would be,
+    # so that the rows' largest values are known before the split ("Precision").
+    HELD = BUFFER_FIRST or (SCALED and not CHUNKED)
+    BUFFER_WORDS = K_STEPS * M_TILES * 8 if HELD else 1  # 2 rows x 4 a step and m-tile
+    SCALES = ROWS if SCALED else 1  # the lane's rows' scales, and the inverses
     WHOLE_GROUPS = whole_groups  # no column of a group that starts in the slice lies past it
     ONE_SLOT = one_slot
     TILE_M = 16 * M_TILES
@@ -560,8 +653,8 @@ def build_mma_expand_kernel(
     @cuda.jit(device=True)
     def element(row, k):
         """Element k of a buffer row (zero past the rank): its fp32 value (of an fp32 or
-        fp16 element) to be split, or the bits of a bf16 one."""
-        if SPLIT:
+        fp16 element) to be split or packed, or the bits of a bf16 one."""
+        if VALUES:
             return load_x(row[k]) if WHOLE_STEPS or k < row.shape[0] else float32(0.0)
         return row[k] if WHOLE_STEPS or k < row.shape[0] else 0
 
@@ -571,14 +664,21 @@ def build_mma_expand_kernel(
         return b_rows[n, q] if WHOLE_STEPS or q < b_rows.shape[1] else int64(0)
 
     @cuda.jit(device=True, inline="always")
-    def new_word(acc, old, mi, half, i, v):
+    def new_word(acc, old, back, mi, half, i, v):
         """Word v of token row i (row ``half`` of m-tile ``mi``): tiles 2v and 2v + 1 of
-        the products plus the old word, rounded to four bf16 (or fp16) two at a time."""
+        the products (SCALED: scaled back by the row's ``back[i]``, exactly) plus the old
+        word, rounded to four bf16 (or fp16) two at a time."""
         p0 = (mi * N_TILES + 2 * v) * 4 + 2 * half
         p1 = p0 + 4  # tile 2v + 1
         old_low, old_high = word_halves(old[i * WORDS + v])
         o0, o1 = pair_values(old_low)
         o2, o3 = pair_values(old_high)
+        if SCALED:  # the products of the scaled row, times the inverse power of two
+            f = back[i]
+            return bf16_word(
+                round_pair(scaled_back(acc[p0], f) + o0, scaled_back(acc[p0 + 1], f) + o1),
+                round_pair(scaled_back(acc[p1], f) + o2, scaled_back(acc[p1 + 1], f) + o3),
+            )
         return bf16_word(  # (the packing of four 16-bit elements, whichever their dtype)
             round_pair(acc[p0] + o0, acc[p0 + 1] + o1),
             round_pair(acc[p1] + o2, acc[p1 + 1] + o3),
@@ -617,15 +717,64 @@ def build_mma_expand_kernel(
     @cuda.jit(device=True, inline="always")
     def buffer_at(kk, mi, half):
         """Where the lane's four elements of rank step kk of row ``half`` of m-tile mi sit
-        in the buffer values read first (BUFFER_FIRST)."""
+        in the buffer values held (HELD: read first, or before the split)."""
         return ((kk * M_TILES + mi) * 2 + half) * 4
+
+    @cuda.jit(device=True, inline="always")
+    def read_four(x, s, token, mi, half, kk, t):
+        """The lane's four elements ``KQ t + 4 kk ..`` of row ``half`` of m-tile mi of the
+        buffer as fp32 values: one 16-byte load (``wide_x``) or four (zero past the rank)."""
+        if WIDE_X:
+            return buffer_four(x, s, token, mi, half, kk, t)
+        row = x[s, token[2 * mi + half]]
+        k = KQ * t + 4 * kk
+        return element(row, k), element(row, k + 1), element(row, k + 2), element(row, k + 3)
+
+    @cuda.jit(device=True, inline="always")
+    def hold_buffer(buffer_values, x, s, token, t):
+        """The lane's buffer values of every rank step, kept as they came (HELD)."""
+        for kk in range(K_STEPS):
+            for mi in range(M_TILES):
+                for half in range(2):
+                    p = buffer_at(kk, mi, half)
+                    v0, v1, v2, v3 = read_four(x, s, token, mi, half, kk, t)
+                    buffer_values[p], buffer_values[p + 1] = v0, v1
+                    buffer_values[p + 2], buffer_values[p + 3] = v2, v3
+
+    @cuda.jit(device=True, inline="always")
+    def four_values(x, s, token, mi, half, kk, t, buffer_values):
+        """:func:`read_four`'s values, from those held where the build holds them."""
+        if HELD:
+            p = buffer_at(kk, mi, half)
+            return (
+                buffer_values[p],
+                buffer_values[p + 1],
+                buffer_values[p + 2],
+                buffer_values[p + 3],
+            )
+        return read_four(x, s, token, mi, half, kk, t)
+
+    @cuda.jit(device=True, inline="always")
+    def row_scales(scale, back, x, s, token, t, buffer_values, my_scratch):
+        """SCALED: the scale of each of the lane's token rows, and its inverse
+        (:func:`.mma.f16_row_scale`), from the largest magnitude of the whole row: of the
+        lane's elements of every rank step (held, or read: a build of chunks reads them
+        again for each chunk's fragments), then of the four lanes that share the row."""
+        for i in range(ROWS):  # row g + 8 * (i % 2) of m-tile i // 2
+            largest = int32(0)
+            for kk in range(K_STEPS):
+                v0, v1, v2, v3 = four_values(x, s, token, i // 2, i % 2, kk, t, buffer_values)
+                pair01 = max(abs_bits(v0), abs_bits(v1))
+                pair23 = max(abs_bits(v2), abs_bits(v3))
+                largest = max(largest, max(pair01, pair23))
+            scale[i], back[i] = f16_row_scale(largest_of_lane_group(largest, my_scratch))
 
     @cuda.jit(device=True, inline="always")
     def add_step(acc, a, j, nj, word, my_scratch):
         """Add the products of step j of the chunk (rank step kk = its first + j) of tile
         nj, from the lane's word of B, into acc."""
         b0, b1 = word_halves(word)  # k = KQ t + 4 kk ..
-        if HALF:  # fp16 B: each register as bf16 hi + lo, exactly ("Precision")
+        if HALF and not F16:  # fp16 B: each register as bf16 hi + lo, exactly ("Precision")
             b0_hi, b0_lo = split_f16_pair(b0)
             b1_hi, b1_lo = split_f16_pair(b1)
             for mi in range(M_TILES):
@@ -639,22 +788,34 @@ def build_mma_expand_kernel(
         else:
             for mi in range(M_TILES):
                 p = (mi * N_TILES + nj) * 4
-                for term in range(TERMS):  # lo first, then hi
+                for term in range(TERMS):  # lo first, then hi (F16: fp16 B as it is)
                     q = ((j * M_TILES + mi) * TERMS + term) * 4
                     add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, my_scratch)
 
     @cuda.jit(device=True, inline="always")
-    def load_fragments(a, x, s, token, first_step, t, buffer_values):
+    def load_fragments(a, x, s, token, first_step, t, buffer_values, scale):
         """The lane's A fragments of rank steps ``first_step .. + CHUNK - 1`` (none past
         the last step), into ``a`` by step within the chunk: lo and hi halves of fp32 or
-        fp16 buffer elements, or a bf16 buffer's pairs; from the values read first
-        (BUFFER_FIRST builds, which have one chunk) or from the buffer."""
+        fp16 buffer elements (bf16; F16: fp16, of the rows scaled by ``scale``), an fp16
+        buffer's pairs (F16) or a bf16 buffer's; from the values held (HELD builds, which
+        have one chunk) or from the buffer."""
         for j in range(CHUNK):  # step j of the chunk: rank step kk
             kk = first_step + j
             if SHORT_LAST and kk >= K_STEPS:
                 break
             for mi in range(M_TILES):
                 base = (j * M_TILES + mi) * TERMS * 4
+                if F16:  # fp16 B on the f16 tensor cores ("Precision")
+                    for half in range(2):  # rows g, g + 8: a0 / a2, a1 / a3
+                        v0, v1, v2, v3 = four_values(x, s, token, mi, half, kk, t, buffer_values)
+                        if SCALED:  # the row scaled into fp16's range, as fp16 hi + lo
+                            f = scale[2 * mi + half]
+                            a[base + 4 + half], a[base + half] = split_to_f16(v0 * f, v1 * f)
+                            a[base + 6 + half], a[base + 2 + half] = split_to_f16(v2 * f, v3 * f)
+                        else:  # an fp16 buffer as it is (fp16 values: the rounding is exact)
+                            a[base + half] = f16_pair(v0, v1)
+                            a[base + 2 + half] = f16_pair(v2, v3)
+                    continue
                 if WIDE_X:  # the lane's four k of the step, of each row: one 16-byte load
                     for half in range(2):
                         if BUFFER_FIRST:
@@ -840,13 +1001,7 @@ def build_mma_expand_kernel(
         # B") ...
         buffer_values = cuda.local.array(BUFFER_WORDS, float32)
         if BUFFER_FIRST:
-            for kk in range(K_STEPS):
-                for mi in range(M_TILES):
-                    for half in range(2):
-                        p = buffer_at(kk, mi, half)
-                        v0, v1, v2, v3 = buffer_four(x, s, token, mi, half, kk, t)
-                        buffer_values[p], buffer_values[p + 1] = v0, v1
-                        buffer_values[p + 2], buffer_values[p + 3] = v2, v3
+            hold_buffer(buffer_values, x, s, token, t)
 
         # EARLY: loads in the order of what they wait for ("Order of the loads"). B needs
         # only the slot ... (A warp past the slice's columns loads nothing.)
@@ -863,8 +1018,16 @@ def build_mma_expand_kernel(
         # + mi) * TERMS + term) * 4 + q] holds elements k, k + 1 of step j of the chunk
         # (their lo halves for term 0, hi for term 1).
         a = cuda.local.array(A_WORDS, uint32)
+        # SCALED: each token row's scale, and its inverse for the sums ("Precision"), from
+        # the whole row before its first split (HELD: the values, read here where not first).
+        scale = cuda.local.array(SCALES, float32)
+        back = cuda.local.array(SCALES, float32)
+        if HELD and not BUFFER_FIRST:
+            hold_buffer(buffer_values, x, s, token, t)
+        if SCALED:
+            row_scales(scale, back, x, s, token, t, buffer_values, my_scratch)
         if not CHUNKED:  # (a build of chunks loads each chunk's for each column group)
-            load_fragments(a, x, s, token, 0, t, buffer_values)
+            load_fragments(a, x, s, token, 0, t, buffer_values, scale)
 
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
         while n0 < uint64(width):
@@ -876,7 +1039,7 @@ def build_mma_expand_kernel(
             for c in range(CHUNKS):  # chunks 0 .. CHUNKS - 1 of the rank (one up to r=64)
                 first_step = c * CHUNK
                 if CHUNKED:  # this chunk's fragments, into the same registers
-                    load_fragments(a, x, s, token, first_step, t, buffer_values)
+                    load_fragments(a, x, s, token, first_step, t, buffer_values, scale)
                 for j in range(0, CHUNK, B_STEP):  # each tile's steps in order
                     kk = first_step + j  # (j: the step within the chunk)
                     if SHORT_LAST and kk >= K_STEPS:  # (past the last chunk's steps)
@@ -899,9 +1062,10 @@ def build_mma_expand_kernel(
                     for v in range(0, WORDS, PAIR):
                         word = first_word + uint64(4 * v)
                         if WHOLE_GROUPS or word <= last_start:
-                            first = new_word(acc, old, mi, half, i, v)
+                            first = new_word(acc, old, back, mi, half, i, v)
                             if PAIR == 2:
-                                store_pair(row, word, first, new_word(acc, old, mi, half, i, v + 1))
+                                second = new_word(acc, old, back, mi, half, i, v + 1)
+                                store_pair(row, word, first, second)
                             else:
                                 row[word] = first
             if ONE_PASS:  # (no second pass to prepare: fewer registers live in the loop)

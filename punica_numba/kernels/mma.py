@@ -40,16 +40,21 @@ import torch
 from numba import float32, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .dtypes import bf16_pair, f16_pair_values
+from .dtypes import bf16_pair, f16_pair, f16_pair_values
 
 __all__ = [
     "FRAGMENT_WORDS",
     "MMA_DTYPES",
+    "abs_bits",
+    "f16_row_scale",
+    "largest_of_lane_group",
     "mma_into",
     "mma_m16n8k16",
     "pair_of",
+    "scaled_back",
     "split_f16_pair",
     "split_pair",
+    "split_to_f16",
 ]
 
 #: The operand dtypes the tensor-core kernels take, and each one's PTX type name.
@@ -96,6 +101,115 @@ def split_f16_pair(pair):
     stays a NaN in ``hi`` or ``lo``."""
     v0, v1 = f16_pair_values(pair)
     return split_pair(v0, v1)
+
+
+# -- an fp32 row on the fp16 tensor cores ------------------------------------------------
+#
+# fp16 reaches only 65504 down to 2**-24, so an fp32 buffer row goes on the f16 tensor
+# cores scaled by a power of two that brings its largest magnitude into [2**14, 2**15)
+# (exact, as is the scaling back of the products), then split into two fp16
+# (:mod:`.expand_mma`, "Precision").
+
+#: The exponent field of an fp32 value whose row is scaled by 2**0 into [2**14, 2**15):
+#: a row whose largest magnitude has exponent field E is scaled by 2**(141 - E)
+#: (127 + 14 = 141).
+_F16_TARGET = 141
+#: The largest power of two a row is scaled by, and the smallest it is scaled back by
+#: (2**126, 2**-126: both normal fp32 numbers).
+_F16_MOST_SHIFT = 126
+
+
+@cuda.jit(device=True)
+def abs_bits(value):
+    """The bits of ``|value|`` (fp32) as a non-negative int32: ordered as the magnitudes are,
+    with every infinity above the finite values and every NaN above the infinities."""
+    return np.float32(value).view(np.int32) & np.int32(0x7FFFFFFF)
+
+
+@cuda.jit(device=True)
+def _largest_of_lane_group_on_gpu(value, scratch):
+    value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, 1))
+    return max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, 2))
+
+
+@cuda.jit(device=True)
+def _largest_of_lane_group_simulated(value, scratch):
+    # Simulator only (it has no warp shuffles): through the warp's scratch, between two
+    # syncthreads, as the emulated product trades fragments.
+    lane = cuda.threadIdx.x % 32
+    scratch[lane, 0] = value
+    cuda.syncthreads()
+    first = lane - lane % 4
+    largest = max(
+        max(np.int32(scratch[first, 0]), np.int32(scratch[first + 1, 0])),
+        max(np.int32(scratch[first + 2, 0]), np.int32(scratch[first + 3, 0])),
+    )
+    cuda.syncthreads()  # the scratch is reused
+    return largest
+
+
+#: ``largest_of_lane_group(value, scratch) -> int32``: the largest of a non-negative int32
+#: ``value`` over the four lanes of the caller's group ``lane // 4`` (the lanes that hold
+#: rows ``g`` and ``g + 8`` of a fragment). Two ``shfl.sync.bfly`` on the GPU (lane xor 1,
+#: then xor 2; ``scratch`` unused); on the simulator, which has no warp shuffles, the
+#: warp's ``[32, FRAGMENT_WORDS]`` uint32 scratch and two ``syncthreads`` (so there, as for
+#: :func:`mma_m16n8k16`, every thread of the block must call it the same number of times).
+#: Every lane of the warp calls it together.
+largest_of_lane_group = (
+    _largest_of_lane_group_simulated if SIMULATOR else _largest_of_lane_group_on_gpu
+)
+
+
+@cuda.jit(device=True)
+def f16_row_scale(largest_bits):
+    """``(scale, inverse)``, two fp32 powers of two, for a row whose largest magnitude has
+    the bits ``largest_bits`` (:func:`abs_bits`): ``scale`` brings that magnitude into
+    [2**14, 2**15), fp16's range with room for the rounding of its high half, and
+    ``scale * inverse == 1``. Both are normal fp32 numbers: the shift is at most 126 (a row
+    whose largest magnitude is below 2**-112, fp32 subnormals included, is scaled by 2**126
+    only). A zero row, and a row whose largest is an infinity or a NaN, are scaled by 1."""
+    biased = np.int32(largest_bits) >> np.int32(23)  # the largest's exponent field
+    if np.int32(largest_bits) == np.int32(0) or biased >= np.int32(255):
+        return float32(1.0), float32(1.0)
+    shift = min(np.int32(_F16_TARGET) - biased, np.int32(_F16_MOST_SHIFT))  # -113 .. 126
+    scale = np.int32((shift + np.int32(127)) << np.int32(23)).view(np.float32)
+    inverse = np.int32((np.int32(127) - shift) << np.int32(23)).view(np.float32)
+    return scale, inverse
+
+
+@cuda.jit(device=True)
+def split_to_f16(v0, v1):
+    """Two fp32 values (already scaled, below 2**15 in magnitude) as two fragment registers
+    of fp16, ``(hi, lo)``: ``hi`` each value rounded to fp16 (nearest, ties to even), ``lo``
+    the remainders (exact in fp32) rounded to fp16; the first value in the low halves
+    (:func:`.dtypes.f16_pair`). ``hi + lo`` keeps 22 significant bits of a value (relative
+    error <= 2**-22) down to 2**-3, below that an absolute error of at most 2**-25, fp16's
+    subnormal spacing halved. An infinite ``hi`` (a value past 65504, or infinite) is its
+    ``hi`` alone, with ``lo = 0``; a NaN stays a NaN."""
+    hi = f16_pair(v0, v1)
+    h0, h1 = f16_pair_values(hi)
+    rest0 = float32(0.0) if math.isinf(h0) else v0 - h0
+    rest1 = float32(0.0) if math.isinf(h1) else v1 - h1
+    return hi, f16_pair(rest0, rest1)
+
+
+@cuda.jit(device=True)
+def _scaled_back_on_gpu(value, inverse):
+    return value * inverse
+
+
+@cuda.jit(device=True)
+def _scaled_back_simulated(value, inverse):
+    # Simulator only: past fp32's range the product is an infinity, as on the GPU, which
+    # numpy would warn of.
+    with np.errstate(over="ignore"):
+        return np.float32(value) * np.float32(inverse)
+
+
+#: ``scaled_back(value, inverse) -> float32``: an fp32 sum of a scaled row's products times
+#: the row's inverse scale (:func:`f16_row_scale`), a power of two: exact, but for a result
+#: past fp32's range (an infinity) or below its normal numbers.
+scaled_back = _scaled_back_simulated if SIMULATOR else _scaled_back_on_gpu
 
 
 @functools.cache
