@@ -256,6 +256,7 @@ def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
                 usable.get("mma", False),
                 len(case.slices),
                 usable.get("lanes", False),
+                K=case.hidden if case.op == "shrink" else None,  # (the rules on K; no table)
             )
         )
         entry.update(
