@@ -14,12 +14,12 @@ choosing costs no sync and a launch can be captured in a CUDA graph. Where this 
 tuned table (:mod:`punica_numba.tuning`, ``python -m punica_numba tune``), its measured
 choice comes before the heuristic's.
 
-The split-K shrink (``kernel="split"``, :mod:`.kernels.shrink_split`) cuts K into
-``splits`` chunks, each a block of its own, and the last block of a (tile, slice, rank
-group) adds the chunks' sums in order: for a long K (down projections, K = 11008-14336)
-with few tokens per slot, where the row shrink makes too few blocks for the GPU's SMs.
-Its thresholds are worked out from the block count, not measured: its speed on the H200
-is not yet measured (``python -m punica_numba tune`` sweeps it).
+The split-K shrinks (``kernel="split"``, :mod:`.kernels.shrink_split`, and the tensor-core
+shrink with ``splits`` > 1, :mod:`.kernels.shrink_mma`) cut K into ``splits`` chunks, each
+a block of its own, and the last block of a (tile, slice, rank group) adds the chunks' sums
+in order: for a long K (down projections, K = 9728-28672), where the blocks are too few for
+the GPU's SMs. The tuner times both on the H200; the row one never won there and is left to
+the tuner, the tensor-core one is the heuristic's pick where its measured rules say.
 """
 
 from __future__ import annotations

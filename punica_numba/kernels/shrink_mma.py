@@ -75,7 +75,10 @@ output (:func:`.shrink_split.last_block_adds`, the row split shrink's own code: 
 integer atomic a block, no float atomics, so the bits depend only on the warps, the
 splits and K: the key ``("mma", threads, splits)``). Only that last block reads the old
 outputs (``accumulate``). A run past the end of K (a short K in many chunks) walks
-nothing and still counts in.
+nothing and still counts in. On the H200 (v33, ``h200_v33_split_probe.json``) it won from
+K=9728 where the slots hold 16 tokens or more and the unsplit blocks are at most 32 (K=28672,
+r=16, T=128 on one LoRA: 20.9 -> 9.6 µs) and lost with fewer tokens (it never took less than
+5.6 µs at K=4096) or more blocks (:mod:`..launch` says where the heuristic takes it).
 
 Memory traffic per block: ``TILE_M * K`` elements of x, ``TILE_N * K`` of A (from L2
 after the first tile of a slot), ``TILE_M * TILE_N`` outputs (read too when
