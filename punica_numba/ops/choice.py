@@ -226,7 +226,7 @@ def choose_expand(
             alone,
             asking,
             asking and after_own_shrink,  # B before the wait
-            dtype,  # of B and the output: bf16, or fp16 (B split in two bf16)
+            dtype,  # of B and the output: bf16, or fp16 (two f16 products a tile)
         )
         # (the kernel places slices by 4-column words)
         return ExpandChoice(
