@@ -129,11 +129,11 @@ def mma_expand_operands(
     in 16-byte loads (a rank that is a multiple of 32, rows at multiples of 16 bytes).
     It takes B and an output of one dtype, bf16 or fp16 (fp16 B as it is, in the f16
     product), a buffer of fp32 (split in two halves of B's dtype, an fp16 row scaled
-    first) or of B's dtype (bf16 as its int16 bits, fp16 as it is), 0 < rank <= :data:`MMA_MAX_RANK` (past 64 in
-    chunks of 64), B rows of whole int64 words (four elements: ``packed``, from
-    :func:`weight_words`, None where there are none), and an output it can read and write
-    in words of four columns: every slice's first column and width a multiple of 4
-    (:mod:`..kernels.expand_mma`, "Precision")."""
+    first) or of B's dtype (bf16 as its int16 bits, fp16 as it is), 0 < rank <=
+    :data:`MMA_MAX_RANK` (past 64 in chunks of 64), B rows of whole int64 words (four
+    elements: ``packed``, from :func:`weight_words`, None where there are none), and an
+    output it can read and write in words of four columns: every slice's first column and
+    width a multiple of 4 (:mod:`..kernels.expand_mma`, "Precision")."""
     dtype = weights[0].dtype
     if (
         dtype not in MMA_DTYPES
