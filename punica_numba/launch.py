@@ -15,7 +15,7 @@ tuned table (:mod:`punica_numba.tuning`, ``python -m punica_numba tune``), its m
 choice comes before the heuristic's.
 
 The split-K shrinks (``kernel="split"``, :mod:`.kernels.shrink_split`, and the tensor-core
-shrink with ``splits`` > 1, :mod:`.kernels.shrink_mma`) cut K into ``splits`` chunks, each
+shrink with ``splits`` > 1, :mod:`.kernels.shrink_mma_split`) cut K into ``splits`` chunks, each
 a block of its own, and the last block of a (tile, slice, rank group) adds the chunks' sums
 in order: for a long K (down projections, K = 9728-28672), where the blocks are too few for
 the GPU's SMs. The tuner times both on the H200; the row one never won there and is left to
@@ -74,8 +74,8 @@ class LaunchConfig:
     tile's tokens and buffer rows are looked up and loaded once for them all, and a slice
     narrower than the widest leaves fewer blocks idle. A tensor-core shrink with
     ``splits`` > 1 also cuts K into that many chunks, a block each along grid.z, the last
-    block of each tile and rank group adding the chunks' sums (:mod:`.kernels.shrink_mma`,
-    "Split K").
+    block of each tile and rank group adding the chunks' sums
+    (:mod:`.kernels.shrink_mma_split`).
     Only calls whose dtypes and layout the tensor cores take can use them
     (:func:`choose_launch_config`). ``kernel="split"`` is the split-K shrink
     (:mod:`.kernels.shrink_split`): ``tile_m`` tokens of one slot, ``tile_n`` ranks and one
@@ -316,7 +316,7 @@ _GPU_CONFIGS = {
             from_rank=33,
         ),
         # From 16 tokens per slot too, the tensor-core shrink with K split (v33,
-        # :mod:`.kernels.shrink_mma`, "Split K"): at K=14336 its blocks of the whole K took
+        # :mod:`.kernels.shrink_mma_split`): at K=14336 its blocks of the whole K took
         # 12 µs at every token count from 1 to 128 (the tuned table at cc380e6), a chain of
         # ~14 passes of loads each, on as few as 8-32 blocks. Timed by the tuner at 27cff5c
         # on 120 shrinks (K = 4096, 9728, 14336, 28672; r = 16-128; T = 1-2048 on 1 or 8

@@ -204,7 +204,7 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
     build = choice.build_mma_shrink_kernel
     monkeypatch.setattr(
         choice, "build_mma_shrink_kernel", lambda *a: built.append(a[6]) or build(*a)
-    )  # (its arguments: dtypes, threads, tiles, accumulate, wide, splits)
+    )  # (its arguments: dtypes, threads, tiles, accumulate, wide)
 
     def shrink(x, weights, out, *rest):
         if not aligned:

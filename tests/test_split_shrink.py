@@ -12,7 +12,7 @@ rank group) adds the chunks' sums in order. Checked here:
    row shrink faster at every down projection measured), and never takes it at K=4096;
 5. on the GPU: a CUDA graph of it replays right;
 6. the tensor-core shrink split the same way (``kernel="mma"`` with ``splits`` > 1,
-   :mod:`punica_numba.kernels.shrink_mma`, "Split K"): against the reference, its bits
+   :mod:`punica_numba.kernels.shrink_mma_split`): against the reference, its bits
    under one key, its counters, and a CUDA graph of it on the GPU.
 """
 

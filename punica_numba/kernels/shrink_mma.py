@@ -61,75 +61,58 @@ products of those columns are never stored) and its outputs past the rank are ne
 read nor written. The sums of a rank group are those of blocks of every rank: the same
 bits (the key ``("mma", threads)``).
 
-**Split K** (``splits`` > 1). Each block walks the whole K, so its time is a chain of
-passes, each waiting on its loads: at K=14336, 448 chunks over 16 warps of two chunks a
-pass make 14 passes, and the H200's tuned table (at cc380e6) has this kernel at about
-12 µs whatever the tokens, from T=1 to 128, where the bytes take 0.5-2 µs. Few tokens a
-slot make few blocks too (T=32 over 8 LoRAs at r=32: 8 tiles x 4 groups of 8 ranks = 32
-blocks for 132 SMs). Split, K's chunks are cut into ``splits`` runs of
-``ceil(chunks / splits)``, a block each along grid.z; a block's warps walk its run as
-above, add their tiles in warp order, and store the block's sums into the fp32
-workspace of :mod:`.shrink_split` (``[split, slice, token, rank]``); the last block of
-each (tile, slice, rank group) to arrive adds the runs' sums in order and writes the
-output (:func:`.shrink_split.last_block_adds`, the row split shrink's own code: one
-integer atomic a block, no float atomics, so the bits depend only on the warps, the
-splits and K: the key ``("mma", threads, splits)``). Only that last block reads the old
-outputs (``accumulate``). A run past the end of K (a short K in many chunks) walks
-nothing and still counts in. On the H200 (v33, ``h200_v33_split_probe.json``) it won from
-K=9728 where the slots hold 16 tokens or more and the unsplit blocks are at most 32 (K=28672,
-r=16, T=128 on one LoRA: 20.9 -> 9.6 µs) and lost with fewer tokens (it never took less than
-5.6 µs at K=4096) or more blocks (:mod:`..launch` says where the heuristic takes it).
+**Split K.** :mod:`.shrink_mma_split` is this kernel with K cut into runs, a block each,
+built from the same parts (:func:`mma_shrink_parts`).
 
 Memory traffic per block: ``TILE_M * K`` elements of x, ``TILE_N * K`` of A (from L2
 after the first tile of a slot), ``TILE_M * TILE_N`` outputs (read too when
-``accumulate``); split, ``1 / splits`` of the first two, and ``TILE_M * TILE_N`` partial
-sums written (the last block reads ``splits`` of them per output).
+``accumulate``).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
-from numba import float32, int32, int64, uint32
+from numba import float32, int64, uint32
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import loader, storer, word_halves, words_loader
 from .mma import FRAGMENT_WORDS, mma_into
 from .segments import read_tile, tile_and_slice, tile_token
-from .shrink_split import last_block_adds
 
-__all__ = ["build_mma_shrink_kernel"]
+__all__ = ["MmaShrinkParts", "build_mma_shrink_kernel", "mma_shrink_parts"]
+
+
+class MmaShrinkParts(NamedTuple):
+    """What the tensor-core shrinks (this one and :mod:`.shrink_mma_split`) share: the
+    device functions of a block's walk over K and of its warps' sum, and the sizes they
+    fix."""
+
+    # (x, w, slot, token, n0, g, t, warp, first, end, acc, scratch): chunks [first, end)
+    walk: object
+    tile_to_shared: object  # (acc, partials, warp, g, t): a warp's tiles, then a barrier
+    warps_total: object  # (partials, row, n): one output's sum over the warps, in warp order
+    rows: int  # token rows a lane reads (g + 8 i)
+    outputs: int  # fp32 outputs a lane holds
+    per_thread: int  # outputs each thread stores
+    scratch_warps: int  # warps of the simulator's product scratch (1 on the GPU)
+    warps: int
+    tile_m: int
+    tile_n: int
 
 
 @functools.cache
-def build_mma_shrink_kernel(
-    dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    threads: int,
-    m_tiles: int,
-    n_tiles: int,
-    accumulate: bool = True,
-    wide: bool = True,
-    splits: int = 1,
-):
-    """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
-    warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles per block
-    (``blockIdx.y`` numbers the block's group of ``8 * n_tiles`` ranks), whether the
-    products are added to the output or stored, and whether every row of x and A starts
-    at a multiple of 16 bytes (``wide``: 16-byte loads), and the chunks K is cut into, a
-    block each (``splits``: "Split K").
-
-    The kernel takes x as ``[T, K/4]`` and A as ``[L, r, K/4]`` int64 words of four
-    elements (K a multiple of 8); split, it takes the workspace too
-    (:func:`.shrink_split.split_workspace`)."""
+def mma_shrink_parts(
+    dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, wide: bool
+) -> MmaShrinkParts:
+    """The parts of a tensor-core shrink of x and A of ``dtype``, ``threads // 32`` warps,
+    16-token and 8-rank tiles, 16-byte loads or 8 (``wide``): see the module's notes."""
     if threads % 32:
         raise ValueError(f"threads must be whole warps, got {threads}")
-    if splits < 1:
-        raise ValueError(f"splits must be at least 1, got {splits}")
     add_product = mma_into(dtype)
-    load_out, store_out = loader(out_dtype), storer(out_dtype)
     two_words = words_loader(wide)
     THREADS, WARPS, M_TILES, N_TILES = threads, threads // 32, m_tiles, n_tiles
     TILE_M, TILE_N = 16 * m_tiles, 8 * n_tiles
@@ -143,9 +126,6 @@ def build_mma_shrink_kernel(
     OUTPUTS = M_TILES * N_TILES * 4
     PER_THREAD = -(-TILE_M * TILE_N // THREADS)  # outputs each thread stores
     SCRATCH_WARPS = WARPS if SIMULATOR else 1
-    ACCUMULATE = accumulate
-    SPLITS = splits
-    arrived_last, chunks_total = last_block_adds(splits)
 
     @cuda.jit(device=True)
     def load_pass(x, w, slot, token, n0, g, t, chunk, xw, ww, end):
@@ -214,6 +194,46 @@ def build_mma_shrink_kernel(
             total += partials[v, row, n]
         return total
 
+    return MmaShrinkParts(
+        walk,
+        tile_to_shared,
+        warps_total,
+        ROWS,
+        OUTPUTS,
+        PER_THREAD,
+        SCRATCH_WARPS,
+        WARPS,
+        TILE_M,
+        TILE_N,
+    )
+
+
+@functools.cache
+def build_mma_shrink_kernel(
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    threads: int,
+    m_tiles: int,
+    n_tiles: int,
+    accumulate: bool = True,
+    wide: bool = True,
+):
+    """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
+    warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles per block
+    (``blockIdx.y`` numbers the block's group of ``8 * n_tiles`` ranks), whether the
+    products are added to the output or stored, and whether every row of x and A starts
+    at a multiple of 16 bytes (``wide``: 16-byte loads).
+
+    The kernel takes x as ``[T, K/4]`` and A as ``[L, r, K/4]`` int64 words of four
+    elements (K a multiple of 8)."""
+    parts = mma_shrink_parts(dtype, threads, m_tiles, n_tiles, wide)
+    walk, tile_to_shared, warps_total = parts.walk, parts.tile_to_shared, parts.warps_total
+    load_out, store_out = loader(out_dtype), storer(out_dtype)
+    THREADS, WARPS, ROWS, OUTPUTS = threads, parts.warps, parts.rows, parts.outputs
+    TILE_M, TILE_N, PER_THREAD = parts.tile_m, parts.tile_n, parts.per_thread
+    SCRATCH_WARPS = parts.scratch_warps
+    ACCUMULATE = accumulate
+
     begin = prologue()
 
     @jit_kernel(THREADS)
@@ -273,73 +293,4 @@ def build_mma_shrink_kernel(
                 total = warps_total(partials, row, n)
                 out[out_slice, out_token[j], n0 + n] = store_out(old[j] + scaling * total)
 
-    @jit_kernel(THREADS)
-    def shrink_split_k(
-        x, w0, w1, w2, out, slice_base, slices, workspace, arrivals, tiles, sorted_tokens, scaling
-    ):
-        # As ``shrink``; workspace: fp32, at least [SPLITS, slices, M, R] flat; arrivals:
-        # int32, at least [gridDim.x, gridDim.y] flat, all 0
-        # grid: (tiles * slices, rank groups, SPLITS)
-        begin()
-        tile, s_local = tile_and_slice(cuda.blockIdx.x, slices)
-        slot, position, rows, first_token = read_tile(tiles, tile)
-        if slot == -1:
-            return  # every chunk of this tile leaves, before any barrier or count
-        if s_local == 0:  # by hand, as in ``shrink``
-            w = w0
-        elif s_local == 1:
-            w = w1
-        else:
-            w = w2
-        out_slice = slice_base + s_local
-        rank = w.shape[1]
-        n0 = cuda.blockIdx.y * TILE_N
-        chunks = (x.shape[1] + 7) // 8
-        per_split = (chunks + SPLITS - 1) // SPLITS  # chunks of 32 elements a block walks
-        first_chunk = cuda.blockIdx.z * per_split
-        end_chunk = min(chunks, first_chunk + per_split)
-        tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
-        my_scratch = scratch[warp if SIMULATOR else 0]
-        partials = cuda.shared.array((WARPS, TILE_M, TILE_N), float32)
-        last = cuda.shared.array(1, int32)
-
-        token = cuda.local.array(ROWS, int64)
-        for i in range(ROWS):
-            token[i] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * i)
-        acc = cuda.local.array(OUTPUTS, float32)
-        for p in range(OUTPUTS):
-            acc[p] = float32(0.0)
-        walk(x, w, slot, token, n0, g, t, warp, first_chunk, end_chunk, acc, my_scratch)
-        tile_to_shared(acc, partials, warp, g, t)
-
-        # This chunk's sums into the workspace: [split, s_local, token, rank] ...
-        plane = slices * x.shape[0] * rank  # elements of one split's [S, M, R]
-        for j in range(PER_THREAD):
-            e = tid + THREADS * j
-            row, n = e // TILE_N, e % TILE_N
-            if e < TILE_M * TILE_N and row < rows and n0 + n < rank:
-                out_token = tile_token(sorted_tokens, position, rows, first_token, row)
-                at = (s_local * x.shape[0] + out_token) * rank + n0 + n
-                workspace[cuda.blockIdx.z * plane + at] = warps_total(partials, row, n)
-        # ... and the last block of the (tile, slice, rank group) adds them in order.
-        counter = cuda.blockIdx.x * cuda.gridDim.y + cuda.blockIdx.y
-        if not arrived_last(arrivals, counter, last):
-            return
-        for j in range(PER_THREAD):
-            e = tid + THREADS * j
-            row, n = e // TILE_N, e % TILE_N
-            if e < TILE_M * TILE_N and row < rows and n0 + n < rank:
-                out_token = tile_token(sorted_tokens, position, rows, first_token, row)
-                at = (s_local * x.shape[0] + out_token) * rank + n0 + n
-                total = chunks_total(workspace, plane, at)
-                old = float32(0.0)
-                if ACCUMULATE:
-                    old = load_out(out[out_slice, out_token, n0 + n])
-                out[out_slice, out_token, n0 + n] = store_out(old + scaling * total)
-        if tid == 0:
-            arrivals[counter] = 0  # ready for the next launch (and graph replay)
-
-    return shrink if SPLITS == 1 else shrink_split_k
+    return shrink

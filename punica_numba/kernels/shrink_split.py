@@ -53,7 +53,7 @@ each read once; ``TILE_M * TILE_N`` partial sums written; the last block of a gr
 also reads ``SPLITS`` of them per output and reads and writes the output. On the H200 the
 tuner never found it the fastest of the shrinks (the tuned table at cc380e6, K=14336: 9.31
 µs against the row shrink's 9.01 at T=32 over 6 LoRAs, r=32), so the heuristic leaves it to
-the tuner; the tensor-core shrink split the same way (:mod:`.shrink_mma`, "Split K") won
+the tuner; the tensor-core shrink split the same way (:mod:`.shrink_mma_split`) won
 where this one did not.
 """
 
@@ -102,7 +102,7 @@ _read_l2 = _read_shared if SIMULATOR else cuda.ldcg
 def last_block_adds(splits: int):
     """``(arrived_last, chunks_total)``, the device functions of "One launch, the last block
     adds" for ``splits`` chunks, shared by the split shrinks (this one and the tensor-core
-    one, :mod:`.shrink_mma`):
+    one, :mod:`.shrink_mma_split`):
 
     * ``arrived_last(arrivals, counter, last)``: after the block's threads have stored
       their chunk's sums, make them visible to the whole GPU and count the block in on

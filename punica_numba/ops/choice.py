@@ -26,6 +26,7 @@ from ..kernels import (
     build_mma_expand_kernel,
     build_mma_shrink_kernel,
     build_shrink_kernel,
+    build_split_mma_shrink_kernel,
     build_split_shrink_kernel,
     build_tiled_expand_kernel,
     build_token_shrink_kernel,
@@ -101,16 +102,17 @@ def choose_shrink(
         x, packed, wide = mma
         # One block per group of tile_n ranks (0: every rank), along grid.y.
         rank_groups = -(-rank // config.tile_n) if config.tile_n else 1
-        kernel = build_mma_shrink_kernel(
+        tiles = (
             inputs.dtype,
             output.dtype,
             config.threads,
             config.tile_m // 16,
             -(-min(rank, config.tile_n or rank) // 8),  # 8-rank tiles of one rank group
-            accumulate,
-            wide,
-            config.splits,
         )
+        if config.splits > 1:  # K in runs too, a block each along grid.z
+            kernel = build_split_mma_shrink_kernel(*tiles, config.splits, accumulate, wide)
+        else:
+            kernel = build_mma_shrink_kernel(*tiles, accumulate, wide)
         return ShrinkChoice(config, kernel, x, packed, rank_groups, True, False)
     groups = -(-rank // config.tile_n)
     if config.kernel == "split" and groups * config.splits > MAX_GRID_YZ:
