@@ -115,28 +115,29 @@ def build_split_mma_shrink_kernel(
 
         # This chunk's sums into the workspace: [split, s_local, token, rank] ...
         plane = slices * x.shape[0] * rank  # elements of one split's [S, M, R]
+        out_token = cuda.local.array(PER_THREAD, int64)  # -1: no output of this thread
         for j in range(PER_THREAD):
             e = tid + THREADS * j
             row, n = e // TILE_N, e % TILE_N
+            out_token[j] = -1
             if e < TILE_M * TILE_N and row < rows and n0 + n < rank:
-                out_token = tile_token(sorted_tokens, position, rows, first_token, row)
-                at = (s_local * x.shape[0] + out_token) * rank + n0 + n
+                out_token[j] = tile_token(sorted_tokens, position, rows, first_token, row)
+                at = (s_local * x.shape[0] + out_token[j]) * rank + n0 + n
                 workspace[cuda.blockIdx.z * plane + at] = warps_total(partials, row, n)
         # ... and the last block of the (tile, slice, rank group) adds them in order.
         counter = cuda.blockIdx.x * cuda.gridDim.y + cuda.blockIdx.y
         if not arrived_last(arrivals, counter, last):
             return
         for j in range(PER_THREAD):
-            e = tid + THREADS * j
-            row, n = e // TILE_N, e % TILE_N
-            if e < TILE_M * TILE_N and row < rows and n0 + n < rank:
-                out_token = tile_token(sorted_tokens, position, rows, first_token, row)
-                at = (s_local * x.shape[0] + out_token) * rank + n0 + n
-                total = chunks_total(workspace, plane, at)
+            if out_token[j] >= 0:
+                n = n0 + (tid + THREADS * j) % TILE_N
+                total = chunks_total(
+                    workspace, plane, (s_local * x.shape[0] + out_token[j]) * rank + n
+                )
                 old = float32(0.0)
                 if ACCUMULATE:
-                    old = load_out(out[out_slice, out_token, n0 + n])
-                out[out_slice, out_token, n0 + n] = store_out(old + scaling * total)
+                    old = load_out(out[out_slice, out_token[j], n])
+                out[out_slice, out_token[j], n] = store_out(old + scaling * total)
         if tid == 0:
             arrivals[counter] = 0  # ready for the next launch (and graph replay)
 
