@@ -34,7 +34,6 @@ from numba import float32, int32, int64, uint32
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
-from .dtypes import loader, storer
 from .mma import FRAGMENT_WORDS
 from .segments import read_tile, tile_and_slice, tile_token
 from .shrink_mma import mma_shrink_parts
@@ -61,12 +60,10 @@ def build_split_mma_shrink_kernel(
         raise ValueError(f"splits must be at least 1, got {splits}")
     parts = mma_shrink_parts(dtype, threads, m_tiles, n_tiles, wide)
     walk, tile_to_shared, warps_total = parts.walk, parts.tile_to_shared, parts.warps_total
-    arrived_last, chunks_total = last_block_adds(splits)
-    load_out, store_out = loader(out_dtype), storer(out_dtype)
+    arrived_last, add_chunks = last_block_adds(splits, out_dtype, accumulate)
     THREADS, WARPS, ROWS, OUTPUTS = threads, parts.warps, parts.rows, parts.outputs
     TILE_M, TILE_N, PER_THREAD = parts.tile_m, parts.tile_n, parts.per_thread
     SCRATCH_WARPS = parts.scratch_warps
-    ACCUMULATE = accumulate
     SPLITS = splits
 
     begin = prologue()
@@ -131,13 +128,8 @@ def build_split_mma_shrink_kernel(
         for j in range(PER_THREAD):
             if out_token[j] >= 0:
                 n = n0 + (tid + THREADS * j) % TILE_N
-                total = chunks_total(
-                    workspace, plane, (s_local * x.shape[0] + out_token[j]) * rank + n
-                )
-                old = float32(0.0)
-                if ACCUMULATE:
-                    old = load_out(out[out_slice, out_token[j], n])
-                out[out_slice, out_token[j], n] = store_out(old + scaling * total)
+                at = (s_local * x.shape[0] + out_token[j]) * rank + n
+                add_chunks(out, out_slice, out_token[j], n, workspace, plane, at, scaling)
         if tid == 0:
             arrivals[counter] = 0  # ready for the next launch (and graph replay)
 

@@ -99,20 +99,24 @@ _read_l2 = _read_shared if SIMULATOR else cuda.ldcg
 
 
 @functools.cache
-def last_block_adds(splits: int):
-    """``(arrived_last, chunks_total)``, the device functions of "One launch, the last block
-    adds" for ``splits`` chunks, shared by the split shrinks (this one and the tensor-core
-    one, :mod:`.shrink_mma_split`):
+def last_block_adds(splits: int, out_dtype: torch.dtype, accumulate: bool):
+    """``(arrived_last, add_chunks)``, the device functions of "One launch, the last block
+    adds" for ``splits`` chunks into an output of ``out_dtype``, added to (``accumulate``)
+    or stored, shared by the split shrinks (this one and the tensor-core one,
+    :mod:`.shrink_mma_split`):
 
     * ``arrived_last(arrivals, counter, last)``: after the block's threads have stored
       their chunk's sums, make them visible to the whole GPU and count the block in on
       ``arrivals[counter]``; True in the block that finds ``splits - 1`` arrivals before
       it (every thread of the block gets the same answer through ``last``, an int32 shared
       array of one element). Every thread of the block must call it.
-    * ``chunks_total(partials, plane, row)``: the ``splits`` partial sums of one output,
-      ``partials[c * plane + row]`` for chunks c = 0, 1, ..., added in that order, read
-      from L2 (other blocks wrote them)."""
+    * ``add_chunks(out, s, token, n, partials, plane, row, scaling)``: the ``splits``
+      partial sums of output ``out[s, token, n]``, ``partials[c * plane + row]`` for chunks
+      c = 0, 1, ..., added in that order, read from L2 (other blocks wrote them), then
+      ``out[s, token, n] = (out[s, token, n] if accumulate else 0) + scaling * sum``."""
     SPLITS = splits
+    ACCUMULATE = accumulate
+    load_out, store_out = loader(out_dtype), storer(out_dtype)
 
     @cuda.jit(device=True, inline="always")
     def arrived_last(arrivals, counter, last):
@@ -127,13 +131,16 @@ def last_block_adds(splits: int):
         return True
 
     @cuda.jit(device=True, inline="always")
-    def chunks_total(partials, plane, row):
+    def add_chunks(out, s, token, n, partials, plane, row, scaling):
         total = _read_l2(partials, row)  # chunk 0
-        for s in range(1, SPLITS):  # then 1, 2, ..., SPLITS - 1, in order
-            total += _read_l2(partials, s * plane + row)
-        return total
+        for c in range(1, SPLITS):  # then 1, 2, ..., SPLITS - 1, in order
+            total += _read_l2(partials, c * plane + row)
+        old = float32(0.0)
+        if ACCUMULATE:
+            old = load_out(out[s, token, n])
+        out[s, token, n] = store_out(old + scaling * total)
 
-    return arrived_last, chunks_total
+    return arrived_last, add_chunks
 
 
 @functools.cache
@@ -171,7 +178,6 @@ def build_split_shrink_kernel(
         raise ValueError(f"{tile_m} x {tile_n} sums need as many threads, got {threads}")
     if splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
-    load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, TILE_M, TILE_N = threads, tile_m, tile_n
     SPLITS = splits
     PARTIALS = TILE_M * TILE_N  # dot products one block computes over its chunk
@@ -179,8 +185,7 @@ def build_split_shrink_kernel(
     add_products, X_WORDS, W_WORDS = word_products(dtype, packed, threads, tile_m, tile_n)
     add_up, TREE_WIDTH = block_sum(threads, PARTIALS)  # the row shrink's order
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
-    ACCUMULATE = accumulate
-    arrived_last, chunks_total = last_block_adds(splits)
+    arrived_last, add_chunks = last_block_adds(splits, out_dtype, accumulate)
 
     begin = prologue()
 
@@ -244,11 +249,7 @@ def build_split_shrink_kernel(
         if not arrived_last(arrivals, counter, last):
             return
         if mine:
-            total = chunks_total(partials, plane, row)
-            old = float32(0.0)
-            if ACCUMULATE:
-                old = load_out(out[out_slice, token[j], n])
-            out[out_slice, token[j], n] = store_out(old + scaling * total)
+            add_chunks(out, out_slice, token[j], n, partials, plane, row, scaling)
         if tid == 0:
             arrivals[counter] = 0  # ready for the next launch (and graph replay)
 
