@@ -229,14 +229,27 @@ def test_file_names_and_buckets():
 # Lookup
 # --------------------------------------------------------------------------- #
 def test_lookup_matches_op_dtype_and_slices_exactly(fake_gpu):
-    save(fake_gpu, entry())
+    save(fake_gpu, entry(), entry(dtype="fp32", config="rows_t128_m1_n8"))
     want = named("shrink", "rows_t256_m1_n2")
     assert shrink_call() == want
     assert tuned_config("shrink", "bf16", 1, 4096, 16, 16, 256, 16) == want  # a name for dtype
-    assert shrink_call(dtype=torch.float16) is None
+    assert shrink_call(dtype=torch.float32) == named("shrink", "rows_t128_m1_n8")
     assert shrink_call(slices=3) is None
     assert tuned_config("expand", torch.bfloat16, 1, 16, 4096, 16, 256, 16) is None
     assert tuned_table_path() == fake_gpu / FILE
+
+
+def test_a_16_bit_call_takes_the_other_16_bit_dtype_where_its_own_has_nothing_near(fake_gpu):
+    """bf16 and fp16 run the same kernels: an fp16 call with no fp16 entry near takes the
+    nearest bf16 one, and the other way round; its own dtype's entry wins wherever one is
+    near, however much nearer the other's; fp32 has no sibling."""
+    bf16, fp16 = "rows_t256_m1_n2", "rows_t128_m1_n8"
+    save(fake_gpu, entry(config=bf16), entry(config=fp16, dtype="fp16", T=2048))
+    assert shrink_call(dtype=torch.float16) == named("shrink", fp16)  # 3 away: still near
+    assert shrink_call(dtype=torch.float16, T=32, active=2) == named("shrink", bf16)  # 6 away
+    assert shrink_call(dtype=torch.bfloat16, T=2048, active=128) == named("shrink", bf16)
+    assert shrink_call(dtype=torch.bfloat16, T=2048, active=128, rank=32) == named("shrink", fp16)
+    assert shrink_call(dtype=torch.float32) is None
 
 
 def test_nearest_is_by_log_distance(fake_gpu):
