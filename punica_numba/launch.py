@@ -72,10 +72,7 @@ class LaunchConfig:
     the shrink ``tile_n`` ranks (0: every rank; else a block per group of ``tile_n``).
     An expand's blocks walk ``passes`` column groups each, striding by the grid: its
     tile's tokens and buffer rows are looked up and loaded once for them all, and a slice
-    narrower than the widest leaves fewer blocks idle. Its ``chunk`` (0: 64) is the ranks
-    whose buffer fragments a lane holds at once, a multiple of 16
-    (:mod:`.kernels.expand_mma`, "Ranks past 64"): a tile of more tokens holds more
-    fragments a rank, so it may take smaller chunks. A tensor-core shrink with
+    narrower than the widest leaves fewer blocks idle. A tensor-core shrink with
     ``splits`` > 1 also cuts K into that many chunks, a block each along grid.z, the last
     block of each tile and rank group adding the chunks' sums
     (:mod:`.kernels.shrink_mma_split`).
@@ -97,7 +94,7 @@ class LaunchConfig:
     spread: bool = True  # spread rank / column groups over grid.z, or loop inside the block
     passes: int = 1  # expand, spread: column groups each block walks (grid.z = groups / passes)
     micro: tuple[int, int] = (1, 1)  # tiled: the register tile of one thread
-    chunk: int = 0  # tiled: ranks staged in shared memory; mma expand: ranks held (0: 64)
+    chunk: int = 0  # tiled: ranks staged in shared memory at a time
     vec: int = 1  # row expand: output columns per thread
     splits: int = 1  # split or tensor-core shrink: the chunks K is cut into, a block each
     from_tokens_per_slot: float = 0.0
@@ -197,9 +194,6 @@ _SIMULATOR_CONFIGS = {
         # One warp, four 8-column tiles: a 16-byte word of output per lane and row where
         # the output allows; each block walks two column groups.
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=32, passes=2, from_tokens_per_slot=4),
-        # Two 16-token tiles a warp, 32 ranks of fragments held at once (the GPU's tiles of
-        # 32 tokens below): timed by the tuner only.
-        LaunchConfig("mma", threads=32, tile_m=32, tile_n=32, chunk=32, tuned_only=True),
     ),
 }
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
@@ -552,17 +546,6 @@ _GPU_CONFIGS = {
             to_rank=16,
             to_slices=1,
         ),
-        # Tiles of 32 or 64 tokens a warp: each word of B a lane loads feeds two or four
-        # product tiles, not one, and each buffer fragment as many column tiles as before.
-        # A lane holds m-tiles x 8-column tiles x 4 accumulators and m-tiles x 8 fragment
-        # registers a rank step of its chunk (fp32 buffer), so the larger tiles hold 32
-        # ranks of fragments at a time. Timed by the tuner only.
-        LaunchConfig("mma", threads=32, tile_m=32, tile_n=32, tuned_only=True),
-        LaunchConfig("mma", threads=32, tile_m=32, tile_n=64, tuned_only=True),
-        LaunchConfig("mma", threads=32, tile_m=32, tile_n=64, chunk=32, tuned_only=True),
-        LaunchConfig("mma", threads=64, tile_m=32, tile_n=128, chunk=32, tuned_only=True),
-        LaunchConfig("mma", threads=128, tile_m=32, tile_n=256, chunk=32, tuned_only=True),
-        LaunchConfig("mma", threads=32, tile_m=64, tile_n=32, chunk=32, tuned_only=True),
     ),
 }
 
@@ -715,8 +698,8 @@ def _fits(limit: int | None, value: int) -> bool:
 def config_name(config: LaunchConfig) -> str:
     """A short label, e.g. ``rows_t256_m1_n4``, ``rows_t128_m4_n512_v4`` (4 columns per
     thread), ``tiled_t256_m64_n128_u8x4_c16``, ``mma_t128_m16_n128`` or
-    ``mma_t64_m16_n128_p2`` (two column groups per block), ``mma_t32_m32_n64_c32`` (32
-    ranks of fragments held at once) or ``split_t128_m4_n4_k8`` (K in eight chunks)."""
+    ``mma_t64_m16_n128_p2`` (two column groups per block) or ``split_t128_m4_n4_k8`` (K
+    in eight chunks)."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
         name += f"_v{config.vec}"
@@ -724,8 +707,6 @@ def config_name(config: LaunchConfig) -> str:
         name += f"_p{config.passes}"
     if config.kernel == "tiled":
         name += f"_u{config.micro[0]}x{config.micro[1]}_c{config.chunk}"
-    elif config.chunk:
-        name += f"_c{config.chunk}"
     if config.kernel == "split" or config.splits > 1:
         name += f"_k{config.splits}"
     return name

@@ -33,7 +33,6 @@ from ..kernels import (
     splits,
 )
 from ..kernels.dtypes import packing
-from ..kernels.expand_mma import CHUNK_STEPS
 from ..launch import LaunchConfig, choose_launch_config, launch_configs
 from . import operands
 
@@ -230,7 +229,6 @@ def choose_expand(
             asking,
             asking and after_own_shrink,  # B before the wait
             dtype,  # of B and the output: bf16, or fp16 (two f16 products a tile)
-            config.chunk // 16 or CHUNK_STEPS,  # rank steps whose fragments a lane holds
         )
         # (the kernel places slices by 4-column words)
         return ExpandChoice(
