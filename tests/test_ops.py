@@ -200,11 +200,12 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
     right, at r=20 (three groups of 8 ranks where a block takes 8, the last one short)."""
     from .op_cases import Problem, ShrinkCase
 
-    built = []
-    build = choice.build_mma_shrink_kernel
-    monkeypatch.setattr(
-        choice, "build_mma_shrink_kernel", lambda *a: built.append(a[6]) or build(*a)
-    )  # (its arguments: dtypes, threads, tiles, accumulate, wide)
+    built = []  # the last argument of each build: wide
+    for name in ("build_mma_shrink_kernel", "build_split_mma_shrink_kernel"):  # (K split)
+        build = getattr(choice, name)
+        monkeypatch.setattr(
+            choice, name, lambda *a, build=build: built.append(a[-1]) or build(*a)
+        )  # (the arguments: dtypes, threads, tiles[, splits], accumulate, wide)
 
     def shrink(x, weights, out, *rest):
         if not aligned:
