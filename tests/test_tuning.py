@@ -393,12 +393,20 @@ def test_a_forced_configuration_still_wins(fake_gpu):
 # --------------------------------------------------------------------------- #
 # The tuner
 # --------------------------------------------------------------------------- #
+#: Whom the smoke run's table is for: the simulator, or on a GPU a name that is not
+#: "simulator", since the table names this machine's configurations and is checked
+#: against the table of its machine (:func:`punica_numba.tuning.table.table_machine`).
+SMOKE_GPU = "simulator" if launch.SIMULATOR else "Smoke GPU"
+SMOKE_FILE = table.table_file_name(SMOKE_GPU)
+
+
 @pytest.fixture
 def smoke(monkeypatch, tmp_path):
     """The tuner's smoke grid on this machine (the simulator's, also on a GPU); returns
-    the output folder. No table is consulted meanwhile."""
+    the output folder, where the table is :data:`SMOKE_FILE`. No table is consulted
+    meanwhile."""
     monkeypatch.setattr(sweep, "SIMULATOR", True)
-    monkeypatch.setattr(sweep, "gpu_name", lambda: "simulator")
+    monkeypatch.setattr(sweep, "gpu_name", lambda: SMOKE_GPU)
     monkeypatch.delenv(CONFIG_DIR_VARIABLE, raising=False)
     reload_tuned_tables()
     yield tmp_path / "out"
@@ -419,7 +427,7 @@ def counted(monkeypatch) -> list:
 
 def test_the_smoke_run_writes_a_valid_table(smoke, capsys):
     assert cli.main(["tune", "--quick", "--out", str(smoke)]) == 0
-    doc = read_table(smoke / "simulator.json")
+    doc = read_table(smoke / SMOKE_FILE)
     grid = sweep.smoke_grid()
     assert [entry_key(e) for e in doc["entries"]] == sorted(sweep.case_key(c) for c in grid)
     for e in doc["entries"]:
@@ -446,7 +454,7 @@ def test_resume_skips_the_keys_done(smoke, monkeypatch, capsys):
     assert swept == keys  # the two left
     assert sweep.main(["--out", str(smoke), "--resume"]) == 0
     assert swept == keys  # nothing left
-    assert len(read_table(smoke / "simulator.json")["entries"]) == 3
+    assert len(read_table(smoke / SMOKE_FILE)["entries"]) == 3
 
 
 def test_an_interrupted_run_keeps_its_work(smoke, monkeypatch):
@@ -462,7 +470,7 @@ def test_an_interrupted_run_keeps_its_work(smoke, monkeypatch):
     monkeypatch.setattr(sweep, "tune_case", interrupted)
     with pytest.raises(KeyboardInterrupt):
         sweep.main(["--out", str(smoke)])
-    doc = read_table(smoke / "simulator.json")
+    doc = read_table(smoke / SMOKE_FILE)
     assert [entry_key(e) for e in doc["entries"]] == [sweep.case_key(calls[0])]
 
 
@@ -479,10 +487,10 @@ def _fake_entry(case, *args, **kwargs):
 def test_the_budget_stops_before_a_problem_could_overrun(smoke, monkeypatch, capsys):
     monkeypatch.setattr(sweep, "tune_case", _fake_entry)
     assert sweep.main(["--out", str(smoke), "--budget-s", "0.3"]) == 0
-    assert len(read_table(smoke / "simulator.json")["entries"]) == 1  # 0.2 s, then 0.2 + 0.2
+    assert len(read_table(smoke / SMOKE_FILE)["entries"]) == 1  # 0.2 s, then 0.2 + 0.2
     assert "2 problems left" in capsys.readouterr().out
     assert sweep.main(["--out", str(smoke), "--resume"]) == 0
-    assert len(read_table(smoke / "simulator.json")["entries"]) == 3
+    assert len(read_table(smoke / SMOKE_FILE)["entries"]) == 3
 
 
 def _wrong_when(target_name: str, monkeypatch) -> None:
@@ -529,7 +537,7 @@ def test_a_configuration_that_fails_its_check_is_never_chosen(smoke, monkeypatch
     got = sweep.tune_case(case)
     assert target in got["failed"] and "relative error" in got["failed"][target]
     assert got["config"] != target and target not in got["times_us"]
-    doc = new_table("simulator", "0.1.0", "abc123")
+    doc = new_table(SMOKE_GPU, "0.1.0", "abc123")
     doc["entries"] = [got]
     validate_table(doc)
 
@@ -537,7 +545,7 @@ def test_a_configuration_that_fails_its_check_is_never_chosen(smoke, monkeypatch
 def test_a_problem_on_which_every_configuration_fails_is_unresolved(smoke, monkeypatch):
     _wrong_when("*", monkeypatch)
     assert sweep.main(["--out", str(smoke), "--part", "1/3"]) == 0
-    doc = read_table(smoke / "simulator.json")
+    doc = read_table(smoke / SMOKE_FILE)
     assert doc["entries"] == [] and len(doc["unresolved"]) == 1
     assert set(doc["unresolved"][0]["failed"]) == {config_name(c) for c in launch_configs("shrink")}
     swept = counted(monkeypatch)
