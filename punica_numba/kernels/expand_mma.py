@@ -115,8 +115,9 @@ builds that do not ask ahead), the build of r=64 with 64 columns a warp, one pas
 chunks 176 (132), held to :data:`MAX_REGISTERS` with 60 bytes of spills (bf16 B: 108).
 The outputs are rounded two at a time by ``cvt.rn.f16x2.f32`` (:func:`.dtypes.f16_pair`)
 and the old ones widened by ``cvt.f32.f16``. On the H200 (v34, b0b959b: the benchmark at
-fp16, ``h200_fp16.json``; the grid at 23fb2ea) the expand at r=64 took 0.32-0.67x the three
-products' time (256 tokens over 16 LoRAs 16.96 -> 6.47 µs; bf16 5.89) and on the grid's
+fp16, ``h200_fp16.json`` as committed then; the grid at 23fb2ea) the expand at r=64 took
+0.32-0.67x the three products' time (256 tokens over 16 LoRAs 16.96 -> 6.47 µs; bf16 5.89)
+and on the grid's
 fp16 cases past r=64 0.69-0.81x, but for BLOOM's QKV at r=128, 512 tokens on one LoRA
 (146.0 -> 170.6 µs), a build of chunks.
 
