@@ -821,13 +821,8 @@ def build_mma_expand_kernel(
                             a[base + 2 + half] = f16_pair(v2, v3)
                     continue
                 if WIDE_X:  # the lane's four k of the step, of each row: one 16-byte load
-                    for half in range(2):
-                        if BUFFER_FIRST:
-                            p = buffer_at(kk, mi, half)
-                            v0, v1 = buffer_values[p], buffer_values[p + 1]
-                            v2, v3 = buffer_values[p + 2], buffer_values[p + 3]
-                        else:
-                            v0, v1, v2, v3 = buffer_four(x, s, token, mi, half, kk, t)
+                    for half in range(2):  # (or the four held: BUFFER_FIRST)
+                        v0, v1, v2, v3 = four_values(x, s, token, mi, half, kk, t, buffer_values)
                         a[base + 4 + half], a[base + half] = split_pair(v0, v1)
                         a[base + 6 + half], a[base + 2 + half] = split_pair(v2, v3)
                     continue
