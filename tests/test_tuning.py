@@ -228,7 +228,7 @@ def test_file_names_and_buckets():
 # --------------------------------------------------------------------------- #
 # Lookup
 # --------------------------------------------------------------------------- #
-def test_lookup_matches_op_dtype_and_slices_exactly(fake_gpu):
+def test_lookup_matches_op_slices_and_dtype(fake_gpu):
     save(fake_gpu, entry(), entry(dtype="fp32", config="rows_t128_m1_n8"))
     want = named("shrink", "rows_t256_m1_n2")
     assert shrink_call() == want
@@ -394,8 +394,9 @@ def test_a_forced_configuration_still_wins(fake_gpu):
 # The tuner
 # --------------------------------------------------------------------------- #
 #: Whom the smoke run's table is for: the simulator, or on a GPU a name that is not
-#: "simulator", since the table names this machine's configurations and is checked
-#: against the table of its machine (:func:`punica_numba.tuning.table.table_machine`).
+#: "simulator": the table names this machine's configurations, and a table is checked
+#: against the configurations of the machine its name says
+#: (:func:`punica_numba.tuning.table.table_machine`).
 SMOKE_GPU = "simulator" if launch.SIMULATOR else "Smoke GPU"
 SMOKE_FILE = table.table_file_name(SMOKE_GPU)
 

@@ -117,9 +117,8 @@ The outputs are rounded two at a time by ``cvt.rn.f16x2.f32`` (:func:`.dtypes.f1
 and the old ones widened by ``cvt.f32.f16``. On the H200 (v34, b0b959b: the benchmark at
 fp16, ``h200_fp16.json`` as committed then; the grid at 23fb2ea) the expand at r=64 took
 0.32-0.67x the three products' time (256 tokens over 16 LoRAs 16.96 -> 6.47 µs; bf16 5.89)
-and on the grid's
-fp16 cases past r=64 0.69-0.81x, but for BLOOM's QKV at r=128, 512 tokens on one LoRA
-(146.0 -> 170.6 µs), a build of chunks.
+and on the grid's fp16 cases past r=64 0.69-0.81x, but for BLOOM's QKV at r=128, 512
+tokens on one LoRA (146.0 -> 170.6 µs), a build of chunks.
 
 *Three bf16 products* (``f16_products=False``; the build before the two f16 products,
 v31, kept for the comparison on a GPU). The bf16 product above with B split as well, for
