@@ -190,7 +190,9 @@ def test_asking_ahead_does_not_change_the_bits(monkeypatch):
     built = record_mma_expand_builds(monkeypatch)
     case = serving_expand_case(Problem([0] * 12 + [1] * 8, 20, 2, seed=3), 64, [128])
     _, asked = _run_under("expand", config, case)
-    record_mma_expand_builds(monkeypatch, change=lambda args: (*args[:12], False))
+    record_mma_expand_builds(
+        monkeypatch, change=lambda args: (*args[:12], False, False, *args[14:])
+    )
     _, plain = _run_under("expand", config, case)
     assert [a[12] for a, _ in built] == [True, False]  # (ask_ahead)
     assert torch.equal(asked, plain), "asking ahead changed the bits"
@@ -218,7 +220,9 @@ def test_the_code_before_the_wait_on_the_simulator(monkeypatch):
         return table, tokens, table.shape[0]
 
     monkeypatch.setattr(launching, "tiles", bound_grid)
-    built = record_mma_expand_builds(monkeypatch, change=lambda args: (*args[:13], args[12]))
+    built = record_mma_expand_builds(
+        monkeypatch, change=lambda args: (*args[:13], args[12], *args[14:])
+    )
     case = serving_expand_case(Problem([0] * 12 + [1] * 8, 20, 2, seed=3), 64, [128])
     build_mma_expand_kernel.cache_clear()  # (builds made without a dependent launch)
     try:
@@ -226,9 +230,11 @@ def test_the_code_before_the_wait_on_the_simulator(monkeypatch):
             _, asked = _run_under("expand", config, case)
     finally:
         build_mma_expand_kernel.cache_clear()  # (so no later test takes these builds)
-    record_mma_expand_builds(monkeypatch, change=lambda args: (*args[:12], False))
+    record_mma_expand_builds(
+        monkeypatch, change=lambda args: (*args[:12], False, False, *args[14:])
+    )
     _, plain = _run_under("expand", config, case)
-    assert [a[12:] for a, _ in built] == [(True, True), (False, False)]  # (ask_ahead, B early)
+    assert [a[12:14] for a, _ in built] == [(True, True), (False, False)]  # (ask_ahead, B early)
     assert all(table_rows > tiles for table_rows, tiles in rows), rows  # empty rows ran
     assert torch.equal(asked, plain), "the code before the wait changed the bits"
 

@@ -278,7 +278,9 @@ def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypat
     from .strategies import DEVICE
 
     clamped = []  # [True] while the builds are forced to clamp and check
-    builds = record_mma_expand_builds(monkeypatch, lambda a: a[:7] + (False,) if clamped else a)
+    builds = record_mma_expand_builds(
+        monkeypatch, lambda a: (*a[:7], False, *a[8:]) if clamped else a
+    )  # (argument 7: whole_groups)
     gen = torch.Generator().manual_seed(9)
     slots = torch.tensor([1, 0, 2, 2, -1, 0, 1, 1, 2, 0, 0, 2, 1, 2, 0, 1, 2, 1])
     per_warp = config.tile_n // (config.threads // 32)  # (128 columns for one warp of 128)
