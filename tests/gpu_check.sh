@@ -35,6 +35,10 @@
 #   SUITE_WORKERS   pytest-xdist workers for the suite (default 4; 0: one process)
 #   SUITE_TESTS     the suite's pytest targets (default: tests). The whole gpu profile took
 #                   over 10 minutes on an H200 with 8 workers (at 5d81db4): run it in parts
+#   SUITE_LIMIT     seconds after which the suite is stopped (its log still comes back)
+#   SUITE_DONE      the suite.log of an earlier run of the same commit: the tests it reports
+#                   passed or skipped are left out (tests/suite_parts.py), so that a run
+#                   a limit stopped is taken up where it stopped
 #   SAN_WORKERS     pytest-xdist workers for each sanitizer tool (default 2)
 #   BASE, ROUNDS    ab: the commit to compare with (required), rounds of each side (default 2)
 #   VLLM_SRC        moe: vLLM 0.33.0's source release, extracted (vllm-0.33.0/, with vllm/ in it)
@@ -130,8 +134,12 @@ if want suite; then
     workers=()
     [ "${SUITE_WORKERS:-4}" != 0 ] && workers=(-n "${SUITE_WORKERS:-4}")
     read -r -a targets <<<"${SUITE_TESTS:-tests}"
-    HYPOTHESIS_PROFILE=gpu "$PYTHON" -m pytest -q -p no:cacheprovider "${workers[@]}" "${targets[@]}" \
-        >"$OUT/suite.log" 2>&1 &
+    done_before=()  # the tests an earlier log of this commit reports done (tests/suite_parts.py)
+    [ -n "${SUITE_DONE:-}" ] && mapfile -t done_before < <("$PYTHON" tests/suite_parts.py "$SUITE_DONE")
+    limit=()
+    [ -n "${SUITE_LIMIT:-}" ] && limit=(timeout "$SUITE_LIMIT")
+    HYPOTHESIS_PROFILE=gpu "${limit[@]}" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider \
+        "${workers[@]}" "${targets[@]}" "${done_before[@]}" >"$OUT/suite.log" 2>&1 &
     pids+=($!)
 fi
 if want sanitize; then
