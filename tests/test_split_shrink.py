@@ -135,6 +135,16 @@ def _run(config: LaunchConfig, case: ShrinkCase) -> torch.Tensor:
     return outputs[0]
 
 
+def _assert_the_same_bits(first, twin, case) -> None:
+    """``first`` run twice and ``twin`` once on ``case``: every arrival counter back at zero
+    after them, and the three outputs the same bits."""
+    runs = [_run(first, case), _run(first, case), _run(twin, case)]
+    assert counters_at_zero()
+    for got in runs[1:]:
+        differ = got != runs[0]
+        assert not bool(differ.any()), f"different bits at {torch.nonzero(differ)[0].tolist()}"
+
+
 def test_the_same_bits_run_after_run_and_under_one_arithmetic_key():
     """No float atomics: the chunks' sums are added in order by whichever block comes last,
     so repeated runs give the same bits, and so do tiles and rank groups of other sizes
@@ -147,11 +157,7 @@ def test_the_same_bits_run_after_run_and_under_one_arithmetic_key():
     twin = split_config(threads, 1, 2, 3)
     assert first.arithmetic("shrink") == twin.arithmetic("shrink")
     assert first.arithmetic("shrink") != split_config(threads, 2, 4, 2).arithmetic("shrink")
-    runs = [_run(first, case), _run(first, case), _run(twin, case)]
-    assert counters_at_zero()
-    for got in runs[1:]:
-        differ = got != runs[0]
-        assert not bool(differ.any()), f"different bits at {torch.nonzero(differ)[0].tolist()}"
+    _assert_the_same_bits(first, twin, case)
 
 
 def test_the_tables_split_configurations_share_their_key():
@@ -431,11 +437,7 @@ def test_tensor_core_split_bits_under_one_key():
     assert launch.config_name(first).endswith("_k3") and not launch.config_name(unsplit).endswith(
         "_k1"
     )
-    runs = [_run(first, case), _run(first, case), _run(twin, case)]
-    assert counters_at_zero()
-    for got in runs[1:]:
-        differ = got != runs[0]
-        assert not bool(differ.any()), f"different bits at {torch.nonzero(differ)[0].tolist()}"
+    _assert_the_same_bits(first, twin, case)
 
 
 def test_tensor_core_split_takes_the_workspace_of_its_launch():
