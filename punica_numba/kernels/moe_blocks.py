@@ -29,9 +29,11 @@ buffer, reads and writes S * P * N of the output.
 
 from __future__ import annotations
 
+import functools
+
 from .._cuda import cuda
 
-__all__ = ["MAX_MOE_SLICES", "block_in_use", "read_pass"]
+__all__ = ["MAX_MOE_SLICES", "block_in_use", "chunk_reader", "read_pass"]
 
 #: Slices one launch takes: w13's gate and up (two weight arguments; w2 passes its one
 #: twice, and launches one slice).
@@ -79,3 +81,28 @@ def read_pass(rows, tile_m, g, first, sorted_ids, slot, start, pairs, num_pairs,
             if 0 <= p < num_pairs:
                 rows[i] = p if by_pair else p // top_k
     return True
+
+
+@functools.cache
+def chunk_reader(tile: int):
+    """The device function ``read_chunk(pair_of, sorted_ids, slot, start, first, pairs,
+    num_pairs)`` of the expands that walk a block's entries ``tile`` at a time: entries
+    ``first .. first + tile - 1`` of the block (``pairs`` entries from ``start`` of row
+    ``slot``), each one's pair into ``pair_of`` (-1 for padding and past the block);
+    it returns whether the chunk holds a pair. Every thread reads the same entries, so the
+    whole CUDA block agrees on the answer. ``tile`` is a constant, so the loop unrolls and
+    ``pair_of`` stays in registers."""
+    TILE = tile
+
+    @cuda.jit(device=True, inline="always")
+    def read_chunk(pair_of, sorted_ids, slot, start, first, pairs, num_pairs):
+        any_pair = False
+        for i in range(TILE):  # i in [0, TILE), unrolled
+            entry = first + i
+            pair = sorted_ids[slot, start + min(entry, pairs - 1)]
+            real = entry < pairs and 0 <= pair < num_pairs  # (padding is num_pairs)
+            pair_of[i] = pair if real else -1
+            any_pair = any_pair or real
+        return any_pair
+
+    return read_chunk

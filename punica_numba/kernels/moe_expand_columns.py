@@ -48,7 +48,7 @@ from numba import float32, int64
 from .._cuda import cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import four_float32_loader, loader, memory_type, packing, storer, word_loader
-from .moe_blocks import block_in_use
+from .moe_blocks import block_in_use, chunk_reader
 
 __all__ = ["build_moe_columns_expand_kernel"]
 
@@ -97,19 +97,7 @@ def build_moe_columns_expand_kernel(
     WIDE, WEIGHTED, ADD_INPUTS = wide, weighted, add_inputs
     W_WORD = memory_type(w_dtype, packed)
 
-    @cuda.jit(device=True, inline="always")
-    def read_chunk(pair_of, sorted_ids, slot, start, first, pairs, num_pairs):
-        """Entries ``first .. first + TILE_P - 1`` of the block: each one's pair into
-        ``pair_of`` (-1 for padding and past the block); whether the chunk holds a pair."""
-        any_pair = False
-        for i in range(TILE_P):  # i in [0, TILE_P), unrolled
-            entry = first + i
-            pair = sorted_ids[slot, start + min(entry, pairs - 1)]
-            real = entry < pairs and 0 <= pair < num_pairs  # (padding is num_pairs)
-            pair_of[i] = pair if real else -1
-            any_pair = any_pair or real
-        return any_pair
-
+    read_chunk = chunk_reader(TILE_P)
     begin = prologue()
 
     @jit_kernel(THREADS)
