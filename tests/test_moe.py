@@ -1021,3 +1021,85 @@ def test_version_5_takes_the_tensor_core_shrink_from_its_threshold(
     assert (average >= moe_ops.MMA_SHRINK_FROM_PAIRS and gate) == ("mma" in shrink)
     built = _run_version(5, case, d, blocks, B, monkeypatch)
     assert [name for name, _ in built] == [shrink, "build_moe_columns_expand_kernel"]
+
+
+# -- 8. version 6: a chunk of pairs at once, as outer products -------------------------------
+
+
+def _expand_call(dtype, *, rank, N, B, slices, mul, offset, add_inputs, columns):
+    """One expand's arguments (``ops.moe._Expand``) and B: a random fp32 buffer, y of
+    ``columns`` columns, slot 0 with B + 1 tokens on two experts (a full block and one of
+    the rest, with padding), slot 1 with one token, one token on none."""
+    tokens, top_k, E, L = B + 1, 2, 2, 2
+    M = tokens + 2
+    gen = torch.Generator().manual_seed(rank * 100 + N + B)
+    y = torch.randn(M, top_k, columns, generator=gen).to(DEVICE, dtype)
+    b = [torch.randn(L, E, N, rank, generator=gen).to(DEVICE, dtype) for _ in range(slices)]
+    buffer = torch.randn(slices, M * top_k, rank, generator=gen).to(DEVICE)
+    weights = torch.rand(M * top_k, generator=gen).to(DEVICE)
+    topk_ids = torch.tensor([[0, 1]] * M, device=DEVICE)
+    slots = torch.tensor([0] * tokens + [1, -1], device=DEVICE)
+    enabled = torch.ones(L, dtype=torch.int32, device=DEVICE)
+    blocks = align_pairs(topk_ids, slots, E, B, L, enabled)
+    metadata = (blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded,
+                enabled)  # fmt: skip
+    out = y.view(M * top_k, columns)
+    call = moe_ops._Expand(out, buffer, weights, metadata, B, mul, offset, add_inputs)
+    return call, b
+
+
+@pytest.mark.parametrize(
+    "dtype, rank, slices, mul, offset, add_inputs, past, chunks, packed_out",
+    [
+        # words of four outputs: column groups, chunks (the last one partial), two slices
+        (torch.bfloat16, 8, 2, False, 4, True, 4, (2, 1), True),
+        (torch.float16, 12, 1, True, 0, True, 8, (2, 3), True),  # w2: routing weights
+        (torch.bfloat16, 8, 2, False, 0, False, 0, (1, 0), True),  # without add_inputs
+        # element by element: a width past a word, an offset off a word, fp32
+        (torch.bfloat16, 6, 2, False, 1, True, 5, (2, 1), False),
+        (torch.float16, 8, 1, True, 2, True, 4, (1, 2), False),
+        (torch.float32, 5, 2, False, 0, False, 1, (1, 1), False),
+    ],
+)
+def test_version_6s_expand_gives_version_3s_bits(
+    dtype, rank, slices, mul, offset, add_inputs, past, chunks, packed_out, monkeypatch
+):
+    """The same sums in the same order: version 6's expand and version 3's, on one buffer,
+    store the same bits, in words of four outputs and element by element. Sizes from
+    version 6's own parameters: slices of ``past`` columns past two column groups (or of
+    one group), blocks of ``chunks = (whole, past)`` chunks and pairs past them."""
+    config = moe_ops.OUTER_EXPAND
+    group = config.threads * config.vec
+    N = group * (2 if past else 1) + past
+    B = config.chunk * chunks[0] + chunks[1]
+    columns = offset + slices * N + (offset % 4 or 4 * (offset > 0))  # a multiple of 4 or not
+    call, b = _expand_call(dtype, rank=rank, N=N, B=B, slices=slices, mul=mul, offset=offset,
+                           add_inputs=add_inputs, columns=columns)  # fmt: skip
+    assert moe_ops.outer_shape(rank, N, B) == (config.threads, config.chunk)
+    before = call.out.clone()
+    moe_ops._columns_expand(call, b)
+    want = call.out.clone()
+    call.out.copy_(before)
+    built = _recording_builds(
+        monkeypatch, [(moe_ops.outer_expand, "build_moe_outer_expand_kernel")]
+    )
+    moe_ops._outer_expand(call, b)
+    assert [args[7] for _, args in built] == [packed_out]
+    assert not torch.equal(want, before), "the expand changed nothing"
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+    differ = call.out.view(bits) != want.view(bits)
+    assert not bool(differ.any()), f"different bits at {torch.nonzero(differ)[0].tolist()}"
+
+
+def test_version_6s_expand_holds_at_most_its_values_in_registers():
+    """``outer_shape``: whole warps on a GPU (threads of 4 columns for the slice, up to the
+    most), and chunks no larger than the block nor than the registers allow."""
+    config = moe_ops.OuterExpand(threads=256, vec=4, chunk=16, values=160)
+    unit = 1 if moe_ops.SIMULATOR else 32
+    threads, chunk = moe_ops.outer_shape(16, 768, 16, config)
+    assert threads == 192 and chunk == 16  # w13 of Qwen3-30B-A3B: one group a slice
+    assert moe_ops.outer_shape(16, 2048, 16, config) == (256, 16)  # w2: two groups
+    assert moe_ops.outer_shape(16, 768, 5, config)[1] == 8  # the block's pairs, rounded up
+    assert moe_ops.outer_shape(64, 768, 16, config)[1] == 4  # 4 * 4 * 1.5 + 4 * 32 <= 160
+    assert moe_ops.outer_shape(256, 768, 16, config)[1] == 1  # at least one (B spills)
+    assert moe_ops.outer_shape(16, 10, 16, config)[0] == -(-3 // unit) * unit

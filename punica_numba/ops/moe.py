@@ -15,7 +15,9 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    :func:`tensor_core_words` allows it, else 3's;
 5. 4's shrink where the operands allow it and the call's pairs fill its blocks
    (:func:`pairs_per_block` at least :data:`MMA_SHRINK_FROM_PAIRS`), else 3's; 3's
-   expand always.
+   expand always;
+6. 5's shrinks, and the expand that takes a chunk of a block's pairs at once as outer
+   products (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`).
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -36,6 +38,7 @@ from .._checks import check_bool, check_int, check_sequence, check_tensor
 from .._cuda import KERNEL_DTYPES, SIMULATOR
 from ..kernels import moe_expand_columns as columns_expand
 from ..kernels import moe_expand_mma as mma_expand
+from ..kernels import moe_expand_outer as outer_expand
 from ..kernels import moe_shrink_mma as mma_shrink
 from ..kernels import moe_shrink_split as split_shrink
 from ..kernels import moe_shrink_tiled as tiled_shrink
@@ -55,7 +58,7 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4, 5)
+VERSIONS = (1, 2, 3, 4, 5, 6)
 #: The version a call takes unless it asks for another: 5. On the 30 cases of ``bench
 #: --moe`` on an H200 (docs/benchmarks/h200_moe_v5.json at 1ec6e02, h200_moe_v3.json at
 #: 282eaa9) it took 0.53-0.87x version 3's time where it takes the tensor-core shrink (10
@@ -152,6 +155,49 @@ MMA_EXPAND = (
     if SIMULATOR
     else MmaExpand(threads=128, m_tiles=1, n_tiles=4)
 )
+
+
+class OuterExpand(NamedTuple):
+    """Version 6's expand (:mod:`..kernels.moe_expand_outer`): the most threads a CUDA
+    block takes (fewer where a slice needs fewer: whole warps of ``vec`` columns each), the
+    neighbouring columns a thread owns, the most pairs it takes at once (fewer where the
+    block size is smaller, or where it would hold too much: :func:`outer_shape`), and
+    ``values``, the 32-bit registers a thread may hold across the sums."""
+
+    threads: int
+    vec: int
+    chunk: int
+    values: int
+
+
+#: Version 6's parameters. On the simulator few threads, of the 4 columns that fill one
+#: word, and chunks of 4 pairs (so that blocks of several chunks and slices of several
+#: column groups occur at test sizes). The GPU's fill an 8-byte word of 16-bit outputs a
+#: pair (4 columns: a warp's load of a pair is 256 neighbouring bytes) and take a block of
+#: 16 pairs at once; a first design, to be measured.
+OUTER_EXPAND = (
+    OuterExpand(threads=4, vec=4, chunk=4, values=160)
+    if SIMULATOR
+    else OuterExpand(threads=256, vec=4, chunk=16, values=160)
+)
+
+
+def outer_shape(
+    rank: int, width: int, block_size: int, config: OuterExpand = OUTER_EXPAND
+) -> tuple[int, int]:
+    """``(threads, chunk)`` of version 6's expand for a slice of ``width`` columns at
+    ``rank`` and ``block_size``: enough threads of ``config.vec`` columns for the slice
+    (whole warps on a GPU) up to ``config.threads``; and ``config.chunk`` pairs at once,
+    no more than a block holds, halved (to 1 at the least) while the thread's sums, its
+    old outputs (two to a register) and its words of B (two 16-bit elements to a
+    register) come to more than ``config.values`` registers."""
+    unit = 1 if SIMULATOR else 32
+    needed = -(-width // config.vec)  # threads of vec columns that cover the slice
+    threads = min(config.threads, -(-needed // unit) * unit)
+    chunk = min(config.chunk, 1 << max(0, (block_size - 1).bit_length()))
+    while chunk > 1 and chunk * config.vec * 3 // 2 + config.vec * rank // 2 > config.values:
+        chunk //= 2
+    return threads, chunk
 
 
 def tensor_core_words(x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor]):
@@ -327,7 +373,7 @@ def fused_moe_lora(
     if version >= 3:
         # The tensor-core shrink: version 4's, and 5's where its blocks are full enough.
         mma = version == 4 or (
-            version == 5 and pairs_per_block(num_pairs, L, E) >= MMA_SHRINK_FROM_PAIRS
+            version >= 5 and pairs_per_block(num_pairs, L, E) >= MMA_SHRINK_FROM_PAIRS
         )
         tensor_cores = tensor_core_words(x, a, b) if mma else None
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
@@ -340,6 +386,8 @@ def fused_moe_lora(
         )
         if version == 4 and tensor_cores is not None:
             _mma_expand(call, tensor_cores[2], x.dtype)
+        elif version == 6:
+            _outer_expand(call, b)
         else:
             _columns_expand(call, b)
         return
@@ -436,6 +484,34 @@ def _columns_expand(call: _Expand, b: list[torch.Tensor]) -> None:
         (blocks, slots, slices * column_groups),
         config.threads,
         (buffer, kernel_b[0], kernel_b[-1], out, weights, *metadata, block_size, offset),
+    )
+
+
+def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
+    """Version 6's expand: B as packed int64 words where every slice allows it, and the
+    output as words of four where :func:`..kernels.moe_expand_outer.words_out` allows."""
+    out, buffer, weights, metadata, block_size, by_pair, offset, add_inputs = call
+    blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
+    slices, width, rank = len(b), b[0].shape[2], b[0].shape[3]
+    config = OUTER_EXPAND
+    threads, chunk = outer_shape(rank, width, block_size, config)
+    b_words = [words(w) for w in b]
+    packed_b = all(w is not None for w in b_words)
+    packed_out = outer_expand.words_out(out, offset, width, config.vec)
+    wide_x = rank % 4 == 0 and buffer.data_ptr() % 16 == 0  # every buffer row at 16 bytes
+    expand = launcher_of(
+        outer_expand.build_moe_outer_expand_kernel(
+            b[0].dtype, out.dtype, threads, config.vec, chunk, rank, packed_b, packed_out,
+            wide_x, by_pair, add_inputs,
+        )
+    )  # fmt: skip
+    kernel_b = b_words if packed_b else b
+    kernel_out = out.view(torch.int64) if packed_out else out
+    column_groups = -(-width // (threads * config.vec))
+    expand(
+        (blocks, slots, slices * column_groups),
+        threads,
+        (buffer, kernel_b[0], kernel_b[-1], kernel_out, weights, *metadata, block_size, offset),
     )
 
 
