@@ -1049,33 +1049,39 @@ def _expand_call(dtype, *, rank, N, B, slices, mul, offset, add_inputs, columns)
 
 
 @pytest.mark.parametrize(
-    "dtype, rank, slices, mul, offset, add_inputs, past, chunks, packed_out",
+    "dtype, rank, slices, mul, offset, add_inputs, past, chunks, vec, pad, access",
     [
         # words of four outputs: column groups, chunks (the last one partial), two slices
-        (torch.bfloat16, 8, 2, False, 4, True, 4, (2, 1), True),
-        (torch.float16, 12, 1, True, 0, True, 8, (2, 3), True),  # w2: routing weights
-        (torch.bfloat16, 8, 2, False, 0, False, 0, (1, 0), True),  # without add_inputs
+        (torch.bfloat16, 8, 2, False, 4, True, 4, (2, 1), 4, 4, "words"),
+        (torch.float16, 12, 1, True, 0, True, 8, (2, 3), 4, 4, "words"),  # w2: routing weights
+        (torch.bfloat16, 8, 2, False, 0, False, 0, (1, 0), 4, 0, "words"),  # without add_inputs
+        # pairs of words, 16 bytes at a time
+        (torch.bfloat16, 16, 2, False, 8, True, 8, (2, 1), 8, 8, "pairs"),
+        (torch.float16, 8, 1, True, 0, False, 16, (1, 1), 8, 0, "pairs"),
+        (torch.bfloat16, 8, 1, False, 4, True, 8, (1, 1), 8, 4, "words"),  # offset off 16 bytes
         # element by element: a width past a word, an offset off a word, fp32
-        (torch.bfloat16, 6, 2, False, 1, True, 5, (2, 1), False),
-        (torch.float16, 8, 1, True, 2, True, 4, (1, 2), False),
-        (torch.float32, 5, 2, False, 0, False, 1, (1, 1), False),
+        (torch.bfloat16, 6, 2, False, 1, True, 5, (2, 1), 4, 1, "elements"),
+        (torch.float16, 8, 1, True, 2, True, 4, (1, 2), 4, 2, "elements"),
+        (torch.float32, 5, 2, False, 0, False, 1, (1, 1), 4, 0, "elements"),
     ],
 )
 def test_version_6s_expand_gives_version_3s_bits(
-    dtype, rank, slices, mul, offset, add_inputs, past, chunks, packed_out, monkeypatch
+    dtype, rank, slices, mul, offset, add_inputs, past, chunks, vec, pad, access, monkeypatch
 ):
     """The same sums in the same order: version 6's expand and version 3's, on one buffer,
-    store the same bits, in words of four outputs and element by element. Sizes from
-    version 6's own parameters: slices of ``past`` columns past two column groups (or of
-    one group), blocks of ``chunks = (whole, past)`` chunks and pairs past them."""
-    config = moe_ops.OUTER_EXPAND
+    store the same bits, element by element, in words of four outputs and in pairs of
+    words. Sizes from version 6's own parameters (``vec`` columns a thread): slices of
+    ``past`` columns past two column groups (or of one group), blocks of ``chunks =
+    (whole, past)`` chunks and pairs past them."""
+    config = moe_ops.OUTER_EXPAND._replace(vec=vec)
+    monkeypatch.setattr(moe_ops, "OUTER_EXPAND", config)
     group = config.threads * config.vec
     N = group * (2 if past else 1) + past
     B = config.chunk * chunks[0] + chunks[1]
-    columns = offset + slices * N + (offset % 4 or 4 * (offset > 0))  # a multiple of 4 or not
+    columns = offset + slices * N + pad  # y's columns: ``pad`` past the slices
     call, b = _expand_call(dtype, rank=rank, N=N, B=B, slices=slices, mul=mul, offset=offset,
                            add_inputs=add_inputs, columns=columns)  # fmt: skip
-    assert moe_ops.outer_shape(rank, N, B) == (config.threads, config.chunk)
+    assert moe_ops.outer_shape(rank, N, B, config) == (config.threads, config.chunk)
     before = call.out.clone()
     moe_ops._columns_expand(call, b)
     want = call.out.clone()
@@ -1084,7 +1090,8 @@ def test_version_6s_expand_gives_version_3s_bits(
         monkeypatch, [(moe_ops.outer_expand, "build_moe_outer_expand_kernel")]
     )
     moe_ops._outer_expand(call, b)
-    assert [args[7] for _, args in built] == [packed_out]
+    chosen = {(False, False): "elements", (True, False): "words", (True, True): "pairs"}
+    assert [chosen[args[7], args[8]] for _, args in built] == [access]
     assert not torch.equal(want, before), "the expand changed nothing"
     bits = torch.int16 if dtype.itemsize == 2 else torch.int32
     differ = call.out.view(bits) != want.view(bits)

@@ -12,7 +12,8 @@ times in a row, and each load moves one 2-byte output a thread. Here a CUDA bloc
 
 1. every thread reads the chunk's entries (the same for all of them: a broadcast) and at
    once asks for its old outputs of every pair of the chunk, ``VEC`` neighbouring columns
-   a pair in whole 8-byte words of four 16-bit outputs (:func:`words_out`);
+   a pair in whole 8-byte words of four 16-bit outputs (:func:`words_out`), two words in
+   one 16-byte load where ``VEC`` is 8 (:func:`wide_words_out`), else element by element;
 2. meanwhile the expert is looked up, the thread's rows of B are read (``VEC * r``
    elements, kept as words), and the block copies the chunk's buffer rows into shared
    memory, transposed (``xs[j * CHUNK + i]``: rank j of pair i), beside the routing
@@ -71,10 +72,12 @@ from .dtypes import (
     storer,
     word_halves,
     word_loader,
+    words_loader,
+    words_storer,
 )
 from .moe_blocks import block_in_use, chunk_reader
 
-__all__ = ["build_moe_outer_expand_kernel", "words_out"]
+__all__ = ["build_moe_outer_expand_kernel", "wide_words_out", "words_out"]
 
 #: 16-bit outputs in a word (an int64).
 WORD_OUTPUTS = 4
@@ -96,6 +99,20 @@ def words_out(out: torch.Tensor, offset: int, width: int, vec: int) -> bool:
     )
 
 
+def wide_words_out(out: torch.Tensor, offset: int, width: int, vec: int) -> bool:
+    """Whether, beyond :func:`words_out`, each thread's words go in pairs of one 16-byte
+    load or store: ``vec`` a multiple of 8 outputs, the rows' starts, ``offset`` and
+    ``width`` multiples of 8 elements, ``out`` at a multiple of 16 bytes."""
+    return (
+        words_out(out, offset, width, vec)
+        and vec % (2 * WORD_OUTPUTS) == 0
+        and offset % 8 == 0
+        and width % 8 == 0
+        and out.shape[1] % 8 == 0
+        and out.data_ptr() % 16 == 0
+    )
+
+
 @functools.cache
 def build_moe_outer_expand_kernel(
     w_dtype: torch.dtype,
@@ -106,6 +123,7 @@ def build_moe_outer_expand_kernel(
     rank: int,
     packed_b: bool,
     packed_out: bool,
+    wide_out: bool,
     wide_x: bool,
     weighted: bool,
     add_inputs: bool,
@@ -114,7 +132,8 @@ def build_moe_outer_expand_kernel(
     the neighbouring columns a thread owns (``vec``), the pairs taken at once (``chunk``),
     the rank, whether B arrives as packed int64 words (the rank a multiple of their
     elements), whether the output does (``packed_out``: :func:`words_out` holds, and
-    ``out`` is its int64 view), ``wide_x``: the caller's promise that every buffer row
+    ``out`` is its int64 view) and in pairs of words (``wide_out``:
+    :func:`wide_words_out` holds), ``wide_x``: the caller's promise that every buffer row
     starts at a multiple of 16 bytes (the rank a multiple of 4), and the op's two options.
 
     All of them size registers, shared memory or unrolled loops, so they are constants;
@@ -130,17 +149,24 @@ def build_moe_outer_expand_kernel(
             f"outputs in words take 16-bit outputs and a multiple of {WORD_OUTPUTS} columns a "
             f"thread, got {out_dtype} and {vec}"
         )
+    if wide_out and not (packed_out and vec % (2 * WORD_OUTPUTS) == 0):
+        raise ValueError(
+            f"16-byte outputs take outputs in words and a multiple of {2 * WORD_OUTPUTS} "
+            f"columns a thread, got packed_out={packed_out} and {vec}"
+        )
     load_w = word_loader(w_dtype, packed_b)
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     round_pair = f16_pair if out_dtype == torch.float16 else bf16_pair  # two fp32 -> 32 bits
     pair_values = f16_pair_values if out_dtype == torch.float16 else bf16_pair_values
     load_four = four_float32_loader(wide_x)
+    load_two, store_two = words_loader(wide_out), words_storer(wide_out)
     read_chunk = chunk_reader(chunk)
     THREADS, VEC, CHUNK, RANK = threads, vec, chunk, rank
     GROUP = THREADS * VEC  # columns a CUDA block owns
     WORDS_B = RANK // PACK_B  # words in a row of B
     W_WORD = memory_type(w_dtype, packed_b)
-    PACKED_OUT, WIDE_X, WEIGHTED, ADD_INPUTS = packed_out, wide_x, weighted, add_inputs
+    PACKED_OUT, WIDE_OUT, WIDE_X = packed_out, wide_out, wide_x
+    WEIGHTED, ADD_INPUTS = weighted, add_inputs
     OUT_WORDS = VEC // WORD_OUTPUTS if PACKED_OUT else 1  # a pair's words of the thread
     OLD = CHUNK * OUT_WORDS if PACKED_OUT else CHUNK * VEC  # old outputs held, words or values
     OLD_TYPE = int64 if PACKED_OUT else float32
@@ -195,7 +221,12 @@ def build_moe_outer_expand_kernel(
         ``last_out``."""
         for i in range(CHUNK):  # i in [0, CHUNK), unrolled
             row = out[max(pair_of[i], 0)]
-            if PACKED_OUT:
+            if WIDE_OUT:  # pairs of words, 16 bytes a load
+                for v in range(0, OUT_WORDS, 2):
+                    old[i * OUT_WORDS + v], old[i * OUT_WORDS + v + 1] = load_two(
+                        row, first_out + v
+                    )
+            elif PACKED_OUT:
                 for v in range(OUT_WORDS):
                     old[i * OUT_WORDS + v] = row[first_out + v]
             else:
@@ -297,7 +328,15 @@ def build_moe_outer_expand_kernel(
                     p = ps[i]
                     if p != -1 and inside:
                         row = out[p]
-                        if PACKED_OUT:
+                        if WIDE_OUT:
+                            for v in range(0, OUT_WORDS, 2):
+                                store_two(
+                                    row,
+                                    first_out + v,
+                                    new_word(acc, ws, old, i, v),
+                                    new_word(acc, ws, old, i, v + 1),
+                                )
+                        elif PACKED_OUT:
                             for v in range(OUT_WORDS):
                                 row[first_out + v] = new_word(acc, ws, old, i, v)
                         else:

@@ -498,11 +498,12 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
     b_words = [words(w) for w in b]
     packed_b = all(w is not None for w in b_words)
     packed_out = outer_expand.words_out(out, offset, width, config.vec)
+    wide_out = outer_expand.wide_words_out(out, offset, width, config.vec)
     wide_x = rank % 4 == 0 and buffer.data_ptr() % 16 == 0  # every buffer row at 16 bytes
     expand = launcher_of(
         outer_expand.build_moe_outer_expand_kernel(
             b[0].dtype, out.dtype, threads, config.vec, chunk, rank, packed_b, packed_out,
-            wide_x, by_pair, add_inputs,
+            wide_out, wide_x, by_pair, add_inputs,
         )
     )  # fmt: skip
     kernel_b = b_words if packed_b else b
