@@ -898,7 +898,15 @@ def test_version_4_crosses_its_tiles(projection, dtype, past, monkeypatch):
         "build_moe_mma_shrink_kernel",
         "build_moe_mma_expand_kernel",
     )
-    assert shrink_args == (dtype, shrink.threads, min(shrink.m_tiles, 2), shrink.n_tiles, False)
+    assert shrink_args == (
+        dtype,
+        shrink.threads,
+        min(shrink.m_tiles, 2),
+        shrink.n_tiles,
+        False,
+        1,
+        False,
+    )
     assert expand_args[:6] == (dtype, dtype, expand.threads, min(expand.m_tiles, 2),
                                expand.n_tiles, rank)  # fmt: skip
     assert rank % 16 and rank > 8 * shrink.n_tiles and N > 8 * expand.n_tiles
@@ -923,7 +931,7 @@ def test_version_4_takes_ranks_and_block_sizes(rank, B, slices, dtype, monkeypat
         "build_moe_mma_shrink_kernel",
         "build_moe_mma_expand_kernel",
     ]
-    assert built[0][1][-1] is True  # 16-byte loads of x and A
+    assert built[0][1][4] is True  # 16-byte loads of x and A
 
 
 @pytest.mark.parametrize(
@@ -1110,3 +1118,86 @@ def test_version_6s_expand_holds_at_most_its_values_in_registers():
     assert moe_ops.outer_shape(64, 768, 16, config)[1] == 4  # 4 * 4 * 1.5 + 4 * 32 <= 160
     assert moe_ops.outer_shape(256, 768, 16, config)[1] == 1  # at least one (B spills)
     assert moe_ops.outer_shape(16, 10, 16, config)[0] == -(-3 // unit) * unit
+
+
+def _shrink_buffers(dtype, *, rank, K, B, pairs, projection, monkeypatch):
+    """Version 5's tensor-core shrink and version 6's on one call (``_one_block_call``):
+    ``(five, six, built, want, listed)``, the two buffers, version 6's build, the float64
+    products and a mask of the (slice, pair) rows in a block."""
+    case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=4, B=B, projection=projection,
+                                      offset=0, pairs=pairs)  # fmt: skip
+    words = moe_ops.tensor_core_words(d["x"], d["lora_a"], d["lora_b"])
+    assert words is not None
+    P = d["topk_ids"].numel()
+    metadata = (blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded,
+                d["enabled"])  # fmt: skip
+    buffers = []
+    for runs in (False, True):
+        buffer = torch.full((case.S, P, rank), 7.0, device=DEVICE)  # a sentinel
+        call = moe_ops._Shrink(buffer, metadata, 2, B, case.mul)
+        if runs:
+            built = _recording_builds(
+                monkeypatch, [(moe_ops.mma_shrink, "build_moe_mma_shrink_kernel")]
+            )
+        moe_ops._mma_shrink(call, *words[:2], hidden=K, dtype=dtype, runs=runs)
+        buffers.append(buffer)
+    slots, ids = d["slots"], d["topk_ids"]
+    rows = d["x"].double() if case.mul else d["x"].double().repeat_interleave(2, 0)  # [P, K]
+    want = torch.zeros(case.S, P, rank, dtype=torch.float64, device=DEVICE)
+    listed = torch.zeros(P, dtype=torch.bool)
+    for p in range(P):
+        t, k = divmod(p, 2)
+        if slots[t] >= 0:
+            listed[p] = True
+            for s in range(case.S):
+                want[s, p] = d["lora_a"][s][slots[t], ids[t, k]].double() @ rows[p]
+    return buffers[0], buffers[1], built, want, listed
+
+
+@pytest.mark.parametrize(
+    "projection, dtype, rank, K, B, pairs",
+    [
+        ("w13", torch.bfloat16, 12, 32, 4, 33),  # runs of four blocks in one tile
+        ("w13", torch.float16, 20, 20, 8, 65),  # runs of four in a pass of two tiles
+        ("w2", torch.bfloat16, 16, 32, 8, 9),  # one slice, blocks one by one
+    ],
+)
+def test_version_6s_tensor_core_shrink_gives_version_5s_bits(
+    projection, dtype, rank, K, B, pairs, monkeypatch
+):
+    """Every slice in one CUDA block (w13, ranks side by side, a rank of no multiple of 8
+    so that a tile holds both slices') and runs of blocks of one expert in passes of
+    several tiles: the same products in the same order as version 5's one block and one
+    slice a CUDA block, so the same bits; each the float64 product, and no row of no block
+    written."""
+    five, six, built, want, listed = _shrink_buffers(dtype, rank=rank, K=K, B=B, pairs=pairs,
+                                                     projection=projection,
+                                                     monkeypatch=monkeypatch)  # fmt: skip
+    ((_, args),) = built
+    m_tiles, n_tiles, blocks, joint = args[2], args[3], args[5], args[6]
+    if projection == "w13":
+        assert joint and blocks == 4 and rank % 8  # a tile of both slices' ranks
+    else:
+        assert not joint and blocks == 1
+    assert m_tiles == min(moe_ops.MMA_SHRINK_RUNS.m_tiles, -(-blocks * B // 16))
+    ranks = 2 * rank if joint else rank
+    assert n_tiles == min(moe_ops.MMA_SHRINK_RUNS.n_tiles, -(-ranks // 8))
+    assert torch.equal(six.view(torch.int32), five.view(torch.int32)), "different bits"
+    torch.testing.assert_close(six[:, listed].double(), want[:, listed], rtol=1e-5, atol=1e-5)
+    assert bool((six[:, ~listed] == 7.0).all()), "a pair in no block was written"
+
+
+def test_version_6s_tensor_core_shrink_shape():
+    """``mma_shrink_runs``: both slices side by side where there are two; runs of blocks (a
+    power of two) only where the call's pairs average enough a (slot, expert) to fill them,
+    and passes of no more tiles than a run needs."""
+    config = moe_ops.MmaShrink(threads=128, m_tiles=4, n_tiles=4)
+    # Qwen3-30B-A3B's w13, 2048 tokens of top-8 on one adapter of 128 experts: 128 a block
+    assert moe_ops.mma_shrink_runs(2048 * 8, 1, 128, 16, 2, 16, config) == (4, 4, 4, True)
+    # 256 tokens on one adapter: 16 a (slot, expert), one block each
+    assert moe_ops.mma_shrink_runs(256 * 8, 1, 128, 16, 2, 16, config) == (1, 4, 1, True)
+    # 2048 tokens over 16 adapters: 8 a (slot, expert)
+    assert moe_ops.mma_shrink_runs(2048 * 8, 16, 128, 16, 1, 16, config) == (1, 2, 1, False)
+    assert moe_ops.mma_shrink_runs(4096 * 8, 1, 128, 16, 2, 64, config) == (4, 4, 4, True)
+    assert moe_ops.mma_shrink_runs(4096 * 8, 1, 128, 32, 1, 16, config) == (4, 2, 2, False)
+    assert moe_ops.mma_shrink_runs(4096 * 8, 1, 128, 64, 1, 8, config) == (4, 1, 1, False)

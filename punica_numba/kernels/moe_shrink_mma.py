@@ -10,10 +10,17 @@ are (exact products, fp32 sums), as :mod:`.shrink_mma` does for the linear shrin
 
 Work split:
 
-* ``blockIdx.x``: the block b of pairs of the row (:mod:`.moe_blocks`);
+* ``blockIdx.x``: ``BLOCKS`` blocks of pairs of the row (:mod:`.moe_blocks`), ``x *
+  BLOCKS ..``; one, unless the launcher asks for more;
 * ``blockIdx.y``: the row, the slot l;
 * ``blockIdx.z``: the slice s and a group of ``TILE_N = 8 * N_TILES`` ranks, ``z = s * G
-  + g`` with ``G = ceil(r / TILE_N)`` groups a slice;
+  + g`` with ``G = ceil(r / TILE_N)`` groups a slice; or, ``JOINT``, a group of the
+  slices' ranks side by side (``z = g``, ``G = ceil(S r / TILE_N)``): w13's gate and up
+  in one CUDA block, which then reads each pair's row of x once, not once a slice;
+* a CUDA block walks its blocks in runs that share an expert (neighbouring blocks of a
+  row often do: the align step cuts one (slot, expert)'s pairs into blocks side by
+  side), and a run's entries together, so that with ``BLOCKS`` > 1 and passes of
+  several 16-pair tiles a chunk of A is loaded once for up to ``TILE_M`` pairs;
 * inside a CUDA block the block's entries go in passes of ``TILE_M = 16 * M_TILES``
   (one pass at ``block_size <= TILE_M``); in a pass, K is cut in chunks of 32 elements
   (8 int64 words of four) and warp ``w`` takes chunks ``w, w + WARPS, ...``, adding
@@ -35,9 +42,14 @@ warp walks the same chunk count (past the last chunk with zero fragments), and a
 with no pair at all is skipped by the whole block together (each thread reads the same
 entries).
 
-Memory traffic per CUDA block in use (``p <= block_size`` pairs): ``TILE_N * K`` of A
-per pass (from L2 after the first rank group), ``p * K`` of x, ``p * TILE_N`` fp32
-stores. No GPU timing of it is recorded yet (docs/benchmarks).
+Memory traffic per pass (``p <= TILE_M`` pairs): ``TILE_N * K`` of A (from L2 after the
+first rank group), ``p * K`` of x, ``p * TILE_N`` fp32 stores. So the L2 moves about ``P
+* K * G_all + n_runs * S * r * K`` elements a call (``G_all``: the rank groups of all
+slices, 1 where ``JOINT`` takes all of them; ``n_runs``: the runs of passes), and both
+terms shrink with ``JOINT`` and ``BLOCKS``: w13 of Qwen3-30B-A3B at 2048 tokens on one
+adapter (16,384 pairs in about 1,100 blocks of 16, K = 2048, r = 16) moves about 280 MB
+one block and one slice a CUDA block, 210 MB ``JOINT``, 110 MB ``JOINT`` with 4 blocks
+(an estimate from these counts, not a measurement).
 """
 
 from __future__ import annotations
@@ -58,13 +70,23 @@ __all__ = ["build_moe_mma_shrink_kernel"]
 
 @functools.cache
 def build_moe_mma_shrink_kernel(
-    dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, wide: bool
+    dtype: torch.dtype,
+    threads: int,
+    m_tiles: int,
+    n_tiles: int,
+    wide: bool,
+    blocks: int = 1,
+    joint: bool = False,
 ):
     """The shrink, specialised on the dtype of x and A (bf16 or fp16), the threads per
     block (whole warps), the 16-pair tiles of one pass (``m_tiles``), the 8-rank tiles of
     one rank group (``n_tiles``), and ``wide``: the caller's promise that every row of x
     and A is a whole number of 16-byte pairs of words starting at a multiple of 16 bytes
     (one load for a lane's two words; else two, each checked against the row's end).
+
+    ``blocks``: the blocks of a row a CUDA block takes (runs of one expert go in passes
+    together); ``joint``: one CUDA block takes every slice's ranks, side by side (a lane
+    reads the row of A of its own rank, so an 8-rank tile may hold ranks of both).
 
     They must be constants: they size the fragment registers and the loops over them,
     which Numba unrolls only when the trip count is known.
@@ -85,6 +107,7 @@ def build_moe_mma_shrink_kernel(
     OUTPUTS = M_TILES * N_TILES * 4  # a lane's outputs of its warp's tiles
     SCRATCH_WARPS = WARPS if SIMULATOR else 1
     WIDE = wide
+    BLOCKS, JOINT = blocks, joint
 
     @cuda.jit(device=True, inline="always")
     def words_at(row, q, words, present):
@@ -97,6 +120,39 @@ def build_moe_mma_shrink_kernel(
 
     begin = prologue()
 
+    @cuda.jit(device=True, inline="always")
+    def run_of(b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, experts):
+        """``(start, entries, expert, next_b)``: the run of blocks from block b of the
+        CUDA block's own ``BLOCKS`` that share b's expert (one block unless
+        ``BLOCKS`` > 1), its first entry and entry count, and the block after it; expert
+        -1 where block b has nothing to do (:func:`.moe_blocks.block_in_use`)."""
+        end = (cuda.blockIdx.x + 1) * BLOCKS  # past the CUDA block's last block
+        if b >= expert_ids.shape[1]:  # (a grid of whole groups may pass the row's blocks)
+            return 0, 0, -1, end
+        start, pairs, expert = block_in_use(
+            b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, experts
+        )
+        next_b = b + 1
+        if BLOCKS > 1 and expert != -1:
+            in_use = min(num_post_pad[slot], sorted_ids.shape[1])  # entries of the row in use
+            while (
+                next_b < end
+                and next_b < expert_ids.shape[1]
+                and next_b * block_size < in_use
+                and expert_ids[slot, next_b] == expert
+            ):
+                pairs = min(pairs + block_size, sorted_ids.shape[1] - start)
+                next_b += 1
+        return start, pairs, expert, next_b
+
+    @cuda.jit(device=True, inline="always")
+    def slice_of(rank_index, rank):
+        """``(s, j)``: the slice and its rank of the CUDA block's rank ``rank_index``: with
+        ``JOINT`` the slices' ranks side by side (at most two slices), else the z slice's."""
+        if JOINT and rank_index >= rank:
+            return 1, rank_index - rank
+        return 0, rank_index
+
     @jit_kernel(THREADS)
     def moe_shrink_mma(
         x, w0, w1, out, sorted_ids, expert_ids, num_post_pad, enabled, top_k, block_size, by_pair
@@ -104,17 +160,17 @@ def build_moe_mma_shrink_kernel(
         # x: [M or P, K/4] int64 words; w*: [L, E, r, K/4] words; out: [S, P, r] fp32,
         # stored; sorted_ids: [L, EM]; expert_ids: [L, NB]; num_post_pad: [L]; enabled: [>= L]
         begin()  # wait for the kernels before this one (dependent_launch)
-        b, slot = cuda.blockIdx.x, cuda.blockIdx.y
+        slot = cuda.blockIdx.y
         rank, words = w0.shape[2], x.shape[1]
-        groups = (rank + TILE_N - 1) // TILE_N  # rank groups a slice
-        s = 1 if cuda.blockIdx.z >= groups else 0  # (at most two slices: no division)
-        n0 = (cuda.blockIdx.z - s * groups) * TILE_N  # the group's first rank
-        w = w0 if s == 0 else w1
-        start, pairs, expert = block_in_use(
-            b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, w.shape[1]
-        )
-        if expert == -1:
-            return  # the whole block leaves together, before any barrier
+        if JOINT:  # every slice's ranks in one row of rank groups (module notes)
+            s = 0
+            ranks = out.shape[0] * rank
+            n0 = cuda.blockIdx.z * TILE_N  # the group's first rank of the slices side by side
+        else:
+            groups = (rank + TILE_N - 1) // TILE_N  # rank groups a slice
+            s = 1 if cuda.blockIdx.z >= groups else 0  # (at most two slices: no division)
+            ranks = rank
+            n0 = (cuda.blockIdx.z - s * groups) * TILE_N  # the group's first rank
         num_pairs = out.shape[1]
         chunks = (words + 7) // 8  # 32 elements = 8 words a chunk
         tid = cuda.threadIdx.x
@@ -129,51 +185,67 @@ def build_moe_mma_shrink_kernel(
         aw = cuda.local.array(A_WORDS, int64)  # aw[nj * 2 + step]
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
 
-        for first in range(0, pairs, TILE_M):  # passes: entries first .. first + TILE_M - 1
-            # passes with no pair are skipped by the whole block; row_of: the lane's tile rows
-            if not read_pass(
-                row_of, TILE_M, g, first, sorted_ids, slot, start, pairs, num_pairs, top_k, by_pair
-            ):
-                continue
-            for o in range(OUTPUTS):
-                acc[o] = float32(0.0)
+        b = cuda.blockIdx.x * BLOCKS
+        while b < (cuda.blockIdx.x + 1) * BLOCKS:  # runs of blocks of one expert
+            start, pairs, expert, b = run_of(
+                b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, w0.shape[1]
+            )
+            if expert == -1:
+                continue  # the whole CUDA block together: every thread reads the same
+            for first in range(0, pairs, TILE_M):  # passes: entries first .. first + TILE_M - 1
+                # passes with no pair are skipped by the whole block; row_of: the lane's rows
+                if not read_pass(
+                    row_of, TILE_M, g, first, sorted_ids, slot, start, pairs, num_pairs, top_k,
+                    by_pair,
+                ):  # fmt: skip
+                    continue
+                for o in range(OUTPUTS):
+                    acc[o] = float32(0.0)
 
-            for c0 in range(0, chunks, WARPS):  # every warp the same trips: chunk c0 + warp
-                q = 8 * (c0 + warp) + 2 * t  # the lane's first word of the chunk
-                for i in range(ROWS):
-                    xw[2 * i], xw[2 * i + 1] = words_at(
-                        x[max(row_of[i], 0)], q, words, row_of[i] >= 0
-                    )
-                for nj in range(N_TILES):
-                    n = min(n0 + 8 * nj + g, rank - 1)  # past the rank: never stored
-                    aw[2 * nj], aw[2 * nj + 1] = words_at(w[slot, expert, n], q, words, True)
-                for step in range(2):  # the chunk's first words, then its second
-                    for mi in range(M_TILES):
-                        # rows g, g + 8: a0, a1 (low halves), a2, a3 (high halves)
-                        a0, a2 = word_halves(xw[2 * (2 * mi) + step])
-                        a1, a3 = word_halves(xw[2 * (2 * mi + 1) + step])
-                        for nj in range(N_TILES):
-                            b0, b1 = word_halves(aw[2 * nj + step])
-                            o = (mi * N_TILES + nj) * 4
-                            add_product(acc, o, a0, a1, a2, a3, b0, b1, my_scratch)
+                for c0 in range(0, chunks, WARPS):  # every warp the same trips: chunk c0 + warp
+                    q = 8 * (c0 + warp) + 2 * t  # the lane's first word of the chunk
+                    for i in range(ROWS):
+                        xw[2 * i], xw[2 * i + 1] = words_at(
+                            x[max(row_of[i], 0)], q, words, row_of[i] >= 0
+                        )
+                    for nj in range(N_TILES):
+                        sj, n = slice_of(min(n0 + 8 * nj + g, ranks - 1), rank)  # past: not stored
+                        if sj + s == 0:  # (one branch a load, not a choice of arrays)
+                            aw[2 * nj], aw[2 * nj + 1] = words_at(
+                                w0[slot, expert, n], q, words, True
+                            )
+                        else:
+                            aw[2 * nj], aw[2 * nj + 1] = words_at(
+                                w1[slot, expert, n], q, words, True
+                            )
+                    for step in range(2):  # the chunk's first words, then its second
+                        for mi in range(M_TILES):
+                            # rows g, g + 8: a0, a1 (low halves), a2, a3 (high halves)
+                            a0, a2 = word_halves(xw[2 * (2 * mi) + step])
+                            a1, a3 = word_halves(xw[2 * (2 * mi + 1) + step])
+                            for nj in range(N_TILES):
+                                b0, b1 = word_halves(aw[2 * nj + step])
+                                o = (mi * N_TILES + nj) * 4
+                                add_product(acc, o, a0, a1, a2, a3, b0, b1, my_scratch)
 
-            for mi in range(M_TILES):
-                for nj in range(N_TILES):
-                    for q4 in range(4):  # (g + 8 (q4 // 2), 2t + q4 % 2) of the product tile
-                        row = 16 * mi + g + 8 * (q4 // 2)
-                        column = 8 * nj + 2 * t + q4 % 2
-                        partials[warp, row, column] = acc[(mi * N_TILES + nj) * 4 + q4]
-            cuda.syncthreads()
-            for e in range(tid, TILE_M * TILE_N, THREADS):  # e in [0, TILE_M * TILE_N)
-                row, column = e // TILE_N, e % TILE_N
-                entry = first + row
-                if entry < pairs and n0 + column < rank:
-                    p = sorted_ids[slot, start + entry]
-                    if 0 <= p < num_pairs:
-                        total = partials[0, row, column]
-                        for v in range(1, WARPS):  # the warps' partials, in warp order
-                            total += partials[v, row, column]
-                        out[s, p, n0 + column] = total
-            cuda.syncthreads()  # the partials are reused by the next pass
+                for mi in range(M_TILES):
+                    for nj in range(N_TILES):
+                        for q4 in range(4):  # (g + 8 (q4 // 2), 2t + q4 % 2) of the product tile
+                            row = 16 * mi + g + 8 * (q4 // 2)
+                            column = 8 * nj + 2 * t + q4 % 2
+                            partials[warp, row, column] = acc[(mi * N_TILES + nj) * 4 + q4]
+                cuda.syncthreads()
+                for e in range(tid, TILE_M * TILE_N, THREADS):  # e in [0, TILE_M * TILE_N)
+                    row, column = e // TILE_N, e % TILE_N
+                    entry = first + row
+                    if entry < pairs and n0 + column < ranks:
+                        p = sorted_ids[slot, start + entry]
+                        if 0 <= p < num_pairs:
+                            total = partials[0, row, column]
+                            for v in range(1, WARPS):  # the warps' partials, in warp order
+                                total += partials[v, row, column]
+                            sj, j = slice_of(n0 + column, rank)
+                            out[s + sj, p, j] = total
+                cuda.syncthreads()  # the partials are reused by the next pass
 
     return moe_shrink_mma

@@ -16,8 +16,10 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
 5. 4's shrink where the operands allow it and the call's pairs fill its blocks
    (:func:`pairs_per_block` at least :data:`MMA_SHRINK_FROM_PAIRS`), else 3's; 3's
    expand always;
-6. 5's shrinks, and the expand that takes a chunk of a block's pairs at once as outer
-   products (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`).
+6. 5's choice of shrink, the tensor-core one taking every slice in one CUDA block and
+   runs of blocks of one expert together (:data:`MMA_SHRINK_RUNS`, :func:`mma_shrink_runs`),
+   and the expand that takes a chunk of a block's pairs at once as outer products
+   (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`).
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -200,6 +202,44 @@ def outer_shape(
     return threads, chunk
 
 
+#: Version 6's tensor-core shrink: the most 16-pair tiles of a pass and 8-rank tiles of a
+#: group (the launcher takes fewer where the call needs fewer: :func:`mma_shrink_runs`). On
+#: the simulator tiles that two slices and runs of two blocks cross at test sizes. The GPU's
+#: are a first design for Qwen3-30B-A3B's layer (w13: both slices' 16 ranks in four tiles;
+#: runs of up to four blocks of 16 pairs), not yet timed.
+MMA_SHRINK_RUNS = (
+    MmaShrink(threads=64, m_tiles=2, n_tiles=2)
+    if SIMULATOR
+    else MmaShrink(threads=128, m_tiles=4, n_tiles=4)
+)
+
+
+def mma_shrink_runs(
+    num_pairs: int,
+    slots: int,
+    experts: int,
+    block_size: int,
+    slices: int,
+    rank: int,
+    config: MmaShrink = MMA_SHRINK_RUNS,
+) -> tuple[int, int, int, bool]:
+    """``(m_tiles, n_tiles, blocks, joint)`` of version 6's tensor-core shrink: every
+    slice's ranks in one CUDA block where there are two (``joint``: each pair's row of x
+    read once, not once a slice), in up to ``config.n_tiles`` tiles of 8; and, where the
+    call's pairs average enough a (slot, expert) (:func:`pairs_per_block`) to fill them,
+    ``blocks`` neighbouring blocks a CUDA block (a power of two), taken in passes of up to
+    ``config.m_tiles`` tiles of 16 pairs, so that a chunk of A is read once for a run of
+    blocks of one expert, not once a block."""
+    joint = slices > 1
+    n_tiles = min(config.n_tiles, -(-(slices * rank if joint else rank) // 8))
+    average = pairs_per_block(num_pairs, slots, experts)
+    blocks = 1
+    while 2 * blocks * block_size <= min(16 * config.m_tiles, average):
+        blocks *= 2
+    m_tiles = min(config.m_tiles, -(-(blocks * block_size) // 16))
+    return m_tiles, n_tiles, blocks, joint
+
+
 def tensor_core_words(x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor]):
     """Version 4's gate: ``(x, a, b)`` as int64 words of four elements when the tensor
     cores can take them, else None (and the call runs version 3's kernels).
@@ -378,7 +418,7 @@ def fused_moe_lora(
         tensor_cores = tensor_core_words(x, a, b) if mma else None
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
         if tensor_cores is not None:
-            _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype)
+            _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=version == 6)
         else:
             _split_shrink(shrink, x, a)
         call = _Expand(
@@ -517,24 +557,42 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
 
 
 def _mma_shrink(
-    call: _Shrink, x: torch.Tensor, a: list[torch.Tensor], *, hidden: int, dtype: torch.dtype
+    call: _Shrink,
+    x: torch.Tensor,
+    a: list[torch.Tensor],
+    *,
+    hidden: int,
+    dtype: torch.dtype,
+    runs: bool = False,
 ) -> None:
     """Version 4's shrink (and 5's, where the blocks are full): x and A of ``dtype`` as
-    int64 words (:func:`tensor_core_words`), K being ``hidden`` elements."""
+    int64 words (:func:`tensor_core_words`), K being ``hidden`` elements. With ``runs``
+    (version 6) the shape of :func:`mma_shrink_runs`: every slice in one CUDA block, and
+    runs of blocks where the call's pairs fill them."""
     buffer, metadata, top_k, block_size, by_pair = call
-    rank = buffer.shape[2]
+    rank, num_pairs = buffer.shape[2], buffer.shape[1]
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
-    config = MMA_SHRINK
-    n_tiles = min(config.n_tiles, -(-rank // 8))
-    m_tiles = min(config.m_tiles, -(-block_size // 16))  # of the 16-pair tiles a block needs
+    if runs:
+        config = MMA_SHRINK_RUNS
+        experts = a[0].shape[1]
+        m_tiles, n_tiles, group, joint = mma_shrink_runs(
+            num_pairs, slots, experts, block_size, len(a), rank, config
+        )
+    else:
+        config, group, joint = MMA_SHRINK, 1, False
+        n_tiles = min(config.n_tiles, -(-rank // 8))
+        m_tiles = min(config.m_tiles, -(-block_size // 16))  # of the 16-pair tiles a block needs
     # 16-byte loads where every row is whole 16-byte pairs of words at multiples of 16
     wide = hidden % 8 == 0 and all(rows_start_at(t, 16) for t in (x, *a))
     shrink = launcher_of(
-        mma_shrink.build_moe_mma_shrink_kernel(dtype, config.threads, m_tiles, n_tiles, wide)
+        mma_shrink.build_moe_mma_shrink_kernel(
+            dtype, config.threads, m_tiles, n_tiles, wide, group, joint
+        )
     )
-    rank_groups = -(-rank // (8 * n_tiles))
+    ranks = len(a) * rank if joint else rank  # the ranks one row of rank groups covers
+    rank_groups = -(-ranks // (8 * n_tiles)) * (1 if joint else len(a))
     shrink(
-        (blocks, slots, len(a) * rank_groups),
+        (-(-blocks // group), slots, rank_groups),
         config.threads,
         (x, a[0], a[-1], buffer, *metadata, top_k, block_size, by_pair),
     )
