@@ -1,0 +1,118 @@
+"""Version 6's MoE kernels against version 5's, and their shapes against each other.
+
+A probe for the H200, written at f43fae1 and not yet run. Version 6 (``ops.moe``) keeps
+version 5's choice between the shrinks, but its tensor-core shrink takes both slices of w13
+in one CUDA block and runs of neighbouring blocks of one expert in passes of several tiles
+(``ops.moe.MMA_SHRINK_RUNS``, ``mma_shrink_runs``), and its expand is
+:mod:`punica_numba.kernels.moe_expand_outer`: a chunk of a block's pairs at once, their old
+outputs asked for together in words, their buffer rows staged in shared memory, outer
+products a rank (``ops.moe.OUTER_EXPAND``). Both are first designs; the variants below are
+the shapes to choose from (ptxas 13.0 for sm_90, static, registers at r=16):
+
+* expand (threads at most, columns a thread, pairs at once, registers held):
+  ``vec4_chunk16``, the shipped one, 8-byte words and a block of 16 pairs in one chunk (163
+  registers at w13's 192 threads); ``vec4_chunk8`` (79) and ``vec4_chunk4``, fewer pairs at
+  once and more CUDA blocks an SM; ``vec8_chunk8``, 16-byte loads and stores, 96 threads for
+  w13's 768 columns (147); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
+  four groups, not two);
+* shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles): ``mma_m4_n4``, the
+  shipped one (runs of up to four blocks; 232 registers with both slices); ``mma_m2_n4``
+  (152) and ``mma_m1_n4`` (110), shorter runs.
+
+For each case of ``bench --moe`` named on the command line (default: w13 and w2 at 16, 256
+and 2048 tokens on 1 and 16 adapters), the op is timed as the benchmark times it
+(``bench_moe.run_case``: checked against the reference, then CUDA-graph replays over a
+pool larger than the L2) at version 5, at version 6 as shipped, then at version 6 with each
+variant in place of the shipped shape of its kernel.
+
+Run on a GPU from the repository root: ``python docs/benchmarks/probes/moe_version_6.py
+[--limit SECONDS] [CASE ...]`` (a case as ``w13:2048:16``). Prints one JSON line: per case,
+µs of each and its relative error.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from punica_numba import bench, bench_moe
+from punica_numba.ops import moe as moe_ops
+
+VARIANTS = {  # name: (kernel, its shape's fields)
+    "vec4_chunk16": ("expand", 256, 4, 16, 160),
+    "vec4_chunk8": ("expand", 256, 4, 8, 160),
+    "vec4_chunk4": ("expand", 256, 4, 4, 160),
+    "vec8_chunk8": ("expand", 256, 8, 8, 160),
+    "vec4_chunk16_128": ("expand", 128, 4, 16, 160),
+    "mma_m4_n4": ("shrink", 128, 4, 4),
+    "mma_m2_n4": ("shrink", 128, 2, 4),
+    "mma_m1_n4": ("shrink", 128, 1, 4),
+}
+
+#: The cases run unless others are named: (projection, tokens, adapters).
+CASES = [(p, T, n) for p in ("w13", "w2") for T in (16, 256, 2048) for n in (1, 16)]
+
+
+def build(kernel, *config):
+    """The kernel a variant launches for Qwen3-30B-A3B's w13 at 2048 tokens on one adapter
+    (768 columns and K = 2048, r=16, bf16, blocks of 16, add_inputs), built."""
+    if kernel == "shrink":
+        config = moe_ops.MmaShrink(*config)
+        shape = moe_ops.mma_shrink_runs(2048 * 8, 1, 128, 16, 2, 16, config)
+        m_tiles, n_tiles, blocks, joint = shape
+        return moe_ops.mma_shrink.build_moe_mma_shrink_kernel(
+            torch.bfloat16, config.threads, m_tiles, n_tiles, True, blocks, joint
+        )
+    config = moe_ops.OuterExpand(*config)
+    threads, chunk = moe_ops.outer_shape(16, 768, 16, config)
+    wide = config.vec % 8 == 0
+    return moe_ops.outer_expand.build_moe_outer_expand_kernel(
+        torch.bfloat16, torch.bfloat16, threads, config.vec, chunk, 16, True, True, wide, True,
+        False, True,
+    )  # fmt: skip
+
+
+def _case(text: str) -> bench_moe.MoECase:
+    projection, tokens, adapters = text.split(":")
+    return bench_moe.MoECase(projection, int(tokens), int(adapters))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="*", type=_case)
+    parser.add_argument("--limit", type=float, default=1e9, help="stop after this many seconds")
+    args = parser.parse_args(argv)
+    cases = args.cases or [bench_moe.MoECase(*c) for c in CASES]
+    bandwidth = bench.copy_bandwidth_tbps()
+    shipped = {"expand": moe_ops.OUTER_EXPAND, "shrink": moe_ops.MMA_SHRINK_RUNS}
+    names = {"expand": "OUTER_EXPAND", "shrink": "MMA_SHRINK_RUNS"}
+    shapes = {"expand": moe_ops.OuterExpand, "shrink": moe_ops.MmaShrink}
+    runs = [("version_5", 5, None), ("version_6", 6, None)]
+    runs += [(name, 6, variant) for name, variant in VARIANTS.items()]
+    start, rows = time.time(), []
+    try:
+        for case in cases:
+            if time.time() - start > args.limit:
+                break
+            row = {"case": case.name}
+            for name, version, variant in runs:
+                for kernel, config in shipped.items():  # the shipped shapes, then one variant's
+                    setattr(moe_ops, names[kernel], config)
+                if variant is not None:
+                    kernel, *config = variant
+                    setattr(moe_ops, names[kernel], shapes[kernel](*config))
+                record = bench_moe.run_case(case, bandwidth, version)
+                row[name] = {"us": record["us"], "relative_error": record["relative_error"]}
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(row, file=sys.stderr, flush=True)
+    finally:
+        for kernel, config in shipped.items():
+            setattr(moe_ops, names[kernel], config)
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "cases": rows}))
+
+
+if __name__ == "__main__":
+    main()
