@@ -17,7 +17,11 @@ the shapes to choose from (ptxas 13.0 for sm_90, static, registers at r=16):
   four groups, not two);
 * shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles): ``mma_m4_n4``, the
   shipped one (runs of up to four blocks; 232 registers with both slices); ``mma_m2_n4``
-  (152) and ``mma_m1_n4`` (110), shorter runs.
+  (152) and ``mma_m1_n4`` (110), shorter runs;
+* the split shrink of blocks of few pairs, the same in both versions (threads, ranks and
+  pairs of a chunk, strides of K whose loads go together; ``ops.moe.SPLIT_SHRINK``, shipped
+  ``(64, 4, 2, 2)``, whose 8 words of K a thread at K = 2048 go in 4 trips): ``split_u4``
+  and ``split_u8``, 2 trips and 1; ``split_t128_u4``, 128 threads, 1 trip.
 
 For each case of ``bench --moe`` named on the command line (default: w13 and w2 at 16, 256
 and 2048 tokens on 1 and 16 adapters), the op is timed as the benchmark times it
@@ -49,6 +53,9 @@ VARIANTS = {  # name: (kernel, its shape's fields)
     "mma_m4_n4": ("shrink", 128, 4, 4),
     "mma_m2_n4": ("shrink", 128, 2, 4),
     "mma_m1_n4": ("shrink", 128, 1, 4),
+    "split_u4": ("split", 64, 4, 2, 4),
+    "split_u8": ("split", 64, 4, 2, 8),
+    "split_t128_u4": ("split", 128, 4, 2, 4),
 }
 
 #: The cases run unless others are named: (projection, tokens, adapters).
@@ -58,6 +65,8 @@ CASES = [(p, T, n) for p in ("w13", "w2") for T in (16, 256, 2048) for n in (1, 
 def build(kernel, *config):
     """The kernel a variant launches for Qwen3-30B-A3B's w13 at 2048 tokens on one adapter
     (768 columns and K = 2048, r=16, bf16, blocks of 16, add_inputs), built."""
+    if kernel == "split":
+        return moe_ops.split_shrink.build_moe_split_shrink_kernel(torch.bfloat16, *config, True)
     if kernel == "shrink":
         config = moe_ops.MmaShrink(*config)
         shape = moe_ops.mma_shrink_runs(2048 * 8, 1, 128, 16, 2, 16, config)
@@ -86,9 +95,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     cases = args.cases or [bench_moe.MoECase(*c) for c in CASES]
     bandwidth = bench.copy_bandwidth_tbps()
-    shipped = {"expand": moe_ops.OUTER_EXPAND, "shrink": moe_ops.MMA_SHRINK_RUNS}
-    names = {"expand": "OUTER_EXPAND", "shrink": "MMA_SHRINK_RUNS"}
+    names = {"expand": "OUTER_EXPAND", "shrink": "MMA_SHRINK_RUNS", "split": "SPLIT_SHRINK"}
+    shipped = {kernel: getattr(moe_ops, name) for kernel, name in names.items()}
     shapes = {"expand": moe_ops.OuterExpand, "shrink": moe_ops.MmaShrink}
+    shapes["split"] = moe_ops.SplitShrink
     runs = [("version_5", 5, None), ("version_6", 6, None)]
     runs += [(name, 6, variant) for name, variant in VARIANTS.items()]
     start, rows = time.time(), []
