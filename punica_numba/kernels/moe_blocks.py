@@ -33,11 +33,22 @@ import functools
 
 from .._cuda import cuda
 
-__all__ = ["MAX_MOE_SLICES", "block_in_use", "chunk_reader", "read_pass"]
+__all__ = ["MAX_MOE_SLICES", "block_in_use", "chunk_reader", "read_pass", "slice_and_group"]
 
 #: Slices one launch takes: w13's gate and up (two weight arguments; w2 passes its one
 #: twice, and launches one slice).
 MAX_MOE_SLICES = 2
+
+
+@cuda.jit(device=True, inline="always")
+def slice_and_group(size, tile):
+    """``(s, first)`` of this CUDA block's ``blockIdx.z = s * G + g``: its slice s and the
+    first index (a column of the expand, a rank of the shrink) of its group g of ``tile``,
+    with ``G = ceil(size / tile)`` groups a slice of ``size``. At most two slices, so no
+    division by G."""
+    groups = (size + tile - 1) // tile
+    s = 1 if cuda.blockIdx.z >= groups else 0
+    return s, (cuda.blockIdx.z - s * groups) * tile
 
 
 @cuda.jit(device=True)

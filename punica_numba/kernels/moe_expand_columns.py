@@ -48,7 +48,7 @@ from numba import float32, int64
 from .._cuda import cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import four_float32_loader, loader, memory_type, packing, storer, word_loader
-from .moe_blocks import block_in_use, chunk_reader
+from .moe_blocks import block_in_use, chunk_reader, slice_and_group
 
 __all__ = ["build_moe_columns_expand_kernel"]
 
@@ -110,9 +110,7 @@ def build_moe_columns_expand_kernel(
         begin()  # wait for the kernels before this one (dependent_launch)
         b, slot = cuda.blockIdx.x, cuda.blockIdx.y
         width = w0.shape[2]
-        groups = (width + GROUP - 1) // GROUP  # column groups a slice
-        s = 1 if cuda.blockIdx.z >= groups else 0  # (at most two slices: no division)
-        n0 = (cuda.blockIdx.z - s * groups) * GROUP  # the group's first column
+        s, n0 = slice_and_group(width, GROUP)  # the slice, the group's first column
         w = w0 if s == 0 else w1
         column0 = offset + s * width
         num_pairs = out.shape[0]

@@ -60,7 +60,7 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import four_float32_loader, loader, storer, word_halves
 from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into, split_f16_pair, split_pair
-from .moe_blocks import block_in_use, read_pass
+from .moe_blocks import block_in_use, read_pass, slice_and_group
 
 __all__ = ["build_moe_mma_expand_kernel"]
 
@@ -122,8 +122,7 @@ def build_moe_mma_expand_kernel(
         begin()  # wait for the kernels before this one (dependent_launch)
         b, slot = cuda.blockIdx.x, cuda.blockIdx.y
         width = w0.shape[2]
-        groups = (width + BLOCK_N - 1) // BLOCK_N  # column groups a slice
-        s = 1 if cuda.blockIdx.z >= groups else 0  # (at most two slices: no division)
+        s, group_n0 = slice_and_group(width, BLOCK_N)  # the slice, the group's first column
         w = w0 if s == 0 else w1
         start, pairs, expert = block_in_use(
             b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, w.shape[1]
@@ -135,7 +134,7 @@ def build_moe_mma_expand_kernel(
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
-        n0 = (cuda.blockIdx.z - s * groups) * BLOCK_N + warp * WARP_N  # the warp's first column
+        n0 = group_n0 + warp * WARP_N  # the warp's first column
         scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
         my_scratch = scratch[warp if SIMULATOR else 0]
 

@@ -63,7 +63,7 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import word_halves, words_loader
 from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into
-from .moe_blocks import block_in_use, read_pass
+from .moe_blocks import block_in_use, read_pass, slice_and_group
 
 __all__ = ["build_moe_mma_shrink_kernel"]
 
@@ -167,10 +167,8 @@ def build_moe_mma_shrink_kernel(
             ranks = out.shape[0] * rank
             n0 = cuda.blockIdx.z * TILE_N  # the group's first rank of the slices side by side
         else:
-            groups = (rank + TILE_N - 1) // TILE_N  # rank groups a slice
-            s = 1 if cuda.blockIdx.z >= groups else 0  # (at most two slices: no division)
+            s, n0 = slice_and_group(rank, TILE_N)  # the slice, the group's first rank
             ranks = rank
-            n0 = (cuda.blockIdx.z - s * groups) * TILE_N  # the group's first rank
         num_pairs = out.shape[1]
         chunks = (words + 7) // 8  # 32 elements = 8 words a chunk
         tid = cuda.threadIdx.x

@@ -48,7 +48,7 @@ from numba import float32, int64
 from .._cuda import cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import memory_type, packing, word_loader
-from .moe_blocks import block_in_use
+from .moe_blocks import block_in_use, slice_and_group
 from .shrink import block_sum
 
 __all__ = ["build_moe_split_shrink_kernel"]
@@ -111,9 +111,7 @@ def build_moe_split_shrink_kernel(
         begin()  # wait for the kernels before this one (dependent_launch)
         b, slot = cuda.blockIdx.x, cuda.blockIdx.y
         rank, words = w0.shape[2], x.shape[1]
-        groups = (rank + TILE_N - 1) // TILE_N  # rank groups a slice
-        s = 1 if cuda.blockIdx.z >= groups else 0  # (at most two slices: no division)
-        n0 = (cuda.blockIdx.z - s * groups) * TILE_N  # the group's first rank
+        s, n0 = slice_and_group(rank, TILE_N)  # the slice, the group's first rank
         w = w0 if s == 0 else w1
         num_pairs = out.shape[1]
         tid = cuda.threadIdx.x
