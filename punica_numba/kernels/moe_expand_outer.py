@@ -154,13 +154,15 @@ def build_moe_outer_expand_kernel(
             f"16-byte outputs take outputs in words and a multiple of {2 * WORD_OUTPUTS} "
             f"columns a thread, got packed_out={packed_out} and {vec}"
         )
+    if not SIMULATOR and threads % 32:
+        raise ValueError(f"threads must be whole warps on a GPU, got {threads}")
     load_w = word_loader(w_dtype, packed_b)
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     round_pair = f16_pair if out_dtype == torch.float16 else bf16_pair  # two fp32 -> 32 bits
     pair_values = f16_pair_values if out_dtype == torch.float16 else bf16_pair_values
     load_four = four_float32_loader(wide_x)
     load_two, store_two = words_loader(wide_out), words_storer(wide_out)
-    read_chunk = chunk_reader(chunk)
+    read_chunk = chunk_reader(chunk, by_warp=True)  # (whole warps on a GPU: below)
     THREADS, VEC, CHUNK, RANK = threads, vec, chunk, rank
     GROUP = THREADS * VEC  # columns a CUDA block owns
     WORDS_B = RANK // PACK_B  # words in a row of B
@@ -178,6 +180,9 @@ def build_moe_outer_expand_kernel(
     XS_ALIGNMENT = None if SIMULATOR else 16
     QUADS = RANK // 4  # 16-byte loads in a buffer row (wide_x)
     STAGED = CHUNK * QUADS if WIDE_X else CHUNK * RANK  # loads of one chunk's buffer rows
+    # the turns of the block's threads at those loads, and at the chunk's entries: constants,
+    # so that the loops unroll (one turn where the block has the threads)
+    STAGE_ROUNDS, ENTRY_ROUNDS = -(-STAGED // THREADS), -(-CHUNK // THREADS)
 
     @cuda.jit(device=True, inline="always")
     def stage(xs, ps, ws, x, weights, s, sorted_ids, slot, start, first, pairs, num_pairs, tid):
@@ -185,8 +190,10 @@ def build_moe_outer_expand_kernel(
         weights into ``ws``, shared by the block's threads: zeros (and pair -1) for padding
         and past the block. (The epilogue reads the pairs from ``ps``, so that no thread
         holds them in registers through the sums.)"""
-        v = tid
-        while v < STAGED:  # the block's threads take the loads in turn
+        for rounds in range(STAGE_ROUNDS):  # the block's threads take the loads in turn
+            v = tid + rounds * THREADS
+            if v >= STAGED:
+                break
             i = v // QUADS if WIDE_X else v // RANK
             entry = first + i
             p = sorted_ids[slot, start + min(entry, pairs - 1)]
@@ -203,16 +210,16 @@ def build_moe_outer_expand_kernel(
             else:
                 j = v - i * RANK
                 xs[j * CHUNK + i] = row[j] if real else float32(0.0)
-            v += THREADS
-        i = tid
-        while i < CHUNK:
+        for rounds in range(ENTRY_ROUNDS):
+            i = tid + rounds * THREADS
+            if i >= CHUNK:
+                break
             entry = first + i
             p = sorted_ids[slot, start + min(entry, pairs - 1)]
             real = entry < pairs and 0 <= p < num_pairs
             ps[i] = p if real else -1
             if WEIGHTED:
                 ws[i] = weights[p] if real else float32(0.0)
-            i += THREADS
 
     @cuda.jit(device=True, inline="always")
     def load_old(old, out, pair_of, first_out, last_out):

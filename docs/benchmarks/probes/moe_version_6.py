@@ -1,6 +1,6 @@
 """Version 6's MoE kernels against version 5's, and their shapes against each other.
 
-A probe for the H200, written at f43fae1 and not yet run. Version 6 (``ops.moe``) keeps
+A probe for the H200, written at f43fae1 (registers below as of the next commit) and not yet run. Version 6 (``ops.moe``) keeps
 version 5's choice between the shrinks, but its tensor-core shrink takes both slices of w13
 in one CUDA block and runs of neighbouring blocks of one expert in passes of several tiles
 (``ops.moe.MMA_SHRINK_RUNS``, ``mma_shrink_runs``), and its expand is
@@ -10,10 +10,10 @@ products a rank (``ops.moe.OUTER_EXPAND``). Both are first designs; the variants
 the shapes to choose from (ptxas 13.0 for sm_90, static, registers at r=16):
 
 * expand (threads at most, columns a thread, pairs at once, registers held):
-  ``vec4_chunk16``, the shipped one, 8-byte words and a block of 16 pairs in one chunk (163
-  registers at w13's 192 threads); ``vec4_chunk8`` (79) and ``vec4_chunk4``, fewer pairs at
+  ``vec4_chunk16``, the shipped one, 8-byte words and a block of 16 pairs in one chunk (158
+  registers at w13's 192 threads); ``vec4_chunk8`` (93) and ``vec4_chunk4``, fewer pairs at
   once and more CUDA blocks an SM; ``vec8_chunk8``, 16-byte loads and stores, 96 threads for
-  w13's 768 columns (147); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
+  w13's 768 columns (128); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
   four groups, not two);
 * shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles): ``mma_m4_n4``, the
   shipped one (runs of up to four blocks; 232 registers with both slices); ``mma_m2_n4``
