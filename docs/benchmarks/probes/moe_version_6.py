@@ -1,13 +1,14 @@
 """Version 6's MoE kernels against version 5's, and their shapes against each other.
 
-A probe for the H200, written at f43fae1 (registers below as of the next commit) and not yet run. Version 6 (``ops.moe``) keeps
-version 5's choice between the shrinks, but its tensor-core shrink takes both slices of w13
-in one CUDA block and runs of neighbouring blocks of one expert in passes of several tiles
-(``ops.moe.MMA_SHRINK_RUNS``, ``mma_shrink_runs``), and its expand is
-:mod:`punica_numba.kernels.moe_expand_outer`: a chunk of a block's pairs at once, their old
-outputs asked for together in words, their buffer rows staged in shared memory, outer
-products a rank (``ops.moe.OUTER_EXPAND``). Both are first designs; the variants below are
-the shapes to choose from (ptxas 13.0 for sm_90, static, registers at r=16):
+A probe for the H200, written at f43fae1 and not yet run (the registers below are those of
+dc60358's kernels). Version 6 (``ops.moe``) keeps version 5's choice between the shrinks,
+but its tensor-core shrink takes both slices of w13 in one CUDA block and runs of
+neighbouring blocks of one expert in passes of several tiles (``ops.moe.MMA_SHRINK_RUNS``,
+``mma_shrink_runs``), and its expand is :mod:`punica_numba.kernels.moe_expand_outer`: a
+chunk of a block's pairs at once, their old outputs asked for together in words, their
+buffer rows staged in shared memory, outer products a rank (``ops.moe.OUTER_EXPAND``). Both
+are first designs; the variants below are the shapes to choose from (ptxas 13.0 for sm_90,
+static, registers at r=16):
 
 * expand (threads at most, columns a thread, pairs at once, registers held):
   ``vec4_chunk16``, the shipped one, 8-byte words and a block of 16 pairs in one chunk (158
