@@ -71,21 +71,30 @@ def block_in_use(b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_
 
 
 @cuda.jit(device=True, inline="always")
-def read_pass(rows, tile_m, g, first, sorted_ids, slot, start, pairs, num_pairs, top_k, by_pair):
+def read_pass(
+    rows, tile_m, g, first, sorted_ids, slot, start, pairs, num_pairs, top_k, by_pair, joined
+):
     """The pass of entries ``first .. first + tile_m - 1`` of a tensor-core kernel's block
-    (``pairs`` entries from ``start`` of row ``slot``): False when none of them holds a
-    pair (an id below ``num_pairs``: padding is ``num_pairs``); every thread reads the
-    same entries, so the whole block skips such a pass together. Else True, and
-    ``rows[i]`` is the input row of the lane's tile row ``g + 8 i``, the pass's entry
-    ``16 (i // 2) + g + 8 (i % 2)`` (``i < tile_m // 8``): its pair p where the input has
-    a row per pair (``by_pair``), else its token ``p // top_k``; -1 for padding and past
-    the block."""
-    any_pair = False
-    for e in range(first, min(first + tile_m, pairs)):  # e in [first, first + tile_m)
-        p = sorted_ids[slot, start + e]
-        any_pair = any_pair or 0 <= p < num_pairs
-    if not any_pair:
-        return False
+    (``pairs`` entries from ``start`` of row ``slot``): ``rows[i]`` is the input row of the
+    lane's tile row ``g + 8 i``, the pass's entry ``16 (i // 2) + g + 8 (i % 2)`` (``i <
+    tile_m // 8``): its pair p where the input has a row per pair (``by_pair``), else its
+    token ``p // top_k``; -1 for padding and past the block. Returns whether any entry of
+    the pass holds a pair (an id below ``num_pairs``: padding is ``num_pairs``), the same
+    answer in every thread, so that the whole CUDA block skips an empty pass together.
+
+    Two ways to agree (``joined``, a constant): every thread reads every entry of the pass
+    before its own rows (the same reads in every thread); or a warp's lanes, which together
+    read every entry of the pass for their rows, join their answers with one
+    ``syncthreads_or`` (every thread of the block must call it), which spares a thread
+    ``tile_m`` reads in a row."""
+    if not joined:
+        any_pair = False
+        for e in range(first, min(first + tile_m, pairs)):  # e in [first, first + tile_m)
+            p = sorted_ids[slot, start + e]
+            any_pair = any_pair or 0 <= p < num_pairs
+        if not any_pair:
+            return False
+    mine = 0  # whether one of the lane's rows holds a pair
     for i in range(tile_m // 8):  # i in [0, tile_m / 8), unrolled: tile_m is a constant
         entry = first + 16 * (i // 2) + g + 8 * (i % 2)
         rows[i] = -1
@@ -93,6 +102,9 @@ def read_pass(rows, tile_m, g, first, sorted_ids, slot, start, pairs, num_pairs,
             p = sorted_ids[slot, start + entry]
             if 0 <= p < num_pairs:
                 rows[i] = p if by_pair else p // top_k
+                mine = 1
+    if joined:
+        return cuda.syncthreads_or(mine) != 0
     return True
 
 

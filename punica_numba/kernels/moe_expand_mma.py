@@ -162,7 +162,18 @@ def build_moe_mma_expand_kernel(
         for first in range(0, pairs, TILE_M):  # passes: entries first .. first + TILE_M - 1
             # passes with no pair are skipped by the whole block; pair_of: the lane's tile rows
             if not read_pass(
-                pair_of, TILE_M, g, first, sorted_ids, slot, start, pairs, num_pairs, 1, True
+                pair_of,
+                TILE_M,
+                g,
+                first,
+                sorted_ids,
+                slot,
+                start,
+                pairs,
+                num_pairs,
+                1,
+                True,
+                False,
             ):
                 continue
 

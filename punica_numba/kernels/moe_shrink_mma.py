@@ -108,6 +108,11 @@ def build_moe_mma_shrink_kernel(
     SCRATCH_WARPS = WARPS if SIMULATOR else 1
     WIDE = wide
     BLOCKS, JOINT = blocks, joint
+    # Whether a pass's emptiness is found by one barrier (``syncthreads_or``) over the rows
+    # each lane reads anyway, rather than by every thread reading every entry: for version
+    # 6's builds (runs of blocks or both slices), whose passes can be 64 entries long;
+    # version 5's keep the reads that were timed (moe_blocks.read_pass).
+    JOINED = BLOCKS > 1 or JOINT
 
     @cuda.jit(device=True, inline="always")
     def words_at(row, q, words, present):
@@ -133,7 +138,7 @@ def build_moe_mma_shrink_kernel(
             b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, experts
         )
         next_b = b + 1
-        if BLOCKS > 1 and expert != -1:
+        if expert != -1:
             in_use = min(num_post_pad[slot], sorted_ids.shape[1])  # entries of the row in use
             while (
                 next_b < end
@@ -153,6 +158,79 @@ def build_moe_mma_shrink_kernel(
             return 1, rank_index - rank
         return 0, rank_index
 
+    @cuda.jit(device=True, inline="always")
+    def load_a(aw, w, w1, slot, expert, n0, ranks, rank, q, words, g):
+        """The lane's words of A for each 8-rank tile of the chunk at word q: rows of ``w``
+        (the z slice's), or, ``JOINT``, of w0 (``w``) or w1, whichever slice the lane's
+        rank lies in (a branch a load, not a choice of arrays)."""
+        for nj in range(N_TILES):
+            sj, n = slice_of(min(n0 + 8 * nj + g, ranks - 1), rank)  # past: never stored
+            if sj == 0:
+                aw[2 * nj], aw[2 * nj + 1] = words_at(w[slot, expert, n], q, words, True)
+            else:
+                aw[2 * nj], aw[2 * nj + 1] = words_at(w1[slot, expert, n], q, words, True)
+
+    @cuda.jit(device=True, inline="always")
+    def passes(
+        x, w, w1, out, sorted_ids, slot, start, pairs, expert, s, n0, ranks, rank, top_k,
+        by_pair, partials, my_scratch, row_of, xw, aw, acc,
+    ):  # fmt: skip
+        """The passes of ``pairs`` entries from ``start``, all of ``expert``: each pass's
+        products on the tensor cores, the warps' partial tiles added in shared memory, and
+        each output stored by one thread."""
+        num_pairs = out.shape[1]
+        words = x.shape[1]
+        chunks = (words + 7) // 8  # 32 elements = 8 words a chunk
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        for first in range(0, pairs, TILE_M):  # passes: entries first .. first + TILE_M - 1
+            # passes with no pair are skipped by the whole block; row_of: the lane's rows
+            if not read_pass(
+                row_of, TILE_M, g, first, sorted_ids, slot, start, pairs, num_pairs, top_k,
+                by_pair, JOINED,
+            ):  # fmt: skip
+                continue
+            for o in range(OUTPUTS):
+                acc[o] = float32(0.0)
+
+            for c0 in range(0, chunks, WARPS):  # every warp the same trips: chunk c0 + warp
+                q = 8 * (c0 + warp) + 2 * t  # the lane's first word of the chunk
+                for i in range(ROWS):
+                    xw[2 * i], xw[2 * i + 1] = words_at(
+                        x[max(row_of[i], 0)], q, words, row_of[i] >= 0
+                    )
+                load_a(aw, w, w1, slot, expert, n0, ranks, rank, q, words, g)
+                for step in range(2):  # the chunk's first words, then its second
+                    for mi in range(M_TILES):
+                        # rows g, g + 8: a0, a1 (low halves), a2, a3 (high halves)
+                        a0, a2 = word_halves(xw[2 * (2 * mi) + step])
+                        a1, a3 = word_halves(xw[2 * (2 * mi + 1) + step])
+                        for nj in range(N_TILES):
+                            b0, b1 = word_halves(aw[2 * nj + step])
+                            o = (mi * N_TILES + nj) * 4
+                            add_product(acc, o, a0, a1, a2, a3, b0, b1, my_scratch)
+
+            for mi in range(M_TILES):
+                for nj in range(N_TILES):
+                    for q4 in range(4):  # (g + 8 (q4 // 2), 2t + q4 % 2) of the product tile
+                        row = 16 * mi + g + 8 * (q4 // 2)
+                        column = 8 * nj + 2 * t + q4 % 2
+                        partials[warp, row, column] = acc[(mi * N_TILES + nj) * 4 + q4]
+            cuda.syncthreads()
+            for e in range(tid, TILE_M * TILE_N, THREADS):  # e in [0, TILE_M * TILE_N)
+                row, column = e // TILE_N, e % TILE_N
+                entry = first + row
+                if entry < pairs and n0 + column < ranks:
+                    p = sorted_ids[slot, start + entry]
+                    if 0 <= p < num_pairs:
+                        total = partials[0, row, column]
+                        for v in range(1, WARPS):  # the warps' partials, in warp order
+                            total += partials[v, row, column]
+                        sj, j = slice_of(n0 + column, rank)
+                        out[s + sj, p, j] = total
+            cuda.syncthreads()  # the partials are reused by the next pass
+
     @jit_kernel(THREADS)
     def moe_shrink_mma(
         x, w0, w1, out, sorted_ids, expert_ids, num_post_pad, enabled, top_k, block_size, by_pair
@@ -161,7 +239,7 @@ def build_moe_mma_shrink_kernel(
         # stored; sorted_ids: [L, EM]; expert_ids: [L, NB]; num_post_pad: [L]; enabled: [>= L]
         begin()  # wait for the kernels before this one (dependent_launch)
         slot = cuda.blockIdx.y
-        rank, words = w0.shape[2], x.shape[1]
+        rank = w0.shape[2]
         if JOINT:  # every slice's ranks in one row of rank groups (module notes)
             s = 0
             ranks = out.shape[0] * rank
@@ -169,81 +247,36 @@ def build_moe_mma_shrink_kernel(
         else:
             s, n0 = slice_and_group(rank, TILE_N)  # the slice, the group's first rank
             ranks = rank
-        num_pairs = out.shape[1]
-        chunks = (words + 7) // 8  # 32 elements = 8 words a chunk
-        tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
+        w = w0 if s == 0 else w1  # (JOINT: w0, and load_a takes w1 where a rank is its)
         scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
-        my_scratch = scratch[warp if SIMULATOR else 0]
+        my_scratch = scratch[cuda.threadIdx.x // 32 if SIMULATOR else 0]
         partials = cuda.shared.array((WARPS, TILE_M, TILE_N), float32)
-
         row_of = cuda.local.array(ROWS, int64)  # the input row of tile row g + 8 i, -1: none
         xw = cuda.local.array(X_WORDS, int64)  # xw[i * 2 + step]
         aw = cuda.local.array(A_WORDS, int64)  # aw[nj * 2 + step]
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
 
+        if BLOCKS == 1:  # one block: its expert, or leave (the whole CUDA block together)
+            start, pairs, expert = block_in_use(
+                cuda.blockIdx.x, slot, block_size, sorted_ids, num_post_pad, enabled,
+                expert_ids, w.shape[1],
+            )  # fmt: skip
+            if expert == -1:
+                return
+            passes(
+                x, w, w1, out, sorted_ids, slot, start, pairs, expert, s, n0, ranks, rank,
+                top_k, by_pair, partials, my_scratch, row_of, xw, aw, acc,
+            )  # fmt: skip
+            return
         b = cuda.blockIdx.x * BLOCKS
         while b < (cuda.blockIdx.x + 1) * BLOCKS:  # runs of blocks of one expert
             start, pairs, expert, b = run_of(
                 b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, w0.shape[1]
             )
-            if expert == -1:
-                continue  # the whole CUDA block together: every thread reads the same
-            for first in range(0, pairs, TILE_M):  # passes: entries first .. first + TILE_M - 1
-                # passes with no pair are skipped by the whole block; row_of: the lane's rows
-                if not read_pass(
-                    row_of, TILE_M, g, first, sorted_ids, slot, start, pairs, num_pairs, top_k,
-                    by_pair,
-                ):  # fmt: skip
-                    continue
-                for o in range(OUTPUTS):
-                    acc[o] = float32(0.0)
-
-                for c0 in range(0, chunks, WARPS):  # every warp the same trips: chunk c0 + warp
-                    q = 8 * (c0 + warp) + 2 * t  # the lane's first word of the chunk
-                    for i in range(ROWS):
-                        xw[2 * i], xw[2 * i + 1] = words_at(
-                            x[max(row_of[i], 0)], q, words, row_of[i] >= 0
-                        )
-                    for nj in range(N_TILES):
-                        sj, n = slice_of(min(n0 + 8 * nj + g, ranks - 1), rank)  # past: not stored
-                        if sj + s == 0:  # (one branch a load, not a choice of arrays)
-                            aw[2 * nj], aw[2 * nj + 1] = words_at(
-                                w0[slot, expert, n], q, words, True
-                            )
-                        else:
-                            aw[2 * nj], aw[2 * nj + 1] = words_at(
-                                w1[slot, expert, n], q, words, True
-                            )
-                    for step in range(2):  # the chunk's first words, then its second
-                        for mi in range(M_TILES):
-                            # rows g, g + 8: a0, a1 (low halves), a2, a3 (high halves)
-                            a0, a2 = word_halves(xw[2 * (2 * mi) + step])
-                            a1, a3 = word_halves(xw[2 * (2 * mi + 1) + step])
-                            for nj in range(N_TILES):
-                                b0, b1 = word_halves(aw[2 * nj + step])
-                                o = (mi * N_TILES + nj) * 4
-                                add_product(acc, o, a0, a1, a2, a3, b0, b1, my_scratch)
-
-                for mi in range(M_TILES):
-                    for nj in range(N_TILES):
-                        for q4 in range(4):  # (g + 8 (q4 // 2), 2t + q4 % 2) of the product tile
-                            row = 16 * mi + g + 8 * (q4 // 2)
-                            column = 8 * nj + 2 * t + q4 % 2
-                            partials[warp, row, column] = acc[(mi * N_TILES + nj) * 4 + q4]
-                cuda.syncthreads()
-                for e in range(tid, TILE_M * TILE_N, THREADS):  # e in [0, TILE_M * TILE_N)
-                    row, column = e // TILE_N, e % TILE_N
-                    entry = first + row
-                    if entry < pairs and n0 + column < ranks:
-                        p = sorted_ids[slot, start + entry]
-                        if 0 <= p < num_pairs:
-                            total = partials[0, row, column]
-                            for v in range(1, WARPS):  # the warps' partials, in warp order
-                                total += partials[v, row, column]
-                            sj, j = slice_of(n0 + column, rank)
-                            out[s + sj, p, j] = total
-                cuda.syncthreads()  # the partials are reused by the next pass
+            if expert != -1:  # (the whole CUDA block together: every thread reads the same)
+                passes(
+                    x, w, w1, out, sorted_ids, slot, start, pairs, expert, s, n0, ranks, rank,
+                    top_k, by_pair, partials, my_scratch, row_of, xw, aw, acc,
+                )  # fmt: skip
 
     return moe_shrink_mma

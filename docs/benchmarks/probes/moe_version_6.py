@@ -17,8 +17,8 @@ static, registers at r=16):
   w13's 768 columns (128); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
   four groups, not two);
 * shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles): ``mma_m4_n4``, the
-  shipped one (runs of up to four blocks; 232 registers with both slices); ``mma_m2_n4``
-  (152) and ``mma_m1_n4`` (110), shorter runs;
+  shipped one (runs of up to four blocks; 244 registers with both slices); ``mma_m2_n4``
+  (172) and ``mma_m1_n4`` (122), shorter runs;
 * the split shrink of blocks of few pairs, the same in both versions (threads, ranks and
   pairs of a chunk, strides of K whose loads go together; ``ops.moe.SPLIT_SHRINK``, shipped
   ``(64, 4, 2, 2)``, whose 8 words of K a thread at K = 2048 go in 4 trips): ``split_u4``
