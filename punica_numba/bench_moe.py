@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -164,9 +165,22 @@ def measure(case: MoECase, make_call) -> tuple[float, float, dict, int]:
     call of some implementation on one argument set) checked against the reference on a
     first set, then timed over a pool of sets (the benchmark's method). The peer scripts
     under ``docs/benchmarks/peers`` measure theirs with it too."""
+    first, pool, check = checked_pool(case)
+    error = check(make_call)
+    us = bench.time_calls([make_call(args) for args in pool])
+    return us, error, first, len(pool)
+
+
+def checked_pool(case: MoECase) -> tuple[dict, list[dict], Callable]:
+    """``(first, pool, check)``: the case's argument sets (seed 0; ``first`` leads the pool,
+    which fills twice the L2), and ``check(make_call)``, which runs ``make_call(first)``
+    once on ``first``'s output as it was made and returns its error against the float64
+    reference (raising past the dtype's tolerance), so that several implementations can
+    be checked and timed on one pool."""
     device = device_of()
     gen = torch.Generator(device=device).manual_seed(0)
     first = argument_set(case, gen, device)
+    y0 = first["y"].clone()
     want = reference.fused_moe_lora(
         first["y"], first["x"], first["lora_a"], first["lora_b"], first["topk_ids"],
         first["topk_weights"], first["slots"], mul_routed_weight=case.by_pair,
@@ -176,8 +190,6 @@ def measure(case: MoECase, make_call) -> tuple[float, float, dict, int]:
         [b.abs() for b in first["lora_b"]], first["topk_ids"], first["topk_weights"],
         first["slots"], mul_routed_weight=case.by_pair,
     )  # fmt: skip
-    make_call(first)()
-    error = bench.checked_error(case, first["y"], want, size)
     set_bytes = sum(
         t.numel() * t.element_size()
         for t in (first["x"], first["y"], *first["lora_a"], *first["lora_b"])
@@ -185,8 +197,13 @@ def measure(case: MoECase, make_call) -> tuple[float, float, dict, int]:
     pool = [first] + [
         argument_set(case, gen, device) for _ in range(bench.pool_size(set_bytes) - 1)
     ]
-    us = bench.time_calls([make_call(args) for args in pool])
-    return us, error, first, len(pool)
+
+    def check(make_call) -> float:
+        first["y"].copy_(y0)
+        make_call(first)()
+        return bench.checked_error(case, first["y"], want, size)
+
+    return first, pool, check
 
 
 def run_case(case: MoECase, bandwidth: float, version: int = DEFAULT_VERSION) -> dict:

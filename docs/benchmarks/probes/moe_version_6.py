@@ -25,10 +25,11 @@ static, registers at r=16):
   and ``split_u8``, 2 trips and 1; ``split_t128_u4``, 128 threads, 1 trip.
 
 For each case of ``bench --moe`` named on the command line (default: w13 and w2 at 16, 256
-and 2048 tokens on 1 and 16 adapters), the op is timed as the benchmark times it
-(``bench_moe.run_case``: checked against the reference, then CUDA-graph replays over a
-pool larger than the L2) at version 5, at version 6 as shipped, then at version 6 with each
-variant in place of the shipped shape of its kernel.
+and 2048 tokens on 1 and 16 adapters), the op is timed as the benchmark times it (each run
+checked against the float64 reference on the first argument set, then CUDA-graph replays
+over a pool larger than the L2: ``bench_moe.checked_pool``, one pool for all the runs of a
+case) at version 5, at version 6 as shipped, then at version 6 with each variant in place
+of the shipped shape of its kernel.
 
 Run on a GPU from the repository root: ``python docs/benchmarks/probes/moe_version_6.py
 [--limit SECONDS] [CASE ...]`` (a case as ``w13:2048:16``). Prints one JSON line: per case,
@@ -107,6 +108,7 @@ def main(argv=None) -> None:
         for case in cases:
             if time.time() - start > args.limit:
                 break
+            _, pool, check = bench_moe.checked_pool(case)  # one pool for every run of the case
             row = {"case": case.name}
             for name, version, variant in runs:
                 for kernel, config in shipped.items():  # the shipped shapes, then one variant's
@@ -114,15 +116,25 @@ def main(argv=None) -> None:
                 if variant is not None:
                     kernel, *config = variant
                     setattr(moe_ops, names[kernel], shapes[kernel](*config))
-                record = bench_moe.run_case(case, bandwidth, version)
-                row[name] = {"us": record["us"], "relative_error": record["relative_error"]}
-                torch.cuda.empty_cache()
+
+                def make_call(args, case=case, version=version):
+                    return bench_moe._call(case, args, version)
+
+                error = check(make_call)
+                us = bench.time_calls([make_call(args) for args in pool])
+                row[name] = {"us": round(us, 3), "relative_error": error}
             rows.append(row)
+            del pool
+            torch.cuda.empty_cache()
             print(row, file=sys.stderr, flush=True)
     finally:
         for kernel, config in shipped.items():
             setattr(moe_ops, names[kernel], config)
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "cases": rows}))
+    print(
+        json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_tbps": bandwidth, "cases": rows}
+        )
+    )
 
 
 if __name__ == "__main__":
