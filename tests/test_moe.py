@@ -1201,3 +1201,49 @@ def test_version_6s_tensor_core_shrink_shape():
     assert moe_ops.mma_shrink_runs(4096 * 8, 1, 128, 16, 2, 64, config) == (4, 4, 4, True)
     assert moe_ops.mma_shrink_runs(4096 * 8, 1, 128, 32, 1, 16, config) == (4, 2, 2, False)
     assert moe_ops.mma_shrink_runs(4096 * 8, 1, 128, 64, 1, 8, config) == (4, 1, 1, False)
+
+
+@pytest.mark.parametrize("units", [1, 2, 3])
+def test_version_6s_expand_takes_every_block_on_a_grid_of_any_size(units, monkeypatch):
+    """The compact grid's CUDA blocks take units ``x, x + gridDim.x, ...``: on a grid of 1,
+    2 or 3 CUDA blocks along x (fewer than the call's blocks in use), every block is still
+    taken, each once, and the outputs are version 3's bits (the barrier between one block's
+    readers of the staged pairs and the next block's staging is crossed)."""
+    config = moe_ops.OUTER_EXPAND
+    N, B = config.threads * config.vec + 4, config.chunk + 1
+    call, b = _expand_call(torch.bfloat16, rank=8, N=N, B=B, slices=2, mul=True, offset=4,
+                           add_inputs=True, columns=4 + 2 * N + 4)  # fmt: skip
+    in_use = int(((call.metadata[2] + B - 1) // B).sum())
+    assert in_use > units
+    before = call.out.clone()
+    moe_ops._columns_expand(call, b)
+    want = call.out.clone()
+    call.out.copy_(before)
+    monkeypatch.setattr(moe_ops, "compact_units", lambda *args: units)
+    moe_ops._outer_expand(call, b)
+    differ = call.out.view(torch.int16) != want.view(torch.int16)
+    assert not bool(differ.any()), f"different bits at {torch.nonzero(differ)[0].tolist()}"
+
+
+def test_a_compact_grid_has_room_for_every_block_the_pairs_can_fill():
+    """``units_in_use``: the blocks P pairs can fill over L slots of E experts, at most one
+    run a (slot, expert) and none longer than its pairs, counted against the align step's
+    own blocks on random calls; and the worst case of Qwen3-30B-A3B's layer at 2048 tokens
+    over 16 adapters (2,944 of the 18,304 blocks the rows could hold)."""
+    from punica_numba.kernels.moe_blocks import units_in_use
+
+    assert units_in_use(2048 * 8, 16, 128, 16, 1) == 2944
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(30):
+        M, top_k, E, L, B = (
+            int(torch.randint(1, n, (1,), generator=gen)) for n in (40, 5, 9, 5, 9)
+        )
+        top_k = min(top_k, E)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(M)])
+        slots = torch.randint(-1, L, (M,), generator=gen)
+        on = torch.ones(L, dtype=torch.int32)
+        blocks = align_pairs(ids, slots, E, B, L, on)
+        used = (blocks.num_tokens_post_padded + B - 1) // B  # [L] blocks a row
+        for per in (1, 2, 4):
+            units = int(((used + per - 1) // per).sum())
+            assert units <= units_in_use(M * top_k, L, E, B, per), (M, top_k, E, L, B, per)

@@ -35,7 +35,15 @@ from numba import int32
 
 from .._cuda import SIMULATOR, cuda
 
-__all__ = ["MAX_MOE_SLICES", "block_in_use", "chunk_reader", "read_pass", "slice_and_group"]
+__all__ = [
+    "MAX_MOE_SLICES",
+    "block_in_use",
+    "chunk_reader",
+    "read_pass",
+    "slice_and_group",
+    "unit_of",
+    "units_in_use",
+]
 
 #: Slices one launch takes: w13's gate and up (two weight arguments; w2 passes its one
 #: twice, and launches one slice).
@@ -51,6 +59,42 @@ def slice_and_group(size, tile):
     groups = (size + tile - 1) // tile
     s = 1 if cuda.blockIdx.z >= groups else 0
     return s, (cuda.blockIdx.z - s * groups) * tile
+
+
+@cuda.jit(device=True)
+def unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per):
+    """``(slot, b)`` of unit v of a compact grid: the units of ``per`` neighbouring blocks
+    that the rows hold in use, slot by slot (slot l holds ``ceil(n_l / per)``, its blocks
+    ``n_l = ceil(min(num_post_pad[l], EM) / block_size)``, none where ``enabled`` turns it
+    off), unit u of slot l being its blocks ``u * per ..``; ``(-1, 0)`` past the last.
+
+    A compact grid launches about as many CUDA blocks as there can be units in use
+    (:func:`units_in_use`), not a row's bound of blocks for every slot, most of which would
+    find nothing and leave; its CUDA blocks take units ``x, x + gridDim.x, ...`` so that
+    every unit in use is taken whatever the metadata says. Each call reads the slots'
+    counts from the first on."""
+    entries = sorted_ids.shape[1]
+    for slot in range(sorted_ids.shape[0]):
+        units = 0
+        if enabled[slot] != 0:
+            padded = min(num_post_pad[slot], entries)
+            if padded > 0:
+                units = ((padded + block_size - 1) // block_size + per - 1) // per
+        if v < units:
+            return slot, v * per
+        v -= units
+    return -1, 0
+
+
+def units_in_use(num_pairs: int, slots: int, experts: int, block_size: int, per: int) -> int:
+    """The most units of ``per`` blocks that P pairs can make over ``slots`` rows of
+    ``experts`` (the align step's layout, :mod:`punica_numba.moe_meta`): each (slot, expert)
+    run of c pairs is ``ceil(c / block_size)`` blocks, so there are at most ``(P + R *
+    (block_size - 1)) / block_size`` blocks, R = ``min(P, slots * experts)`` the runs, and
+    a slot's last unit may be short: the size of a compact grid (:func:`unit_of`)."""
+    runs = min(num_pairs, slots * experts)
+    blocks = -(-(num_pairs + runs * (block_size - 1)) // block_size)
+    return max(1, -(-blocks // per) + (slots if per > 1 else 0))
 
 
 @cuda.jit(device=True)

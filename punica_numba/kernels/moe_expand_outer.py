@@ -26,10 +26,13 @@ times in a row, and each load moves one 2-byte output a thread. Here a CUDA bloc
    stored a word at a time.
 
 So a chunk waits on memory about twice, and its loads all travel together. Work split,
-as the third rung's:
+as the third rung's, but over a compact grid:
 
-* ``blockIdx.x``: the block b of pairs of the row (:mod:`.moe_blocks`);
-* ``blockIdx.y``: the row, the slot l;
+* ``blockIdx.x``: the blocks of pairs in use, slot by slot, ``x, x + gridDim.x, ...``
+  (:func:`.moe_blocks.unit_of`): the launcher sizes the grid to the blocks the call's pairs
+  can fill (:func:`.moe_blocks.units_in_use`), not to a row's bound of blocks for every
+  slot (2048 tokens of top-8 over 16 adapters: 1,144 blocks a row, 18,304 for the 16 rows,
+  of which at most 2,944 can hold pairs);
 * ``blockIdx.z``: the slice s and a group of ``THREADS * VEC`` columns, ``z = s * G + g``
   with ``G = ceil(N / (THREADS * VEC))`` (the launcher sizes the block to the slice: w13's
   768 columns are 192 threads of 4).
@@ -75,7 +78,7 @@ from .dtypes import (
     words_loader,
     words_storer,
 )
-from .moe_blocks import block_in_use, chunk_reader, slice_and_group
+from .moe_blocks import block_in_use, chunk_reader, slice_and_group, unit_of
 
 __all__ = ["build_moe_outer_expand_kernel", "wide_words_out", "words_out"]
 
@@ -265,40 +268,19 @@ def build_moe_outer_expand_kernel(
             f0, f1, f2, f3 = f0 + o0, f1 + o1, f2 + o2, f3 + o3
         return bf16_word(round_pair(f0, f1), round_pair(f2, f3))  # (any 16-bit pairs)
 
-    begin = prologue()
-
-    @jit_kernel(THREADS)
-    def moe_expand_outer(
-        x, w0, w1, out, weights, sorted_ids, expert_ids, num_post_pad, enabled, block_size,
-        offset,
+    @cuda.jit(device=True, inline="always")
+    def expand_block(
+        slot, b, x, w, out, weights, sorted_ids, expert_ids, num_post_pad, enabled, block_size,
+        s, width, mine, first_out, last_out, pair_of, b_words, acc, old, xs, ps, ws,
     ):  # fmt: skip
-        # x: [S, P, r] fp32; w*: [L, E, N, r/PACK_B] words; out: [P, W] elements, or
-        # [P, W/4] words (PACKED_OUT), slice s at element offset + s * N; weights: [P]
-        begin()  # wait for the kernels before this one (dependent_launch)
-        b, slot = cuda.blockIdx.x, cuda.blockIdx.y
-        width = w0.shape[2]
-        s, n0 = slice_and_group(width, GROUP)  # the slice, the group's first column
-        w = w0 if s == 0 else w1
-        column0 = offset + s * width  # the slice's first element in a row of out
+        """Block b of row ``slot``: its expert, the thread's rows of B, then its pairs a
+        chunk at a time (module notes). Every thread of the CUDA block calls it with the
+        same block, and each leaves it at the same point."""
         num_pairs = out.shape[0]
         tid = cuda.threadIdx.x
-        start = b * block_size
-        pairs = min(block_size, sorted_ids.shape[1] - start)  # (the grid keeps start in the row)
-        mine = n0 + VEC * tid  # the thread's first column in the slice
         inside = mine < width  # (PACKED_OUT: all VEC columns are, or none)
-        if PACKED_OUT:  # in words; a thread past the slice reads its last word
-            first_out = (column0 + min(mine, width - VEC)) // WORD_OUTPUTS
-        else:
-            first_out = column0 + mine
-        last_out = column0 + width - 1
-
-        pair_of = cuda.local.array(CHUNK, int64)  # the chunk's pairs, -1: none
-        b_words = cuda.local.array(B_WORDS, W_WORD)  # b_words[c * WORDS_B + k]
-        acc = cuda.local.array(SUMS, float32)  # acc[i * VEC + c]
-        old = cuda.local.array(OLD, OLD_TYPE)
-        xs = cuda.shared.array(XS, float32, alignment=XS_ALIGNMENT)  # xs[j * CHUNK + i]
-        ps = cuda.shared.array(CHUNK, int64)  # the chunk's pairs, -1: none
-        ws = cuda.shared.array(CHUNK, float32)
+        start = b * block_size
+        pairs = min(block_size, sorted_ids.shape[1] - start)  # (units keep start in the row)
 
         # The first chunk's entries, then the block's expert: two trips to memory in flight
         # together; then the old outputs, the rows of B and the buffer rows, all together.
@@ -306,7 +288,7 @@ def build_moe_outer_expand_kernel(
         _, _, expert = block_in_use(
             b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, w.shape[1]
         )
-        if expert == -1:  # (the whole CUDA block leaves: no barrier is left waiting)
+        if expert == -1:  # (every thread: no barrier is left waiting)
             return
         for c in range(VEC):
             n = min(mine + c, width - 1)  # past the slice: never stored
@@ -353,5 +335,49 @@ def build_moe_outer_expand_kernel(
                 break
             cuda.syncthreads()  # every thread is done with xs before the next chunk's rows
             any_pair = read_chunk(pair_of, sorted_ids, slot, start, first, pairs, num_pairs)
+
+    begin = prologue()
+
+    @jit_kernel(THREADS)
+    def moe_expand_outer(
+        x, w0, w1, out, weights, sorted_ids, expert_ids, num_post_pad, enabled, block_size,
+        offset,
+    ):  # fmt: skip
+        # x: [S, P, r] fp32; w*: [L, E, N, r/PACK_B] words; out: [P, W] elements, or
+        # [P, W/4] words (PACKED_OUT), slice s at element offset + s * N; weights: [P]
+        begin()  # wait for the kernels before this one (dependent_launch)
+        width = w0.shape[2]
+        s, n0 = slice_and_group(width, GROUP)  # the slice, the group's first column
+        w = w0 if s == 0 else w1
+        column0 = offset + s * width  # the slice's first element in a row of out
+        mine = n0 + VEC * cuda.threadIdx.x  # the thread's first column in the slice
+        if PACKED_OUT:  # in words; a thread past the slice reads its last word
+            first_out = (column0 + min(mine, width - VEC)) // WORD_OUTPUTS
+        else:
+            first_out = column0 + mine
+        last_out = column0 + width - 1
+
+        pair_of = cuda.local.array(CHUNK, int64)  # the chunk's pairs, -1: none
+        b_words = cuda.local.array(B_WORDS, W_WORD)  # b_words[c * WORDS_B + k]
+        acc = cuda.local.array(SUMS, float32)  # acc[i * VEC + c]
+        old = cuda.local.array(OLD, OLD_TYPE)
+        xs = cuda.shared.array(XS, float32, alignment=XS_ALIGNMENT)  # xs[j * CHUNK + i]
+        ps = cuda.shared.array(CHUNK, int64)  # the chunk's pairs, -1: none
+        ws = cuda.shared.array(CHUNK, float32)
+
+        # A compact grid (moe_blocks.unit_of): blockIdx.x walks the blocks in use.
+        v = cuda.blockIdx.x
+        while True:
+            slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, 1)
+            if slot == -1:
+                break
+            if v != cuda.blockIdx.x:
+                cuda.syncthreads()  # the block before's readers of ps and ws are done
+            expand_block(
+                slot, b, x, w, out, weights, sorted_ids, expert_ids, num_post_pad, enabled,
+                block_size, s, width, mine, first_out, last_out, pair_of, b_words, acc, old, xs,
+                ps, ws,
+            )  # fmt: skip
+            v += cuda.gridDim.x
 
     return moe_expand_outer

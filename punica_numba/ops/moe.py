@@ -45,7 +45,7 @@ from ..kernels import moe_shrink_mma as mma_shrink
 from ..kernels import moe_shrink_split as split_shrink
 from ..kernels import moe_shrink_tiled as tiled_shrink
 from ..kernels.mma import MMA_DTYPES
-from ..kernels.moe_blocks import MAX_MOE_SLICES
+from ..kernels.moe_blocks import MAX_MOE_SLICES, units_in_use
 from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
 from ..moe_meta import check_adapter_enabled
@@ -531,7 +531,6 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
     """Version 6's expand: B as packed int64 words where every slice allows it, and the
     output as words of four where :func:`..kernels.moe_expand_outer.words_out` allows."""
     out, buffer, weights, metadata, block_size, by_pair, offset, add_inputs = call
-    blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
     slices, width, rank = len(b), b[0].shape[2], b[0].shape[3]
     config = OUTER_EXPAND
     threads, chunk = outer_shape(rank, width, block_size, config)
@@ -549,11 +548,21 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
     kernel_b = b_words if packed_b else b
     kernel_out = out.view(torch.int64) if packed_out else out
     column_groups = -(-width // (threads * config.vec))
+    units = compact_units(buffer.shape[1], metadata, b[0].shape[1], block_size, 1)
     expand(
-        (blocks, slots, slices * column_groups),
+        (units, 1, slices * column_groups),
         threads,
         (buffer, kernel_b[0], kernel_b[-1], kernel_out, weights, *metadata, block_size, offset),
     )
+
+
+def compact_units(num_pairs: int, metadata: tuple, experts: int, block_size: int, per: int):
+    """The CUDA blocks along x of a compact grid (:func:`..kernels.moe_blocks.unit_of`):
+    as many as the call's pairs can fill units of ``per`` blocks
+    (:func:`..kernels.moe_blocks.units_in_use`), and no more than the rows' own bound."""
+    row_blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
+    bound = slots * -(-row_blocks // per)
+    return max(1, min(bound, units_in_use(num_pairs, slots, experts, block_size, per)))
 
 
 def _mma_shrink(
