@@ -799,7 +799,7 @@ def test_version_3_crosses_its_rank_groups_chunks_of_pairs_and_column_groups(
         "build_moe_split_shrink_kernel",
         "build_moe_columns_expand_kernel",
     )
-    assert shrink_args[-1] == whole_words  # x and A as int64 words, or element by element
+    assert shrink_args[5] == whole_words  # x and A as int64 words, or element by element
     words = K // (8 // dtype.itemsize) if whole_words else K
     assert words > step and words % step, "K must end in a part of a step"
 
@@ -905,6 +905,7 @@ def test_version_4_crosses_its_tiles(projection, dtype, past, monkeypatch):
         shrink.n_tiles,
         False,
         1,
+        False,
         False,
     )
     assert expand_args[:6] == (dtype, dtype, expand.threads, min(expand.m_tiles, 2),
@@ -1247,3 +1248,31 @@ def test_a_compact_grid_has_room_for_every_block_the_pairs_can_fill():
         for per in (1, 2, 4):
             units = int(((used + per - 1) // per).sum())
             assert units <= units_in_use(M * top_k, L, E, B, per), (M, top_k, E, L, B, per)
+
+
+@pytest.mark.parametrize("units", [1, 3])
+@pytest.mark.parametrize("kernel", ["split", "tensor cores"])
+def test_version_6s_shrinks_take_every_block_on_a_grid_of_any_size(kernel, units, monkeypatch):
+    """Either shrink on a compact grid of 1 or 3 CUDA blocks along x (fewer than the call's
+    blocks in use) stores version 5's bits, on its own grid of a CUDA block a block, into
+    every row of a block, and nothing else."""
+    dtype, B, rank, K = torch.bfloat16, 4, 12, 32
+    case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=4, B=B, projection="w13",
+                                      offset=0, pairs=9)  # fmt: skip
+    P = d["topk_ids"].numel()
+    metadata = (blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded,
+                d["enabled"])  # fmt: skip
+    assert int(((blocks.num_tokens_post_padded + B - 1) // B).sum()) > units
+    monkeypatch.setattr(moe_ops, "compact_units", lambda *args: units)
+    words = moe_ops.tensor_core_words(d["x"], d["lora_a"], d["lora_b"])
+    buffers = []
+    for compact in (False, True):
+        buffer = torch.full((case.S, P, rank), 7.0, device=DEVICE)  # a sentinel
+        call = moe_ops._Shrink(buffer, metadata, 2, B, case.mul)
+        if kernel == "split":
+            moe_ops._split_shrink(call, d["x"], d["lora_a"], compact=compact)
+        else:
+            moe_ops._mma_shrink(call, *words[:2], hidden=K, dtype=dtype, runs=compact)
+        buffers.append(buffer)
+    assert bool((buffers[0] != 7.0).any()), "the shrink stored nothing"
+    assert torch.equal(buffers[1].view(torch.int32), buffers[0].view(torch.int32))

@@ -10,9 +10,10 @@ are (exact products, fp32 sums), as :mod:`.shrink_mma` does for the linear shrin
 
 Work split:
 
-* ``blockIdx.x``: ``BLOCKS`` blocks of pairs of the row (:mod:`.moe_blocks`), ``x *
-  BLOCKS ..``; one, unless the launcher asks for more;
-* ``blockIdx.y``: the row, the slot l;
+* ``blockIdx.x``: the block b of pairs of the row (:mod:`.moe_blocks`), and
+  ``blockIdx.y`` the row, the slot l; or, on a compact grid, units of ``BLOCKS``
+  neighbouring blocks of a row, those in use, ``x, x + gridDim.x, ...``
+  (:func:`.moe_blocks.unit_of`);
 * ``blockIdx.z``: the slice s and a group of ``TILE_N = 8 * N_TILES`` ranks, ``z = s * G
   + g`` with ``G = ceil(r / TILE_N)`` groups a slice; or, ``JOINT``, a group of the
   slices' ranks side by side (``z = g``, ``G = ceil(S r / TILE_N)``): w13's gate and up
@@ -63,7 +64,7 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import word_halves, words_loader
 from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into
-from .moe_blocks import block_in_use, read_pass, slice_and_group
+from .moe_blocks import block_in_use, read_pass, slice_and_group, unit_of
 
 __all__ = ["build_moe_mma_shrink_kernel"]
 
@@ -77,6 +78,7 @@ def build_moe_mma_shrink_kernel(
     wide: bool,
     blocks: int = 1,
     joint: bool = False,
+    compact: bool = False,
 ):
     """The shrink, specialised on the dtype of x and A (bf16 or fp16), the threads per
     block (whole warps), the 16-pair tiles of one pass (``m_tiles``), the 8-rank tiles of
@@ -84,9 +86,12 @@ def build_moe_mma_shrink_kernel(
     and A is a whole number of 16-byte pairs of words starting at a multiple of 16 bytes
     (one load for a lane's two words; else two, each checked against the row's end).
 
-    ``blocks``: the blocks of a row a CUDA block takes (runs of one expert go in passes
-    together); ``joint``: one CUDA block takes every slice's ranks, side by side (a lane
-    reads the row of A of its own rank, so an 8-rank tile may hold ranks of both).
+    ``blocks``: the blocks of a row a unit of the grid holds (runs of one expert go in
+    passes together); ``joint``: one CUDA block takes every slice's ranks, side by side (a
+    lane reads the row of A of its own rank, so an 8-rank tile may hold ranks of both);
+    ``compact``: the grid's CUDA blocks along x walk the units in use
+    (:func:`.moe_blocks.unit_of`), else take block ``blockIdx.x`` of row ``blockIdx.y``
+    (one block a unit).
 
     They must be constants: they size the fragment registers and the loops over them,
     which Numba unrolls only when the trip count is known.
@@ -107,12 +112,14 @@ def build_moe_mma_shrink_kernel(
     OUTPUTS = M_TILES * N_TILES * 4  # a lane's outputs of its warp's tiles
     SCRATCH_WARPS = WARPS if SIMULATOR else 1
     WIDE = wide
-    BLOCKS, JOINT = blocks, joint
+    if blocks > 1 and not compact:
+        raise ValueError(f"runs of {blocks} blocks take a compact grid")
+    BLOCKS, JOINT, COMPACT = blocks, joint, compact
     # Whether a pass's emptiness is found by one barrier (``syncthreads_or``) over the rows
     # each lane reads anyway, rather than by every thread reading every entry: for version
-    # 6's builds (runs of blocks or both slices), whose passes can be 64 entries long;
+    # 6's builds (a compact grid, both slices), whose passes can be 64 entries long;
     # version 5's keep the reads that were timed (moe_blocks.read_pass).
-    JOINED = BLOCKS > 1 or JOINT
+    JOINED = COMPACT or JOINT
 
     @cuda.jit(device=True, inline="always")
     def words_at(row, q, words, present):
@@ -126,13 +133,12 @@ def build_moe_mma_shrink_kernel(
     begin = prologue()
 
     @cuda.jit(device=True, inline="always")
-    def run_of(b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, experts):
-        """``(start, entries, expert, next_b)``: the run of blocks from block b of the
-        CUDA block's own ``BLOCKS`` that share b's expert (one block unless
-        ``BLOCKS`` > 1), its first entry and entry count, and the block after it; expert
-        -1 where block b has nothing to do (:func:`.moe_blocks.block_in_use`)."""
-        end = (cuda.blockIdx.x + 1) * BLOCKS  # past the CUDA block's last block
-        if b >= expert_ids.shape[1]:  # (a grid of whole groups may pass the row's blocks)
+    def run_of(b, end, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, experts):
+        """``(start, entries, expert, next_b)``: the run of blocks from block b, up to block
+        ``end`` (the unit's end), that share b's expert, its first entry and entry count,
+        and the block after it; expert -1 where block b has nothing to do
+        (:func:`.moe_blocks.block_in_use`)."""
+        if b >= expert_ids.shape[1]:  # (a unit may pass the row's blocks)
             return 0, 0, -1, end
         start, pairs, expert = block_in_use(
             b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, experts
@@ -238,7 +244,6 @@ def build_moe_mma_shrink_kernel(
         # x: [M or P, K/4] int64 words; w*: [L, E, r, K/4] words; out: [S, P, r] fp32,
         # stored; sorted_ids: [L, EM]; expert_ids: [L, NB]; num_post_pad: [L]; enabled: [>= L]
         begin()  # wait for the kernels before this one (dependent_launch)
-        slot = cuda.blockIdx.y
         rank = w0.shape[2]
         if JOINT:  # every slice's ranks in one row of rank groups (module notes)
             s = 0
@@ -256,27 +261,35 @@ def build_moe_mma_shrink_kernel(
         aw = cuda.local.array(A_WORDS, int64)  # aw[nj * 2 + step]
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + q]
 
-        if BLOCKS == 1:  # one block: its expert, or leave (the whole CUDA block together)
+        if not COMPACT:  # block blockIdx.x of row blockIdx.y: its expert, or leave
+            slot = cuda.blockIdx.y
             start, pairs, expert = block_in_use(
                 cuda.blockIdx.x, slot, block_size, sorted_ids, num_post_pad, enabled,
                 expert_ids, w.shape[1],
             )  # fmt: skip
             if expert == -1:
-                return
+                return  # the whole CUDA block together
             passes(
                 x, w, w1, out, sorted_ids, slot, start, pairs, expert, s, n0, ranks, rank,
                 top_k, by_pair, partials, my_scratch, row_of, xw, aw, acc,
             )  # fmt: skip
             return
-        b = cuda.blockIdx.x * BLOCKS
-        while b < (cuda.blockIdx.x + 1) * BLOCKS:  # runs of blocks of one expert
-            start, pairs, expert, b = run_of(
-                b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, w0.shape[1]
-            )
-            if expert != -1:  # (the whole CUDA block together: every thread reads the same)
-                passes(
-                    x, w, w1, out, sorted_ids, slot, start, pairs, expert, s, n0, ranks, rank,
-                    top_k, by_pair, partials, my_scratch, row_of, xw, aw, acc,
+        v = cuda.blockIdx.x  # a compact grid (moe_blocks.unit_of): units of BLOCKS blocks
+        while True:
+            slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, BLOCKS)
+            if slot == -1:
+                break
+            end = b + BLOCKS
+            while b < end:  # runs of blocks of one expert
+                start, pairs, expert, b = run_of(
+                    b, end, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids,
+                    w0.shape[1],
                 )  # fmt: skip
+                if expert != -1:  # (the whole CUDA block together: every thread reads it)
+                    passes(
+                        x, w, w1, out, sorted_ids, slot, start, pairs, expert, s, n0, ranks,
+                        rank, top_k, by_pair, partials, my_scratch, row_of, xw, aw, acc,
+                    )  # fmt: skip
+            v += cuda.gridDim.x
 
     return moe_shrink_mma

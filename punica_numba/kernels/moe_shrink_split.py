@@ -48,7 +48,7 @@ from numba import float32, int64
 from .._cuda import cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import memory_type, packing, word_loader
-from .moe_blocks import block_in_use, slice_and_group
+from .moe_blocks import block_in_use, slice_and_group, unit_of
 from .shrink import block_sum
 
 __all__ = ["build_moe_split_shrink_kernel"]
@@ -56,12 +56,20 @@ __all__ = ["build_moe_split_shrink_kernel"]
 
 @functools.cache
 def build_moe_split_shrink_kernel(
-    dtype: torch.dtype, threads: int, tile_n: int, tile_p: int, unroll: int, packed: bool
+    dtype: torch.dtype,
+    threads: int,
+    tile_n: int,
+    tile_p: int,
+    unroll: int,
+    packed: bool,
+    compact: bool = False,
 ):
     """The shrink, specialised on the dtype of x and A, the threads per block, the ranks
     (``tile_n``) and pairs (``tile_p``) of one chunk's products, the strides of K whose
-    loads are issued together (``unroll``), and whether x and A arrive as packed int64
-    words.
+    loads are issued together (``unroll``), whether x and A arrive as packed int64
+    words, and whether the grid is compact (``compact``: its CUDA blocks along x walk the
+    blocks in use, :func:`.moe_blocks.unit_of`; else block ``blockIdx.x`` of row
+    ``blockIdx.y``).
 
     They must be constants: they size the local (register) and shared arrays and the
     loops over them, which Numba unrolls only when the trip count is known.
@@ -75,6 +83,7 @@ def build_moe_split_shrink_kernel(
     load = word_loader(dtype, packed)
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
     THREADS, TILE_N, TILE_P, UNROLL = threads, tile_n, tile_p, unroll
+    COMPACT = compact
     PACK = packing(dtype, packed)
     PARTIALS = TILE_P * TILE_N  # a chunk's dot products: partials[i * TILE_N + j]
     X_WORDS, A_WORDS = UNROLL * TILE_P, UNROLL * TILE_N  # words a thread holds at once
@@ -100,30 +109,18 @@ def build_moe_split_shrink_kernel(
                 mine = pair
         return mine, any_pair
 
-    begin = prologue()
-
-    @jit_kernel(THREADS)
-    def moe_shrink_split(
-        x, w0, w1, out, sorted_ids, expert_ids, num_post_pad, enabled, top_k, block_size, by_pair
-    ):
-        # x: [M or P, K/PACK] words; w*: [L, E, r, K/PACK] words; out: [S, P, r] fp32,
-        # stored; sorted_ids: [L, EM]; expert_ids: [L, NB]; num_post_pad: [L]; enabled: [>= L]
-        begin()  # wait for the kernels before this one (dependent_launch)
-        b, slot = cuda.blockIdx.x, cuda.blockIdx.y
-        rank, words = w0.shape[2], x.shape[1]
-        s, n0 = slice_and_group(rank, TILE_N)  # the slice, the group's first rank
-        w = w0 if s == 0 else w1
+    @cuda.jit(device=True, inline="always")
+    def shrink_block(
+        slot, b, x, w, out, sorted_ids, expert_ids, num_post_pad, enabled, top_k, block_size,
+        by_pair, s, n0, rows, partial, xw, aw, xv, tree,
+    ):  # fmt: skip
+        """Block b of row ``slot``: its expert, then its pairs a chunk at a time (module
+        notes). Every thread of the CUDA block calls it with the same block."""
+        rank, words = w.shape[2], x.shape[1]
         num_pairs = out.shape[1]
         tid = cuda.threadIdx.x
         start = b * block_size
         pairs = min(block_size, sorted_ids.shape[1] - start)  # (the grid keeps start in the row)
-
-        rows = cuda.local.array(TILE_P, int64)  # the chunk's input rows
-        partial = cuda.local.array(PARTIALS, float32)
-        xw = cuda.local.array(X_WORDS, WORD)  # xw[u * TILE_P + i]: pair i, stride u
-        aw = cuda.local.array(A_WORDS, WORD)  # aw[u * TILE_N + j]: rank n0 + j, stride u
-        xv = cuda.local.array(TILE_P, float32)  # one element of each pair's word
-        tree = cuda.shared.array((PARTIALS, TREE_WIDTH), float32)
 
         # The first chunk's entries, then the block's expert: two trips to memory in flight
         # together (module notes).
@@ -134,7 +131,7 @@ def build_moe_split_shrink_kernel(
             b, slot, block_size, sorted_ids, num_post_pad, enabled, expert_ids, w.shape[1]
         )
         if expert == -1:
-            return  # the whole block leaves together, before any barrier
+            return  # every thread of the CUDA block together, before any barrier
 
         first = 0
         while True:  # chunks: entries first .. first + TILE_P - 1 of the block
@@ -173,5 +170,44 @@ def build_moe_split_shrink_kernel(
             mine, any_pair = read_chunk(
                 rows, sorted_ids, slot, start, first, pairs, num_pairs, top_k, by_pair, tid
             )
+
+    begin = prologue()
+
+    @jit_kernel(THREADS)
+    def moe_shrink_split(
+        x, w0, w1, out, sorted_ids, expert_ids, num_post_pad, enabled, top_k, block_size, by_pair
+    ):
+        # x: [M or P, K/PACK] words; w*: [L, E, r, K/PACK] words; out: [S, P, r] fp32,
+        # stored; sorted_ids: [L, EM]; expert_ids: [L, NB]; num_post_pad: [L]; enabled: [>= L]
+        begin()  # wait for the kernels before this one (dependent_launch)
+        s, n0 = slice_and_group(w0.shape[2], TILE_N)  # the slice, the group's first rank
+        w = w0 if s == 0 else w1
+
+        rows = cuda.local.array(TILE_P, int64)  # the chunk's input rows
+        partial = cuda.local.array(PARTIALS, float32)
+        xw = cuda.local.array(X_WORDS, WORD)  # xw[u * TILE_P + i]: pair i, stride u
+        aw = cuda.local.array(A_WORDS, WORD)  # aw[u * TILE_N + j]: rank n0 + j, stride u
+        xv = cuda.local.array(TILE_P, float32)  # one element of each pair's word
+        tree = cuda.shared.array((PARTIALS, TREE_WIDTH), float32)
+
+        if not COMPACT:  # block blockIdx.x of row blockIdx.y
+            shrink_block(
+                cuda.blockIdx.y, cuda.blockIdx.x, x, w, out, sorted_ids, expert_ids,
+                num_post_pad, enabled, top_k, block_size, by_pair, s, n0, rows, partial, xw,
+                aw, xv, tree,
+            )  # fmt: skip
+            return
+        v = cuda.blockIdx.x  # a compact grid (moe_blocks.unit_of): the blocks in use
+        while True:
+            slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, 1)
+            if slot == -1:
+                break
+            if v != cuda.blockIdx.x:
+                cuda.syncthreads()  # the block before's readers of the tree are done
+            shrink_block(
+                slot, b, x, w, out, sorted_ids, expert_ids, num_post_pad, enabled, top_k,
+                block_size, by_pair, s, n0, rows, partial, xw, aw, xv, tree,
+            )  # fmt: skip
+            v += cuda.gridDim.x
 
     return moe_shrink_split

@@ -19,7 +19,8 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
 6. 5's choice of shrink, the tensor-core one taking every slice in one CUDA block and
    runs of blocks of one expert together (:data:`MMA_SHRINK_RUNS`, :func:`mma_shrink_runs`),
    and the expand that takes a chunk of a block's pairs at once as outer products
-   (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`).
+   (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`), each on a compact grid
+   (:func:`compact_units`).
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -206,11 +207,12 @@ def outer_shape(
 #: group (the launcher takes fewer where the call needs fewer: :func:`mma_shrink_runs`). On
 #: the simulator tiles that two slices and runs of two blocks cross at test sizes. The GPU's
 #: are a first design for Qwen3-30B-A3B's layer (w13: both slices' 16 ranks in four tiles;
-#: runs of up to four blocks of 16 pairs), not yet timed.
+#: runs of up to two blocks of 16 pairs), not yet timed: with runs of four, ptxas 13.0 for
+#: sm_90 spills (255 registers and 40 bytes a thread), with two it does not (186).
 MMA_SHRINK_RUNS = (
     MmaShrink(threads=64, m_tiles=2, n_tiles=2)
     if SIMULATOR
-    else MmaShrink(threads=128, m_tiles=4, n_tiles=4)
+    else MmaShrink(threads=128, m_tiles=2, n_tiles=4)
 )
 
 
@@ -420,7 +422,7 @@ def fused_moe_lora(
         if tensor_cores is not None:
             _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=version == 6)
         else:
-            _split_shrink(shrink, x, a)
+            _split_shrink(shrink, x, a, compact=version == 6)
         call = _Expand(
             out, buffer, weights, metadata, block_size, mul_routed_weight, offset, add_inputs
         )
@@ -467,9 +469,12 @@ class _Shrink(NamedTuple):
     by_pair: bool
 
 
-def _split_shrink(call: _Shrink, x: torch.Tensor, a: list[torch.Tensor]) -> None:
-    """Version 3's shrink (and 5's below :data:`MMA_SHRINK_FROM_PAIRS`): x and A go as
-    packed int64 words where every one of them allows it (:func:`.operands.words`)."""
+def _split_shrink(
+    call: _Shrink, x: torch.Tensor, a: list[torch.Tensor], compact: bool = False
+) -> None:
+    """Version 3's shrink (and 5's and 6's below :data:`MMA_SHRINK_FROM_PAIRS`): x and A go
+    as packed int64 words where every one of them allows it (:func:`.operands.words`); on
+    a compact grid with ``compact`` (version 6)."""
     buffer, metadata, top_k, block_size, by_pair = call
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
     slices, rank = len(a), a[0].shape[2]
@@ -478,10 +483,16 @@ def _split_shrink(call: _Shrink, x: torch.Tensor, a: list[torch.Tensor]) -> None
     packed = x_words is not None and all(w is not None for w in a_words)
     if packed:
         x, a = x_words, a_words
-    shrink = launcher_of(split_shrink.build_moe_split_shrink_kernel(dtype, *config, packed))
+    shrink = launcher_of(
+        split_shrink.build_moe_split_shrink_kernel(dtype, *config, packed, compact)
+    )
     rank_groups = -(-rank // config.tile_n)
+    if compact:
+        grid = (compact_units(buffer.shape[1], metadata, a[0].shape[1], block_size, 1), 1)
+    else:
+        grid = (blocks, slots)
     shrink(
-        (blocks, slots, slices * rank_groups),
+        (*grid, slices * rank_groups),
         config.threads,
         (x, a[0], a[-1], buffer, *metadata, top_k, block_size, by_pair),
     )
@@ -576,8 +587,8 @@ def _mma_shrink(
 ) -> None:
     """Version 4's shrink (and 5's, where the blocks are full): x and A of ``dtype`` as
     int64 words (:func:`tensor_core_words`), K being ``hidden`` elements. With ``runs``
-    (version 6) the shape of :func:`mma_shrink_runs`: every slice in one CUDA block, and
-    runs of blocks where the call's pairs fill them."""
+    (version 6) the shape of :func:`mma_shrink_runs` (every slice in one CUDA block, and
+    runs of blocks where the call's pairs fill them) on a compact grid."""
     buffer, metadata, top_k, block_size, by_pair = call
     rank, num_pairs = buffer.shape[2], buffer.shape[1]
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
@@ -595,13 +606,17 @@ def _mma_shrink(
     wide = hidden % 8 == 0 and all(rows_start_at(t, 16) for t in (x, *a))
     shrink = launcher_of(
         mma_shrink.build_moe_mma_shrink_kernel(
-            dtype, config.threads, m_tiles, n_tiles, wide, group, joint
+            dtype, config.threads, m_tiles, n_tiles, wide, group, joint, runs
         )
     )
     ranks = len(a) * rank if joint else rank  # the ranks one row of rank groups covers
     rank_groups = -(-ranks // (8 * n_tiles)) * (1 if joint else len(a))
+    if runs:  # a compact grid of units of `group` blocks
+        grid = (compact_units(num_pairs, metadata, a[0].shape[1], block_size, group), 1)
+    else:
+        grid = (blocks, slots)
     shrink(
-        (-(-blocks // group), slots, rank_groups),
+        (*grid, rank_groups),
         config.threads,
         (x, a[0], a[-1], buffer, *metadata, top_k, block_size, by_pair),
     )

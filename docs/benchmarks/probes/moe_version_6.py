@@ -1,28 +1,30 @@
 """Version 6's MoE kernels against version 5's, and their shapes against each other.
 
 A probe for the H200, written at f43fae1 and not yet run (the registers below are those of
-dc60358's kernels). Version 6 (``ops.moe``) keeps version 5's choice between the shrinks,
-but its tensor-core shrink takes both slices of w13 in one CUDA block and runs of
-neighbouring blocks of one expert in passes of several tiles (``ops.moe.MMA_SHRINK_RUNS``,
-``mma_shrink_runs``), and its expand is :mod:`punica_numba.kernels.moe_expand_outer`: a
-chunk of a block's pairs at once, their old outputs asked for together in words, their
-buffer rows staged in shared memory, outer products a rank (``ops.moe.OUTER_EXPAND``). Both
-are first designs; the variants below are the shapes to choose from (ptxas 13.0 for sm_90,
-static, registers at r=16):
+the kernels as of the compact grids). Version 6 (``ops.moe``) keeps version 5's choice
+between the shrinks, but its tensor-core shrink takes both slices of w13 in one CUDA block
+and runs of neighbouring blocks of one expert in passes of several tiles
+(``ops.moe.MMA_SHRINK_RUNS``, ``mma_shrink_runs``); its expand is
+:mod:`punica_numba.kernels.moe_expand_outer`: a chunk of a block's pairs at once, their old
+outputs asked for together in words, their buffer rows staged in shared memory, outer
+products a rank (``ops.moe.OUTER_EXPAND``); and all three kernels run on compact grids,
+sized to the blocks in use rather than to every slot's bound (``moe_blocks.unit_of``).
+These are first designs; the variants below are the shapes to choose from (ptxas 13.0 for
+sm_90, static, registers at r=16):
 
 * expand (threads at most, columns a thread, pairs at once, registers held):
-  ``vec4_chunk16``, the shipped one, 8-byte words and a block of 16 pairs in one chunk (158
-  registers at w13's 192 threads); ``vec4_chunk8`` (93) and ``vec4_chunk4``, fewer pairs at
+  ``vec4_chunk16``, the shipped one, 8-byte words and a block of 16 pairs in one chunk (160
+  registers at w13's 192 threads); ``vec4_chunk8`` (115) and ``vec4_chunk4``, fewer pairs at
   once and more CUDA blocks an SM; ``vec8_chunk8``, 16-byte loads and stores, 96 threads for
-  w13's 768 columns (128); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
+  w13's 768 columns (161); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
   four groups, not two);
-* shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles): ``mma_m4_n4``, the
-  shipped one (runs of up to four blocks; 244 registers with both slices); ``mma_m2_n4``
-  (172) and ``mma_m1_n4`` (122), shorter runs;
-* the split shrink of blocks of few pairs, the same in both versions (threads, ranks and
-  pairs of a chunk, strides of K whose loads go together; ``ops.moe.SPLIT_SHRINK``, shipped
-  ``(64, 4, 2, 2)``, whose 8 words of K a thread at K = 2048 go in 4 trips): ``split_u4``
-  and ``split_u8``, 2 trips and 1; ``split_t128_u4``, 128 threads, 1 trip.
+* shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles): ``mma_m2_n4``, the
+  shipped one (runs of up to two blocks; 186 registers with both slices); ``mma_m4_n4``
+  (runs of four; 255 registers and a spill of 40 bytes) and ``mma_m1_n4`` (173);
+* the split shrink of blocks of few pairs (threads, ranks and pairs of a chunk, strides of
+  K whose loads go together; ``ops.moe.SPLIT_SHRINK``, shipped ``(64, 4, 2, 2)``, whose 8
+  words of K a thread at K = 2048 go in 4 trips): ``split_u4`` and ``split_u8``, 2 trips
+  and 1; ``split_t128_u4``, 128 threads, 1 trip.
 
 For each case of ``bench --moe`` named on the command line (default: w13 and w2 at 16, 256
 and 2048 tokens on 1 and 16 adapters), the op is timed as the benchmark times it (each run
@@ -68,13 +70,15 @@ def build(kernel, *config):
     """The kernel a variant launches for Qwen3-30B-A3B's w13 at 2048 tokens on one adapter
     (768 columns and K = 2048, r=16, bf16, blocks of 16, add_inputs), built."""
     if kernel == "split":
-        return moe_ops.split_shrink.build_moe_split_shrink_kernel(torch.bfloat16, *config, True)
+        return moe_ops.split_shrink.build_moe_split_shrink_kernel(
+            torch.bfloat16, *config, True, True
+        )
     if kernel == "shrink":
         config = moe_ops.MmaShrink(*config)
         shape = moe_ops.mma_shrink_runs(2048 * 8, 1, 128, 16, 2, 16, config)
         m_tiles, n_tiles, blocks, joint = shape
         return moe_ops.mma_shrink.build_moe_mma_shrink_kernel(
-            torch.bfloat16, config.threads, m_tiles, n_tiles, True, blocks, joint
+            torch.bfloat16, config.threads, m_tiles, n_tiles, True, blocks, joint, True
         )
     config = moe_ops.OuterExpand(*config)
     threads, chunk = moe_ops.outer_shape(16, 768, 16, config)
