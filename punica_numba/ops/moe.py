@@ -334,8 +334,12 @@ def fused_moe_lora(
     multiples of 4), else 3's; 5, 4's shrink where the operands allow it and the pairs
     average at least :data:`MMA_SHRINK_FROM_PAIRS` (4) a (slot, expert) block in use
     (:func:`pairs_per_block`, from P, L and E: no sync), else 3's, and 3's expand always
-    (on an H200 each kernel so taken was the faster of the two where it was measured). The
-    same sums in other orders; :data:`DEFAULT_VERSION` (5) unless asked.
+    (on an H200 each kernel so taken was the faster of the two where it was measured); 6,
+    5's choice, with the tensor-core shrink taking every slice in one CUDA block and runs
+    of blocks of one expert together, the expand taking a chunk of a block's pairs at once
+    as outer products (:mod:`..kernels.moe_expand_outer`), and all on compact grids (the
+    same bits as 5's shrinks and 3's expand; not yet timed on a GPU). The same sums in other
+    orders; :data:`DEFAULT_VERSION` (5) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
