@@ -8,9 +8,9 @@
 # * ab        the benchmark at $BASE (a commit) and here, alternately, $ROUNDS times each,
 #             then `bench --compare` of the two sides (ab.txt; exit 1 if a case is > 3 %
 #             slower): a change against the code before it, on one machine in one hour
-# * moe       python -m punica_numba bench --moe of each kernel version, alone on the GPU;
-#             with $VLLM_SRC (vLLM 0.33.0's extracted source release) also
-#             docs/benchmarks/peers/vllm_moe_lora.py
+# * moe       python -m punica_numba bench --moe of each kernel version ($MOE_VERSIONS,
+#             default all), alone on the GPU; with $VLLM_SRC (vLLM 0.33.0's extracted source
+#             release) also docs/benchmarks/peers/vllm_moe_lora.py
 # * peers     python -m punica_numba bench --peers: the layers the strongest peers were timed on
 # * tune      python -m punica_numba tune $TUNE_ARGS (default --quick, 174 s on an H200) into
 #             $OUT/configs (resumed if there), the table to copy into punica_numba/configs/
@@ -42,6 +42,7 @@
 #   SAN_WORKERS     pytest-xdist workers for each sanitizer tool (default 2)
 #   BASE, ROUNDS    ab: the commit to compare with (required), rounds of each side (default 2)
 #   VLLM_SRC        moe: vLLM 0.33.0's source release, extracted (vllm-0.33.0/, with vllm/ in it)
+#   MOE_VERSIONS    moe: the versions to time, e.g. "5 6" (default: every one, 1 to 6)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 GIVEN_PYTHONPATH="${PYTHONPATH:-}"
@@ -92,7 +93,7 @@ if want ab; then
     fi
 fi
 if want moe; then
-    for version in 1 2 3 4 5; do
+    for version in ${MOE_VERSIONS:-1 2 3 4 5 6}; do
         "$PYTHON" -m punica_numba bench --moe --version "$version" --commit "$COMMIT" \
             --json "$OUT/moe_v$version.json" >"$OUT/moe_v$version.log" 2>&1 || status=1
         note "moe, version $version: $(tail -n 1 "$OUT/moe_v$version.log")"
