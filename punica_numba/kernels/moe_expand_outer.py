@@ -58,7 +58,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import float32, int64
+from numba import float32, int64, uint64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
@@ -230,7 +230,7 @@ def build_moe_outer_expand_kernel(
         from ``first_out`` (PACKED_OUT), else elements, columns past the slice clamped to
         ``last_out``."""
         for i in range(CHUNK):  # i in [0, CHUNK), unrolled
-            row = out[max(pair_of[i], 0)]
+            row = out[uint64(max(pair_of[i], 0))]  # (unsigned: no check for a negative index)
             if WIDE_OUT:  # pairs of words, 16 bytes a load
                 for v in range(0, OUT_WORDS, 2):
                     old[i * OUT_WORDS + v], old[i * OUT_WORDS + v + 1] = load_two(
@@ -238,7 +238,7 @@ def build_moe_outer_expand_kernel(
                     )
             elif PACKED_OUT:
                 for v in range(OUT_WORDS):
-                    old[i * OUT_WORDS + v] = row[first_out + v]
+                    old[i * OUT_WORDS + v] = row[uint64(first_out + v)]
             else:
                 for c in range(VEC):
                     old[i * VEC + c] = load_out(row[min(first_out + c, last_out)])
@@ -314,7 +314,7 @@ def build_moe_outer_expand_kernel(
                 for i in range(CHUNK):
                     p = ps[i]
                     if p != -1 and inside:
-                        row = out[p]
+                        row = out[uint64(p)]
                         if WIDE_OUT:
                             for v in range(0, OUT_WORDS, 2):
                                 store_two(
@@ -325,7 +325,7 @@ def build_moe_outer_expand_kernel(
                                 )
                         elif PACKED_OUT:
                             for v in range(OUT_WORDS):
-                                row[first_out + v] = new_word(acc, ws, old, i, v)
+                                row[uint64(first_out + v)] = new_word(acc, ws, old, i, v)
                         else:
                             for c in range(VEC):
                                 if mine + c < width:

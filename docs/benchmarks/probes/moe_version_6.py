@@ -13,10 +13,10 @@ These are first designs; the variants below are the shapes to choose from (ptxas
 sm_90, static, registers at r=16):
 
 * expand (threads at most, columns a thread, pairs at once, registers held):
-  ``vec4_chunk16``, the shipped one, 8-byte words and a block of 16 pairs in one chunk (160
-  registers at w13's 192 threads); ``vec4_chunk8`` (115) and ``vec4_chunk4``, fewer pairs at
+  ``vec4_chunk16``, the shipped one, 8-byte words and a block of 16 pairs in one chunk (156
+  registers at w13's 192 threads); ``vec4_chunk8`` (112) and ``vec4_chunk4``, fewer pairs at
   once and more CUDA blocks an SM; ``vec8_chunk8``, 16-byte loads and stores, 96 threads for
-  w13's 768 columns (161); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
+  w13's 768 columns (163); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
   four groups, not two);
 * shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles): ``mma_m2_n4``, the
   shipped one (runs of up to two blocks; 186 registers with both slices); ``mma_m4_n4``
