@@ -10,6 +10,11 @@ blocks of one row and one slice:
 * ``blockIdx.y``: the row, the slot l (a slot that ``adapter_enabled`` turns off leaves);
 * ``blockIdx.z``: the slice (gate and up of w13; w2 has one).
 
+That grid holds a row's bound of blocks for every slot, most of which find nothing where
+slots are many and their pairs few. Version 6's kernels run on a *compact* grid instead:
+along x as many CUDA blocks as the call's pairs can fill blocks (:func:`units_in_use`),
+which walk the blocks in use slot by slot (:func:`unit_of`), and no y.
+
 The tensor-core kernels (:mod:`.moe_shrink_mma`, :mod:`.moe_expand_mma`) then take the
 block's entries in passes of 16-row tiles: a pass with no pair is skipped by the whole
 block, and each tile row's entry gives the input row it reads (:func:`read_pass`).
