@@ -229,9 +229,9 @@ def mma_shrink_runs(
     slice's ranks in one CUDA block where there are two (``joint``: each pair's row of x
     read once, not once a slice), in up to ``config.n_tiles`` tiles of 8; and, where the
     call's pairs average enough a (slot, expert) (:func:`pairs_per_block`) to fill them,
-    ``blocks`` neighbouring blocks a CUDA block (a power of two), taken in passes of up to
-    ``config.m_tiles`` tiles of 16 pairs, so that a chunk of A is read once for a run of
-    blocks of one expert, not once a block."""
+    ``blocks`` neighbouring blocks a unit of its compact grid (a power of two), taken in
+    passes of up to ``config.m_tiles`` tiles of 16 pairs, so that a chunk of A is read once
+    for a run of blocks of one expert, not once a block."""
     joint = slices > 1
     n_tiles = min(config.n_tiles, -(-(slices * rank if joint else rank) // 8))
     average = pairs_per_block(num_pairs, slots, experts)
