@@ -208,7 +208,7 @@ def outer_shape(
 #: the simulator tiles that two slices and runs of two blocks cross at test sizes. The GPU's
 #: are a first design for Qwen3-30B-A3B's layer (w13: both slices' 16 ranks in four tiles;
 #: runs of up to two blocks of 16 pairs), not yet timed: with runs of four, ptxas 13.0 for
-#: sm_90 spills (255 registers and 40 bytes a thread), with two it does not (186).
+#: sm_90 spills (255 registers and a 40-byte stack frame), with two it does not (186).
 MMA_SHRINK_RUNS = (
     MmaShrink(threads=64, m_tiles=2, n_tiles=2)
     if SIMULATOR

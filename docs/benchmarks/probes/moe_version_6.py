@@ -20,7 +20,7 @@ sm_90, static, registers at r=16):
   four groups, not two);
 * shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles): ``mma_m2_n4``, the
   shipped one (runs of up to two blocks; 186 registers with both slices); ``mma_m4_n4``
-  (runs of four; 255 registers and a spill of 40 bytes) and ``mma_m1_n4`` (173);
+  (runs of four; 255 registers and a 40-byte spill stack) and ``mma_m1_n4`` (173);
 * the split shrink of blocks of few pairs (threads, ranks and pairs of a chunk, strides of
   K whose loads go together; ``ops.moe.SPLIT_SHRINK``, shipped ``(64, 4, 2, 2)``, whose 8
   words of K a thread at K = 2048 go in 4 trips): ``split_u4`` and ``split_u8``, 2 trips

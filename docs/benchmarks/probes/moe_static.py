@@ -1,0 +1,160 @@
+"""The MoE kernels' registers and SASS for the H200, compiled on a machine without a GPU.
+
+Not a timing: a static reading of what the compiler makes of each kernel, the figures of the
+lab notes' "MoE LoRA version 6, built and not yet timed" (``docs/benchmarks/lab_notes.md``).
+Each build in ``VARIANTS`` (Qwen3-30B-A3B's layer, r=16 unless named, bf16) is compiled by
+numba-cuda's NVVM to PTX for ``sm_90`` (``cuda.compile_ptx``, which needs no GPU), then by
+``ptxas -arch=sm_90a -v`` (registers, spills) and disassembled by ``cuobjdump -sass``
+(instructions). Where the kernel asks the device whether dependent launches exist, and Numba
+which device it compiles for, the H200's answers are given (``sm_90``, yes).
+
+Needs, besides the package: ``ptxas`` (the CUDA toolkit's, or the ``nvidia-cuda-nvcc`` wheel's)
+and ``cuobjdump`` (the toolkit's, or the ``nvidia-cuda-cuobjdump`` wheel's) on ``PATH``, and an
+NVRTC library numba-cuda can load (the ``nvidia-cuda-nvrtc`` wheel's ``lib`` folder on
+``LD_LIBRARY_PATH``, with ``CUDA_HOME`` set). The figures of the notes were made with ptxas and
+cuobjdump 13.0 and NVRTC 13.0.
+
+Run from the repository root: ``python docs/benchmarks/probes/moe_static.py [NAME ...]``.
+Prints one JSON line: the commit and ptxas's version, and for each build its registers, spill
+and stack bytes, shared memory, and its SASS instructions with the counts of its loads,
+stores, products, shuffles and barriers by kind (``sm90_moe_static.json`` beside the
+benchmarks is one such line).
+"""
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+VARIANTS = {  # name: (kernel, its builder's arguments past the dtypes)
+    "columns_expand_w13": ("columns", 128, 4, 2, 16, True, True, False, True),
+    "outer_expand_w13": ("outer", 192, 4, 16, 16, True, True, False, True, False, True),
+    "outer_expand_w13_chunk8": ("outer", 192, 4, 8, 16, True, True, False, True, False, True),
+    "outer_expand_w13_vec8": ("outer", 96, 8, 8, 16, True, True, True, True, False, True),
+    "outer_expand_w2": ("outer", 256, 4, 16, 16, True, True, False, True, True, True),
+    "mma_shrink_version_5": ("mma", 128, 1, 2, True),
+    "mma_shrink_runs_1": ("mma", 128, 1, 4, True, 1, True, True),
+    "mma_shrink_runs_2": ("mma", 128, 2, 4, True, 2, True, True),
+    "mma_shrink_runs_4": ("mma", 128, 4, 4, True, 4, True, True),
+    "split_shrink_version_5": ("split", 64, 4, 2, 2, True),
+    "split_shrink_compact": ("split", 64, 4, 2, 2, True, True),
+}
+
+
+def build(kernel, *args):
+    """The kernel of a variant, built (on whatever machine runs this: a GPU, the simulator,
+    or, from :func:`main`, the compiler alone)."""
+    import torch
+
+    from punica_numba.kernels import (
+        moe_expand_columns,
+        moe_expand_outer,
+        moe_shrink_mma,
+        moe_shrink_split,
+    )
+
+    bf16 = torch.bfloat16
+    if kernel == "columns":
+        return moe_expand_columns.build_moe_columns_expand_kernel(bf16, bf16, *args)
+    if kernel == "outer":
+        return moe_expand_outer.build_moe_outer_expand_kernel(bf16, bf16, *args)
+    if kernel == "mma":
+        return moe_shrink_mma.build_moe_mma_shrink_kernel(bf16, *args)
+    return moe_shrink_split.build_moe_split_shrink_kernel(bf16, *args)
+
+
+def _signature(kernel, types):
+    """The kernel's argument types as the op passes them (int64 words of x, A and B; int32
+    metadata; an fp32 buffer; bf16 outputs as int16, or as int64 words)."""
+    a = lambda dtype, ndim: types.Array(dtype, ndim, "C")  # noqa: E731
+    meta = (a(types.int32, 2), a(types.int32, 2), a(types.int32, 1), a(types.int32, 1))
+    if kernel in ("columns", "outer"):
+        out = a(types.int16 if kernel == "columns" else types.int64, 2)
+        weights = (a(types.float32, 1),)
+        return (a(types.float32, 3), a(types.int64, 4), a(types.int64, 4), out, *weights, *meta,
+                types.int64, types.int64)  # fmt: skip
+    return (a(types.int64, 2), a(types.int64, 4), a(types.int64, 4), a(types.float32, 3), *meta,
+            types.int64, types.int64, types.boolean)  # fmt: skip
+
+
+def _for_the_h200():
+    """numba-cuda and the package, answering for an H200 where no GPU is there to ask."""
+    from types import SimpleNamespace
+
+    import numba.cuda.dispatcher
+
+    import punica_numba._cuda
+    from punica_numba.kernels import dependent_launch
+
+    numba.cuda.dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
+    punica_numba._cuda.dependent_launch = lambda: True
+    dependent_launch.dependent_launch = lambda: True
+
+
+def _reading(name, folder):
+    """Registers, memory and SASS of one variant."""
+    from numba import cuda
+    from numba.cuda import types
+
+    kernel, *args = VARIANTS[name]
+    ptx, _ = cuda.compile_ptx(build(kernel, *args).py_func, _signature(kernel, types), cc=(9, 0))
+    path = os.path.join(folder, name)
+    with open(path + ".ptx", "w") as f:
+        f.write(ptx)
+    report = subprocess.run(
+        ["ptxas", "-arch=sm_90a", "-v", path + ".ptx", "-o", path + ".cubin"],
+        capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    sass = subprocess.run(
+        ["cuobjdump", "-sass", path + ".cubin"], capture_output=True, text=True, check=True
+    ).stdout
+    lines = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?(\S+)", sass)]
+    kinds = collections.Counter(
+        op for op in lines if re.match(r"(LDG|STG|LDS|STS|LDL|STL|FFMA|HMMA|SHFL|BAR)", op)
+    )
+
+    def number(pattern):
+        found = re.search(pattern, report)
+        return int(found.group(1)) if found else 0
+
+    return {
+        "registers": number(r"Used (\d+) registers"),
+        "spill_store_bytes": number(r"(\d+) bytes spill stores"),
+        "stack_frame_bytes": number(r"(\d+) bytes stack frame"),
+        "shared_bytes": number(r"(\d+) bytes smem"),
+        "sass_instructions": len(lines),
+        "kinds": dict(sorted(kinds.items())),
+    }
+
+
+def _output(command):
+    """A command's standard output, stripped (None where it cannot run)."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv=None) -> None:
+    names = (argv if argv is not None else sys.argv[1:]) or list(VARIANTS)
+    _for_the_h200()
+    with tempfile.TemporaryDirectory() as folder:
+        builds = {name: _reading(name, folder) for name in names}
+    ptxas = _output(["ptxas", "--version"])
+    print(
+        json.dumps(
+            {
+                "commit": _output(["git", "rev-parse", "--short", "HEAD"]),
+                "ptxas": ptxas.splitlines()[-1] if ptxas else None,
+                "builds": builds,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for the GPU, with or without one
+    main()
