@@ -18,7 +18,7 @@ Run from the repository root: ``python docs/benchmarks/probes/moe_static.py [NAM
 Prints one JSON line: the commit and ptxas's version, and for each build its registers, spill
 and stack bytes, shared memory, and its SASS instructions with the counts of its loads,
 stores, products, shuffles and barriers by kind (``sm90_moe_static.json`` beside the
-benchmarks is one such line).
+benchmarks is its output).
 """
 
 import collections
