@@ -10,8 +10,9 @@ they name, then the sums and stores: a block of 16 pairs waits on memory some si
 times in a row, and each load moves one 2-byte output a thread. Here a CUDA block takes
 ``CHUNK`` pairs of its block at once (a whole block of 16, usually):
 
-1. every thread reads the chunk's entries (the same for all of them: a broadcast) and at
-   once asks for its old outputs of every pair of the chunk, ``VEC`` neighbouring columns
+1. each warp reads the chunk's entries, one a lane, and passes them round by shuffles
+   (:func:`.moe_blocks.chunk_reader`), and each thread at once asks for its old outputs of
+   every pair of the chunk, ``VEC`` neighbouring columns
    a pair in whole 8-byte words of four 16-bit outputs (:func:`words_out`), two words in
    one 16-byte load where ``VEC`` is 8 (:func:`wide_words_out`), else element by element;
 2. meanwhile the expert is looked up, the thread's rows of B are read (``VEC * r``
@@ -43,10 +44,13 @@ piece of 256 bytes (VEC = 4, 16-bit outputs). Padding (an entry ``>= P``) and co
 the slice read row 0 or the slice's last columns, in bounds, and store nothing.
 Deterministic: every output is stored by one thread, its sum in rank order.
 
-Registers a thread holds across the sums: ``CHUNK * VEC`` sums, ``CHUNK * VEC`` old
-outputs (packed, two a register), ``VEC * r`` elements of B (packed likewise); the launcher
-picks ``VEC`` and ``CHUNK`` so that these stay within what a thread can hold
-(:func:`punica_numba.ops.moe.outer_shape`).
+Registers a thread holds across the sums: ``CHUNK * VEC`` sums and ``CHUNK * VEC`` old
+outputs (packed, two a register); the launcher picks ``VEC`` and ``CHUNK`` so that these
+and the ``VEC * r`` elements of B stay within what a thread can hold
+(:func:`punica_numba.ops.moe.outer_shape`). The loop over the ranks is not unrolled (a
+chunk of 16 pairs makes it 1,024 products long, past what the compiler unrolls), so the
+words of B, indexed by the rank, sit in the thread's local memory, which L1 serves: four
+8-byte loads a rank for 64 products (sm_90, ``probes/moe_static.py``).
 
 Memory traffic per CUDA block in use (pairs ``p <= block_size``): ``THREADS * VEC * r``
 of B, once; ``r`` fp32 of the buffer and a weight per pair, once (not once a thread);
