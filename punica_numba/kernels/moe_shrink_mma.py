@@ -49,8 +49,8 @@ first rank group), ``p * K`` of x, ``p * TILE_N`` fp32 stores. So the L2 moves a
 slices, 1 where ``JOINT`` takes all of them; ``n_runs``: the runs of passes), and both
 terms shrink with ``JOINT`` and ``BLOCKS``: w13 of Qwen3-30B-A3B at 2048 tokens on one
 adapter (16,384 pairs in about 1,100 blocks of 16, K = 2048, r = 16) moves about 280 MB
-one block and one slice a CUDA block, 210 MB ``JOINT``, 110 MB ``JOINT`` with 4 blocks
-(an estimate from these counts, not a measurement).
+one block and one slice a CUDA block, 210 MB ``JOINT``, 140 MB ``JOINT`` with runs of
+2 blocks and 110 MB with runs of 4 (an estimate from these counts, not a measurement).
 """
 
 from __future__ import annotations
