@@ -18,16 +18,20 @@ sm_90, static, registers at r=16):
   once and more CUDA blocks an SM; ``vec8_chunk8``, 16-byte loads and stores, 96 threads for
   w13's 768 columns (163); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
   four groups, not two);
-* shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles): ``mma_m2_n4``, the
-  shipped one (runs of up to two blocks; 186 registers with both slices); ``mma_m4_n4``
-  (runs of four; 255 registers and a 40-byte spill stack) and ``mma_m1_n4`` (173);
+* shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles; the shipped one is
+  ``(128, 2, 4)``, runs of up to two blocks, 186 registers with both slices):
+  ``mma_m4_n4``, runs of four (255 registers and a 40-byte spill stack), and ``mma_m1_n4``,
+  one block a unit (173);
 * the split shrink of blocks of few pairs (threads, ranks and pairs of a chunk, strides of
   K whose loads go together; ``ops.moe.SPLIT_SHRINK``, shipped ``(64, 4, 2, 2)``, whose 8
   words of K a thread at K = 2048 go in 4 trips): ``split_u4`` and ``split_u8``, 2 trips
-  and 1; ``split_t128_u4``, 128 threads, 1 trip.
+  and 1; ``split_t128_u4``, 128 threads, 1 trip;
+* the choice between the shrinks (``ops.moe.MMA_SHRINK_FROM_PAIRS``, shipped 4 pairs a
+  (slot, expert) block on average, a point between version 4's measured 1 and 8):
+  ``from_pairs_1``, the tensor cores wherever the operands allow, and ``from_pairs_16``.
 
-For each case of ``bench --moe`` named on the command line (default: w13 and w2 at 16, 256
-and 2048 tokens on 1 and 16 adapters), the op is timed as the benchmark times it (each run
+For each case of ``bench --moe`` named on the command line (default: w13 and w2 at 16, 64,
+256 and 2048 tokens on 1 and 16 adapters), the op is timed as the benchmark times it (each run
 checked against the float64 reference on the first argument set, then CUDA-graph replays
 over a pool larger than the L2: ``bench_moe.checked_pool``, one pool for all the runs of a
 case) at version 5, at version 6 as shipped, then at version 6 with each variant in place
@@ -55,20 +59,23 @@ VARIANTS = {  # name: (kernel, its shape's fields)
     "vec8_chunk8": ("expand", 256, 8, 8, 160),
     "vec4_chunk16_128": ("expand", 128, 4, 16, 160),
     "mma_m4_n4": ("shrink", 128, 4, 4),
-    "mma_m2_n4": ("shrink", 128, 2, 4),
     "mma_m1_n4": ("shrink", 128, 1, 4),
     "split_u4": ("split", 64, 4, 2, 4),
     "split_u8": ("split", 64, 4, 2, 8),
     "split_t128_u4": ("split", 128, 4, 2, 4),
+    "from_pairs_1": ("threshold", 1),
+    "from_pairs_16": ("threshold", 16),
 }
 
 #: The cases run unless others are named: (projection, tokens, adapters).
-CASES = [(p, T, n) for p in ("w13", "w2") for T in (16, 256, 2048) for n in (1, 16)]
+CASES = [(p, T, n) for p in ("w13", "w2") for T in (16, 64, 256, 2048) for n in (1, 16)]
 
 
 def build(kernel, *config):
     """The kernel a variant launches for Qwen3-30B-A3B's w13 at 2048 tokens on one adapter
     (768 columns and K = 2048, r=16, bf16, blocks of 16, add_inputs), built."""
+    if kernel == "threshold":  # the kernel a lower threshold lets run
+        return build("shrink", *moe_ops.MMA_SHRINK_RUNS)
     if kernel == "split":
         return moe_ops.split_shrink.build_moe_split_shrink_kernel(
             torch.bfloat16, *config, True, True
@@ -102,9 +109,10 @@ def main(argv=None) -> None:
     cases = args.cases or [bench_moe.MoECase(*c) for c in CASES]
     bandwidth = bench.copy_bandwidth_tbps()
     names = {"expand": "OUTER_EXPAND", "shrink": "MMA_SHRINK_RUNS", "split": "SPLIT_SHRINK"}
+    names["threshold"] = "MMA_SHRINK_FROM_PAIRS"
     shipped = {kernel: getattr(moe_ops, name) for kernel, name in names.items()}
     shapes = {"expand": moe_ops.OuterExpand, "shrink": moe_ops.MmaShrink}
-    shapes["split"] = moe_ops.SplitShrink
+    shapes.update(split=moe_ops.SplitShrink, threshold=int)
     runs = [("version_5", 5, None), ("version_6", 6, None)]
     runs += [(name, 6, variant) for name, variant in VARIANTS.items()]
     start, rows = time.time(), []
