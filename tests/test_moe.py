@@ -14,7 +14,11 @@
    column groups, K in whole words or not), and version 4's (rank groups, passes and
    m-tiles of a block's pairs, column groups, K and ranks past whole tiles), with its
    gate: what the tensor cores cannot take runs version 3's kernels; version 5 takes
-   version 4's shrink on either side of its threshold of pairs a block as designed.
+   version 4's shrink on either side of its threshold of pairs a block as designed;
+   version 6 stores version 5's bits on every drawn call, its expand version 3's bits
+   (in words, 16-byte pairs of words and element by element), its tensor-core shrink
+   version 5's (both slices together, runs of blocks), and its compact grids take every
+   block whatever their size.
 """
 
 from __future__ import annotations
@@ -1055,7 +1059,7 @@ def test_version_5_takes_the_tensor_core_shrink_from_its_threshold(
     assert [name for name, _ in built] == [shrink, "build_moe_columns_expand_kernel"]
 
 
-# -- 8. version 6: a chunk of pairs at once, as outer products -------------------------------
+# -- 8. version 6: a chunk of pairs at once, runs of blocks, compact grids -------------------
 
 
 def _expand_call(dtype, *, rank, N, B, slices, mul, offset, add_inputs, columns):
