@@ -31,11 +31,11 @@ sm_90, static, registers at r=16):
   ``from_pairs_1``, the tensor cores wherever the operands allow, and ``from_pairs_16``.
 
 For each case of ``bench --moe`` named on the command line (default: ``CASES``, w13 and w2
-at 16, 64, 256 and 2048 tokens on 1 and 16 adapters, the furthest from the aim first), the op is timed as the benchmark times it (each run
-checked against the float64 reference on the first argument set, then CUDA-graph replays
-over a pool larger than the L2: ``bench_moe.checked_pool``, one pool for all the runs of a
-case) at version 5, at version 6 as shipped, then at version 6 with each variant in place
-of the shipped shape of its kernel.
+at 16, 64, 256 and 2048 tokens on 1 and 16 adapters, the furthest from the aim first), the
+op is timed as the benchmark times it (each run checked against the float64 reference on the
+first argument set, then CUDA-graph replays over a pool larger than the L2:
+``bench_moe.checked_pool``, one pool for all the runs of a case) at version 5, at version 6
+as shipped, then at version 6 with each variant in place of the shipped shape of its kernel.
 
 Run on a GPU from the repository root: ``python docs/benchmarks/probes/moe_version_6.py
 [--limit SECONDS] [CASE ...]`` (a case as ``w13:2048:16``). Prints one JSON line: per case,
