@@ -1076,9 +1076,7 @@ def _expand_call(dtype, *, rank, N, B, slices, mul, offset, add_inputs, columns)
     topk_ids = torch.tensor([[0, 1]] * M, device=DEVICE)
     slots = torch.tensor([0] * tokens + [1, -1], device=DEVICE)
     enabled = torch.ones(L, dtype=torch.int32, device=DEVICE)
-    blocks = align_pairs(topk_ids, slots, E, B, L, enabled)
-    metadata = (blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded,
-                enabled)  # fmt: skip
+    metadata = (*align_pairs(topk_ids, slots, E, B, L, enabled), enabled)
     out = y.view(M * top_k, columns)
     call = moe_ops._Expand(out, buffer, weights, metadata, B, mul, offset, add_inputs)
     return call, b
@@ -1148,26 +1146,30 @@ def test_version_6s_expand_holds_at_most_its_values_in_registers():
     assert moe_ops.outer_shape(16, 10, 16, config)[0] == -(-3 // unit) * unit
 
 
-def _shrink_buffers(dtype, *, rank, K, B, pairs, projection, monkeypatch):
-    """Version 5's tensor-core shrink and version 6's on one call (``_one_block_call``):
-    ``(five, six, built, want, listed)``, the two buffers, version 6's build, the float64
-    products and a mask of the (slice, pair) rows in a block."""
+def _shrink_buffers(dtype, *, rank, K, B, pairs, projection, monkeypatch, kernel="mma"):
+    """Version 5's shrink and version 6's, the tensor-core one (``kernel="mma"``) or the
+    split one (``"split"``), on one call (``_one_block_call``): ``(five, six, built, want,
+    listed, blocks)``, the two buffers (a sentinel 7.0 where nothing is stored), version 6's
+    tensor-core builds, the float64 products, a mask of the (slice, pair) rows in a block,
+    and the call's blocks."""
     case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=4, B=B, projection=projection,
                                       offset=0, pairs=pairs)  # fmt: skip
     words = moe_ops.tensor_core_words(d["x"], d["lora_a"], d["lora_b"])
     assert words is not None
     P = d["topk_ids"].numel()
-    metadata = (blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded,
-                d["enabled"])  # fmt: skip
+    metadata = (*blocks, d["enabled"])
     buffers = []
-    for runs in (False, True):
+    for six in (False, True):
         buffer = torch.full((case.S, P, rank), 7.0, device=DEVICE)  # a sentinel
         call = moe_ops._Shrink(buffer, metadata, 2, B, case.mul)
-        if runs:
+        if six:
             built = _recording_builds(
                 monkeypatch, [(moe_ops.mma_shrink, "build_moe_mma_shrink_kernel")]
             )
-        moe_ops._mma_shrink(call, *words[:2], hidden=K, dtype=dtype, runs=runs)
+        if kernel == "split":
+            moe_ops._split_shrink(call, d["x"], d["lora_a"], compact=six)
+        else:
+            moe_ops._mma_shrink(call, *words[:2], hidden=K, dtype=dtype, runs=six)
         buffers.append(buffer)
     slots, ids = d["slots"], d["topk_ids"]
     rows = d["x"].double() if case.mul else d["x"].double().repeat_interleave(2, 0)  # [P, K]
@@ -1179,7 +1181,7 @@ def _shrink_buffers(dtype, *, rank, K, B, pairs, projection, monkeypatch):
             listed[p] = True
             for s in range(case.S):
                 want[s, p] = d["lora_a"][s][slots[t], ids[t, k]].double() @ rows[p]
-    return buffers[0], buffers[1], built, want, listed
+    return buffers[0], buffers[1], built, want, listed, blocks
 
 
 @pytest.mark.parametrize(
@@ -1198,9 +1200,9 @@ def test_version_6s_tensor_core_shrink_gives_version_5s_bits(
     several tiles: the same products in the same order as version 5's one block and one
     slice a CUDA block, so the same bits; each the float64 product, and no row of no block
     written."""
-    five, six, built, want, listed = _shrink_buffers(dtype, rank=rank, K=K, B=B, pairs=pairs,
-                                                     projection=projection,
-                                                     monkeypatch=monkeypatch)  # fmt: skip
+    five, six, built, want, listed, _ = _shrink_buffers(dtype, rank=rank, K=K, B=B,
+                                                        pairs=pairs, projection=projection,
+                                                        monkeypatch=monkeypatch)  # fmt: skip
     ((_, args),) = built
     m_tiles, n_tiles, blocks, joint = args[2], args[3], args[5], args[6]
     if projection == "w13":
@@ -1278,28 +1280,16 @@ def test_a_compact_grid_has_room_for_every_block_the_pairs_can_fill():
 
 
 @pytest.mark.parametrize("units", [1, 3])
-@pytest.mark.parametrize("kernel", ["split", "tensor cores"])
+@pytest.mark.parametrize("kernel", ["split", "mma"])
 def test_version_6s_shrinks_take_every_block_on_a_grid_of_any_size(kernel, units, monkeypatch):
     """Either shrink on a compact grid of 1 or 3 CUDA blocks along x (fewer than the call's
     blocks in use) stores version 5's bits, on its own grid of a CUDA block a block, into
     every row of a block, and nothing else."""
-    dtype, B, rank, K = torch.bfloat16, 4, 12, 32
-    case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=4, B=B, projection="w13",
-                                      offset=0, pairs=9)  # fmt: skip
-    P = d["topk_ids"].numel()
-    metadata = (blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded,
-                d["enabled"])  # fmt: skip
-    assert int(((blocks.num_tokens_post_padded + B - 1) // B).sum()) > units
+    B = 4
     monkeypatch.setattr(moe_ops, "compact_units", lambda *args: units)
-    words = moe_ops.tensor_core_words(d["x"], d["lora_a"], d["lora_b"])
-    buffers = []
-    for compact in (False, True):
-        buffer = torch.full((case.S, P, rank), 7.0, device=DEVICE)  # a sentinel
-        call = moe_ops._Shrink(buffer, metadata, 2, B, case.mul)
-        if kernel == "split":
-            moe_ops._split_shrink(call, d["x"], d["lora_a"], compact=compact)
-        else:
-            moe_ops._mma_shrink(call, *words[:2], hidden=K, dtype=dtype, runs=compact)
-        buffers.append(buffer)
-    assert bool((buffers[0] != 7.0).any()), "the shrink stored nothing"
-    assert torch.equal(buffers[1].view(torch.int32), buffers[0].view(torch.int32))
+    five, six, _, _, _, blocks = _shrink_buffers(torch.bfloat16, rank=12, K=32, B=B, pairs=9,
+                                                 projection="w13", monkeypatch=monkeypatch,
+                                                 kernel=kernel)  # fmt: skip
+    assert int(((blocks.num_tokens_post_padded + B - 1) // B).sum()) > units
+    assert bool((five != 7.0).any()), "the shrink stored nothing"
+    assert torch.equal(six.view(torch.int32), five.view(torch.int32))
