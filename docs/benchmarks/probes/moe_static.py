@@ -69,7 +69,10 @@ def build(kernel, *args):
 def _signature(kernel, types):
     """The kernel's argument types as the op passes them (int64 words of x, A and B; int32
     metadata; an fp32 buffer; bf16 outputs as int16, or as int64 words)."""
-    a = lambda dtype, ndim: types.Array(dtype, ndim, "C")  # noqa: E731
+
+    def a(dtype, ndim):  # a C-contiguous array
+        return types.Array(dtype, ndim, "C")
+
     meta = (a(types.int32, 2), a(types.int32, 2), a(types.int32, 1), a(types.int32, 1))
     if kernel in ("columns", "outer"):
         out = a(types.int16 if kernel == "columns" else types.int64, 2)
