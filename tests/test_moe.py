@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import types
@@ -34,6 +35,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from punica_numba import bench_moe, reference
+from punica_numba._cuda import cuda
 from punica_numba.mapping import LoRAMapping
 from punica_numba.moe_meta import MoEBlocks, align_pairs, aligned_sizes
 from punica_numba.ops import moe as moe_ops
@@ -1277,6 +1279,65 @@ def test_a_compact_grid_has_room_for_every_block_the_pairs_can_fill():
         for per in (1, 2, 4):
             units = int(((used + per - 1) // per).sum())
             assert units <= units_in_use(M * top_k, L, E, B, per), (M, top_k, E, L, B, per)
+
+
+@functools.cache
+def _unit_walk():
+    """A kernel that walks a compact grid's units as the version 6 kernels do, each CUDA
+    block recording the (slot, first block) of its units and the v where it stopped. (At
+    the module's level: the simulator gives a kernel its CUDA names through its globals.)"""
+    from punica_numba.kernels.moe_blocks import unit_of
+
+    @cuda.jit
+    def walk(num_post_pad, enabled, block_size, sorted_ids, per, found, stop):
+        v = cuda.blockIdx.x
+        slot, first = 0, 0
+        while True:
+            slot, b, first = unit_of(
+                v, num_post_pad, enabled, block_size, sorted_ids, per, slot, first
+            )
+            if slot == -1:
+                break
+            found[v, 0], found[v, 1] = slot, b
+            v += cuda.gridDim.x
+        stop[cuda.blockIdx.x] = v
+
+    return walk
+
+
+def test_a_compact_grids_walk_finds_every_unit_once_in_slot_order():
+    """``unit_of`` on random metadata, foreign too (counts below zero or past the rows,
+    slots off, units of 1, 2 or 4 blocks, up to 20 slots: batches of ``SLOTS_AT_ONCE``
+    crossed), walked as a compact grid's CUDA blocks walk it (units ``x, x + G, ...``, each
+    call resuming where the one before stopped), against the units counted in Python: every
+    unit in use is found once, as (slot, first block), in slot order, and each CUDA block
+    stops at its first v past the last."""
+    import numpy as np
+
+    from punica_numba.kernels.moe_blocks import SLOTS_AT_ONCE
+
+    walk = _unit_walk()
+    rng = np.random.default_rng(8)
+    for case in range(24):
+        L = int(rng.integers(1, 21)) if case else 2 * SLOTS_AT_ONCE + 3
+        EM, B = int(rng.integers(1, 41)), int(rng.integers(1, 10))
+        per, G = int(rng.choice([1, 2, 4])), int(rng.integers(1, 8))
+        num_post_pad = rng.integers(-3, EM + 10, L).astype(np.int32)
+        enabled = (rng.random(L) < 0.8).astype(np.int32)
+        want = []  # (slot, first block) of each unit in use, in order
+        for slot in range(L):
+            blocks = math.ceil(min(max(int(num_post_pad[slot]), 0), EM) / B)
+            if enabled[slot]:
+                want += [(slot, u * per) for u in range(math.ceil(blocks / per))]
+        found = np.full((len(want) + G, 2), -2, dtype=np.int64)
+        stop = np.zeros(G, dtype=np.int64)
+        sorted_ids = np.zeros((L, EM), dtype=np.int32)
+        walk[G, 1](num_post_pad, enabled, B, sorted_ids, per, found, stop)
+        where = (L, EM, B, per, G)
+        assert [tuple(row) for row in found[: len(want)]] == want, where
+        assert (found[len(want) :] == -2).all(), where
+        past = [x + G * max(0, math.ceil((len(want) - x) / G)) for x in range(G)]
+        assert [int(v) for v in stop] == past, where
 
 
 @pytest.mark.parametrize("units", [1, 3])

@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import functools
 
-from numba import int32
+from numba import int32, uint32
 
 from .._cuda import SIMULATOR, cuda
 
 __all__ = [
     "MAX_MOE_SLICES",
+    "SLOTS_AT_ONCE",
     "block_in_use",
     "chunk_reader",
     "read_pass",
@@ -66,29 +67,58 @@ def slice_and_group(size, tile):
     return s, (cuda.blockIdx.z - s * groups) * tile
 
 
+#: Slots whose counts :func:`unit_of` asks for at once: their loads go out together, so a
+#: walk over L slots waits on memory about ``ceil(L / SLOTS_AT_ONCE)`` times, not 2L.
+SLOTS_AT_ONCE = 8
+
+
 @cuda.jit(device=True)
-def unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per):
-    """``(slot, b)`` of unit v of a compact grid: the units of ``per`` neighbouring blocks
-    that the rows hold in use, slot by slot (slot l holds ``ceil(n_l / per)``, its blocks
-    ``n_l = ceil(min(num_post_pad[l], EM) / block_size)``, none where ``enabled`` turns it
-    off), unit u of slot l being its blocks ``u * per ..``; ``(-1, 0)`` past the last.
+def unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per, slot, first):
+    """``(slot, b, first)`` of unit v of a compact grid: the units of ``per`` neighbouring
+    blocks that the rows hold in use, slot by slot (slot l holds ``ceil(n_l / per)``, its
+    blocks ``n_l = ceil(min(num_post_pad[l], EM) / block_size)``, none where ``enabled``
+    turns it off), unit u of slot l being its blocks ``u * per ..``, and ``first`` the
+    number of the slot's first unit; ``(-1, 0, first)`` past the last.
 
     A compact grid launches about as many CUDA blocks as there can be units in use
     (:func:`units_in_use`), not a row's bound of blocks for every slot, most of which would
     find nothing and leave; its CUDA blocks take units ``x, x + gridDim.x, ...`` so that
-    every unit in use is taken whatever the metadata says. Each call reads the slots'
-    counts from the first on."""
-    entries = sorted_ids.shape[1]
-    for slot in range(sorted_ids.shape[0]):
-        units = 0
-        if enabled[slot] != 0:
-            padded = min(num_post_pad[slot], entries)
-            if padded > 0:
-                units = ((padded + block_size - 1) // block_size + per - 1) // per
-        if v < units:
-            return slot, v * per
-        v -= units
-    return -1, 0
+    every unit in use is taken whatever the metadata says. The walk starts at slot
+    ``slot``, whose first unit is ``first`` (0, 0 for the first call; then what the call
+    before returned, for a v no smaller than that call's), so that a CUDA block reads each
+    slot's counts about once whatever the number of units it takes.
+
+    It reads the counts of ``SLOTS_AT_ONCE`` slots together and then works out their units
+    with no branch that a load could wait behind (a count a slot read and a test a slot,
+    a load and a compare a slot in a chain, is what a walk of 16 slots would otherwise wait
+    on: 32 loads one after the other, each behind a branch). A slot's units are
+    ``ceil(min(padded, EM) / (block_size * per))``, one 32-bit division a slot."""
+    slots = sorted_ids.shape[0]
+    entries = uint32(sorted_ids.shape[1])
+    size = uint32(block_size * per)  # entries a unit covers
+    padded = cuda.local.array(SLOTS_AT_ONCE, int32)
+    on = cuda.local.array(SLOTS_AT_ONCE, int32)
+    while slot < slots:
+        for i in range(SLOTS_AT_ONCE):  # i in [0, SLOTS_AT_ONCE), unrolled: loads together
+            s = min(slot + i, slots - 1)
+            padded[i] = num_post_pad[s]
+            on[i] = enabled[s]
+        found = -1
+        found_first = first
+        for i in range(SLOTS_AT_ONCE):  # selects, not branches
+            count = min(uint32(max(padded[i], 0)), entries)
+            # (both sides 32-bit unsigned, so that the division is the short one)
+            units = uint32(count + size - 1) // size
+            if slot + i >= slots or on[i] == 0:
+                units = uint32(0)
+            if found == -1 and v < first + units:
+                found = slot + i
+                found_first = first
+            first += units
+        if found != -1:
+            return found, (v - found_first) * per, found_first
+        slot += SLOTS_AT_ONCE
+    return -1, 0, first
 
 
 def units_in_use(num_pairs: int, slots: int, experts: int, block_size: int, per: int) -> int:
