@@ -1291,11 +1291,8 @@ def _unit_walk():
     @cuda.jit
     def walk(num_post_pad, enabled, block_size, sorted_ids, per, found, stop):
         v = cuda.blockIdx.x
-        slot, first = 0, 0
         while True:
-            slot, b, first = unit_of(
-                v, num_post_pad, enabled, block_size, sorted_ids, per, slot, first
-            )
+            slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per)
             if slot == -1:
                 break
             found[v, 0], found[v, 1] = slot, b
@@ -1308,10 +1305,9 @@ def _unit_walk():
 def test_a_compact_grids_walk_finds_every_unit_once_in_slot_order():
     """``unit_of`` on random metadata, foreign too (counts below zero or past the rows,
     slots off, units of 1, 2 or 4 blocks, up to 20 slots: batches of ``SLOTS_AT_ONCE``
-    crossed), walked as a compact grid's CUDA blocks walk it (units ``x, x + G, ...``, each
-    call resuming where the one before stopped), against the units counted in Python: every
-    unit in use is found once, as (slot, first block), in slot order, and each CUDA block
-    stops at its first v past the last."""
+    crossed), walked as a compact grid's CUDA blocks walk it (units ``x, x + G, ...``),
+    against the units counted in Python: every unit in use is found once, as (slot, first
+    block), in slot order, and each CUDA block stops at its first v past the last."""
     import numpy as np
 
     from punica_numba.kernels.moe_blocks import SLOTS_AT_ONCE

@@ -73,32 +73,32 @@ SLOTS_AT_ONCE = 8
 
 
 @cuda.jit(device=True)
-def unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per, slot, first):
-    """``(slot, b, first)`` of unit v of a compact grid: the units of ``per`` neighbouring
-    blocks that the rows hold in use, slot by slot (slot l holds ``ceil(n_l / per)``, its
-    blocks ``n_l = ceil(min(num_post_pad[l], EM) / block_size)``, none where ``enabled``
-    turns it off), unit u of slot l being its blocks ``u * per ..``, and ``first`` the
-    number of the slot's first unit; ``(-1, 0, first)`` past the last.
+def unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per):
+    """``(slot, b)`` of unit v of a compact grid: the units of ``per`` neighbouring blocks
+    that the rows hold in use, slot by slot (slot l holds ``ceil(n_l / per)``, its blocks
+    ``n_l = ceil(min(num_post_pad[l], EM) / block_size)``, none where ``enabled`` turns it
+    off), unit u of slot l being its blocks ``u * per ..``; ``(-1, 0)`` past the last.
 
     A compact grid launches about as many CUDA blocks as there can be units in use
     (:func:`units_in_use`), not a row's bound of blocks for every slot, most of which would
     find nothing and leave; its CUDA blocks take units ``x, x + gridDim.x, ...`` so that
-    every unit in use is taken whatever the metadata says. The walk starts at slot
-    ``slot``, whose first unit is ``first`` (0, 0 for the first call; then what the call
-    before returned, for a v no smaller than that call's), so that a CUDA block reads each
-    slot's counts about once whatever the number of units it takes.
+    every unit in use is taken whatever the metadata says.
 
-    It reads the counts of ``SLOTS_AT_ONCE`` slots together and then works out their units
-    with no branch that a load could wait behind (a count a slot read and a test a slot,
-    a load and a compare a slot in a chain, is what a walk of 16 slots would otherwise wait
-    on: 32 loads one after the other, each behind a branch). A slot's units are
-    ``ceil(min(padded, EM) / (block_size * per))``, one 32-bit division a slot."""
+    Each call reads the slots' counts from the first on, ``SLOTS_AT_ONCE`` slots together,
+    and then works out their units with selects, not branches that a load could wait
+    behind: a slot's flag, a branch, its count and a compare a slot, one after the other,
+    would make a walk of 16 slots wait on 32 loads in a row (as a first version did, by its
+    SASS for sm_90). A slot's units are ``ceil(min(padded, EM) / (block_size * per))``, one
+    32-bit division a slot. (Resuming each call at the slot where the one before stopped
+    would spare reading the first slots again, but the two values it keeps across a CUDA
+    block's units cost the w2 expand 30 registers or more, 127 to 157-163: not done.)"""
     slots = sorted_ids.shape[0]
     entries = uint32(sorted_ids.shape[1])
     size = uint32(block_size * per)  # entries a unit covers
     padded = cuda.local.array(SLOTS_AT_ONCE, int32)
     on = cuda.local.array(SLOTS_AT_ONCE, int32)
-    while slot < slots:
+    first = 0  # the number of the first unit of slot ``slot``
+    for slot in range(0, slots, SLOTS_AT_ONCE):
         for i in range(SLOTS_AT_ONCE):  # i in [0, SLOTS_AT_ONCE), unrolled: loads together
             s = min(slot + i, slots - 1)
             padded[i] = num_post_pad[s]
@@ -116,9 +116,8 @@ def unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per, slot, first):
                 found_first = first
             first += units
         if found != -1:
-            return found, (v - found_first) * per, found_first
-        slot += SLOTS_AT_ONCE
-    return -1, 0, first
+            return found, (v - found_first) * per
+    return -1, 0
 
 
 def units_in_use(num_pairs: int, slots: int, experts: int, block_size: int, per: int) -> int:

@@ -371,11 +371,8 @@ def build_moe_outer_expand_kernel(
 
         # A compact grid (moe_blocks.unit_of): blockIdx.x walks the blocks in use.
         v = cuda.blockIdx.x
-        slot, first = 0, 0  # where the walk over the slots resumes
         while True:
-            slot, b, first = unit_of(
-                v, num_post_pad, enabled, block_size, sorted_ids, 1, slot, first
-            )
+            slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, 1)
             if slot == -1:
                 break
             if v != cuda.blockIdx.x:

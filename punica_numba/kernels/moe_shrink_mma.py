@@ -275,11 +275,8 @@ def build_moe_mma_shrink_kernel(
             )  # fmt: skip
             return
         v = cuda.blockIdx.x  # a compact grid (moe_blocks.unit_of): units of BLOCKS blocks
-        slot, first = 0, 0  # where the walk over the slots resumes
         while True:
-            slot, b, first = unit_of(
-                v, num_post_pad, enabled, block_size, sorted_ids, BLOCKS, slot, first
-            )
+            slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, BLOCKS)
             if slot == -1:
                 break
             end = b + BLOCKS

@@ -198,11 +198,8 @@ def build_moe_split_shrink_kernel(
             )  # fmt: skip
             return
         v = cuda.blockIdx.x  # a compact grid (moe_blocks.unit_of): the blocks in use
-        slot, first = 0, 0  # where the walk over the slots resumes
         while True:
-            slot, b, first = unit_of(
-                v, num_post_pad, enabled, block_size, sorted_ids, 1, slot, first
-            )
+            slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, 1)
             if slot == -1:
                 break
             if v != cuda.blockIdx.x:
