@@ -1282,11 +1282,14 @@ def test_a_compact_grid_has_room_for_every_block_the_pairs_can_fill():
 
 
 @functools.cache
-def _unit_walk():
-    """A kernel that walks a compact grid's units as the version 6 kernels do, each CUDA
-    block recording the (slot, first block) of its units and the v where it stopped. (At
-    the module's level: the simulator gives a kernel its CUDA names through its globals.)"""
-    from punica_numba.kernels.moe_blocks import unit_of
+def _unit_walk(batch: int):
+    """A kernel that walks a compact grid's units as the version 6 kernels do, reading
+    ``batch`` slots' counts at once, each CUDA block recording the (slot, first block) of
+    its units and the v where it stopped. (At the module's level: the simulator gives a
+    kernel its CUDA names through its globals.)"""
+    from punica_numba.kernels.moe_blocks import unit_walker
+
+    unit_of = unit_walker(batch)
 
     @cuda.jit
     def walk(num_post_pad, enabled, block_size, sorted_ids, per, found, stop):
@@ -1302,20 +1305,28 @@ def _unit_walk():
     return walk
 
 
-def test_a_compact_grids_walk_finds_every_unit_once_in_slot_order():
-    """``unit_of`` on random metadata, foreign too (counts below zero or past the rows,
-    slots off, units of 1, 2 or 4 blocks, up to 20 slots: batches of ``SLOTS_AT_ONCE``
-    crossed), walked as a compact grid's CUDA blocks walk it (units ``x, x + G, ...``),
-    against the units counted in Python: every unit in use is found once, as (slot, first
-    block), in slot order, and each CUDA block stops at its first v past the last."""
+def test_a_walk_reads_as_many_slots_at_once_as_a_power_of_two_holds_up_to_eight():
+    """``slots_at_once``: one adapter's walk reads one slot, three read four, and any
+    number past eight reads eight at a time."""
+    from punica_numba.kernels.moe_blocks import slots_at_once
+
+    assert [slots_at_once(n) for n in (1, 2, 3, 4, 5, 8, 9, 100)] == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_a_compact_grids_walk_finds_every_unit_once_in_slot_order(batch):
+    """The walk (``unit_walker``) on random metadata, foreign too (counts below zero or
+    past the rows, slots off, units of 1, 2 or 4 blocks, up to 20 slots: batches of
+    ``batch`` crossed, and short last batches), walked as a compact grid's CUDA blocks walk
+    it (units ``x, x + G, ...``), against the units counted in Python: every unit in use
+    is found once, as (slot, first block), in slot order, and each CUDA block stops at its
+    first v past the last."""
     import numpy as np
 
-    from punica_numba.kernels.moe_blocks import SLOTS_AT_ONCE
-
-    walk = _unit_walk()
-    rng = np.random.default_rng(8)
-    for case in range(24):
-        L = int(rng.integers(1, 21)) if case else 2 * SLOTS_AT_ONCE + 3
+    walk = _unit_walk(batch)
+    rng = np.random.default_rng(8 + batch)
+    for case in range(16):
+        L = int(rng.integers(1, 21)) if case else 2 * batch + 3
         EM, B = int(rng.integers(1, 41)), int(rng.integers(1, 10))
         per, G = int(rng.choice([1, 2, 4])), int(rng.integers(1, 8))
         num_post_pad = rng.integers(-3, EM + 10, L).astype(np.int32)

@@ -13,7 +13,7 @@ blocks of one row and one slice:
 That grid holds a row's bound of blocks for every slot, most of which find nothing where
 slots are many and their pairs few. Version 6's kernels run on a *compact* grid instead:
 along x as many CUDA blocks as the call's pairs can fill blocks (:func:`units_in_use`),
-which walk the blocks in use slot by slot (:func:`unit_of`), and no y.
+which walk the blocks in use slot by slot (:func:`unit_walker`), and no y.
 
 The tensor-core kernels (:mod:`.moe_shrink_mma`, :mod:`.moe_expand_mma`) then take the
 block's entries in passes of 16-row tiles: a pass with no pair is skipped by the whole
@@ -36,18 +36,19 @@ from __future__ import annotations
 
 import functools
 
-from numba import int32, uint32
+from numba import int32, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda
 
 __all__ = [
     "MAX_MOE_SLICES",
-    "SLOTS_AT_ONCE",
+    "MOST_SLOTS_AT_ONCE",
     "block_in_use",
     "chunk_reader",
     "read_pass",
     "slice_and_group",
-    "unit_of",
+    "slots_at_once",
+    "unit_walker",
     "units_in_use",
 ]
 
@@ -67,57 +68,79 @@ def slice_and_group(size, tile):
     return s, (cuda.blockIdx.z - s * groups) * tile
 
 
-#: Slots whose counts :func:`unit_of` asks for at once: their loads go out together, so a
-#: walk over L slots waits on memory about ``ceil(L / SLOTS_AT_ONCE)`` times, not 2L.
-SLOTS_AT_ONCE = 8
+#: The most slots whose counts a walk over the slots (:func:`unit_walker`) asks for at once.
+MOST_SLOTS_AT_ONCE = 8
 
 
-@cuda.jit(device=True)
-def unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per):
-    """``(slot, b)`` of unit v of a compact grid: the units of ``per`` neighbouring blocks
-    that the rows hold in use, slot by slot (slot l holds ``ceil(n_l / per)``, its blocks
-    ``n_l = ceil(min(num_post_pad[l], EM) / block_size)``, none where ``enabled`` turns it
-    off), unit u of slot l being its blocks ``u * per ..``; ``(-1, 0)`` past the last.
+def slots_at_once(slots: int) -> int:
+    """The slots a compact grid's walk reads together for a call of ``slots`` rows: the
+    smallest power of two that holds them, up to :data:`MOST_SLOTS_AT_ONCE` (a walk works
+    out the units of every slot of a batch, so a batch no larger than the rows spares
+    one adapter's walk the arithmetic of eight)."""
+    batch = 1
+    while batch < min(slots, MOST_SLOTS_AT_ONCE):
+        batch *= 2
+    return batch
+
+
+@functools.cache
+def unit_walker(batch: int):
+    """The device function ``unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per)``
+    of a compact grid, reading ``batch`` slots' counts at once: ``(slot, b)`` of unit v,
+    the units being the ``per`` neighbouring blocks that the rows hold in use, slot by slot
+    (slot l holds ``ceil(n_l / per)``, its blocks ``n_l = ceil(min(num_post_pad[l], EM) /
+    block_size)``, none where ``enabled`` turns it off), unit u of slot l being its blocks
+    ``u * per ..``; ``(-1, 0)`` past the last.
 
     A compact grid launches about as many CUDA blocks as there can be units in use
     (:func:`units_in_use`), not a row's bound of blocks for every slot, most of which would
     find nothing and leave; its CUDA blocks take units ``x, x + gridDim.x, ...`` so that
     every unit in use is taken whatever the metadata says.
 
-    Each call reads the slots' counts from the first on, ``SLOTS_AT_ONCE`` slots together,
-    and then works out their units with selects, not branches that a load could wait
-    behind: a slot's flag, a branch, its count and a compare a slot, one after the other,
-    would make a walk of 16 slots wait on 32 loads in a row (as a first version did, by its
-    SASS for sm_90). A slot's units are ``ceil(min(padded, EM) / (block_size * per))``, one
-    32-bit division a slot. (Resuming each call at the slot where the one before stopped
-    would spare reading the first slots again, but the two values it keeps across a CUDA
-    block's units cost the w2 expand 30 registers or more, 127 to 157-163: not done.)"""
-    slots = sorted_ids.shape[0]
-    entries = uint32(sorted_ids.shape[1])
-    size = uint32(block_size * per)  # entries a unit covers
-    padded = cuda.local.array(SLOTS_AT_ONCE, int32)
-    on = cuda.local.array(SLOTS_AT_ONCE, int32)
-    first = 0  # the number of the first unit of slot ``slot``
-    for slot in range(0, slots, SLOTS_AT_ONCE):
-        for i in range(SLOTS_AT_ONCE):  # i in [0, SLOTS_AT_ONCE), unrolled: loads together
-            s = min(slot + i, slots - 1)
-            padded[i] = num_post_pad[s]
-            on[i] = enabled[s]
-        found = -1
-        found_first = first
-        for i in range(SLOTS_AT_ONCE):  # selects, not branches
-            count = min(uint32(max(padded[i], 0)), entries)
-            # (both sides 32-bit unsigned, so that the division is the short one)
-            units = uint32(count + size - 1) // size
-            if slot + i >= slots or on[i] == 0:
-                units = uint32(0)
-            if found == -1 and v < first + units:
-                found = slot + i
-                found_first = first
-            first += units
-        if found != -1:
-            return found, (v - found_first) * per
-    return -1, 0
+    Each call reads the slots' counts from the first on, ``batch`` slots together
+    (:func:`slots_at_once`: a walk over L slots waits on memory ``ceil(L / batch)`` times),
+    and works out their units with selects, not branches that a load could wait behind: a
+    slot's flag, a branch, its count and a compare a slot, one after the other, made a walk
+    of 16 slots wait on 32 loads in a row (a first version, by its SASS for sm_90). A slot's
+    units are ``ceil(min(padded, EM) / (block_size * per))``, a 32-bit division whose
+    reciprocal ptxas works out once a walk. (Resuming each call at the slot where the one
+    before stopped would spare reading the first slots again, but the two values it keeps
+    across a CUDA block's units cost the w2 expand 30 registers or more, 127 to 157-163:
+    not done.)"""
+    BATCH = batch
+
+    @cuda.jit(device=True)
+    def unit_of(v, num_post_pad, enabled, block_size, sorted_ids, per):
+        slots = sorted_ids.shape[0]
+        entries = uint32(sorted_ids.shape[1])
+        size = uint32(block_size * per)  # entries a unit covers
+        padded = cuda.local.array(BATCH, int32)
+        on = cuda.local.array(BATCH, int32)
+        first = 0  # the number of the first unit of slot ``slot``
+        for slot in range(0, slots, BATCH):
+            here = min(BATCH, slots - slot)  # the batch's slots (a branch on a shape)
+            for i in range(BATCH):  # i in [0, BATCH), unrolled: the loads go out together
+                padded[i], on[i] = 0, 0
+                if i < here:
+                    padded[i] = num_post_pad[uint64(slot + i)]  # (no check for a negative)
+                    on[i] = enabled[uint64(slot + i)]
+            found = -1
+            found_first = first
+            for i in range(BATCH):  # selects, not branches, on what was loaded
+                count = min(uint32(max(padded[i], 0)), entries)
+                # (both sides 32-bit unsigned, so that the division is the short one)
+                units = uint32(count + size - 1) // size
+                if on[i] == 0:  # (and a slot past the last)
+                    units = uint32(0)
+                if found == -1 and v < first + units:
+                    found = slot + i
+                    found_first = first
+                first += units
+            if found != -1:
+                return found, (v - found_first) * per
+        return -1, 0
+
+    return unit_of
 
 
 def units_in_use(num_pairs: int, slots: int, experts: int, block_size: int, per: int) -> int:
@@ -125,7 +148,7 @@ def units_in_use(num_pairs: int, slots: int, experts: int, block_size: int, per:
     ``experts`` (the align step's layout, :mod:`punica_numba.moe_meta`): each (slot, expert)
     run of c pairs is ``ceil(c / block_size)`` blocks, so there are at most ``(P + R *
     (block_size - 1)) / block_size`` blocks, R = ``min(P, slots * experts)`` the runs, and
-    a slot's last unit may be short: the size of a compact grid (:func:`unit_of`)."""
+    a slot's last unit may be short: the size of a compact grid (:func:`unit_walker`)."""
     runs = min(num_pairs, slots * experts)
     blocks = -(-(num_pairs + runs * (block_size - 1)) // block_size)
     return max(1, -(-blocks // per) + (slots if per > 1 else 0))

@@ -30,7 +30,7 @@ So a chunk waits on memory about twice, and its loads all travel together. Work 
 as the third rung's, but over a compact grid:
 
 * ``blockIdx.x``: the blocks of pairs in use, slot by slot, ``x, x + gridDim.x, ...``
-  (:func:`.moe_blocks.unit_of`): the launcher sizes the grid to the blocks the call's pairs
+  (:func:`.moe_blocks.unit_walker`): the launcher sizes the grid to the blocks the call's pairs
   can fill (:func:`.moe_blocks.units_in_use`), not to a row's bound of blocks for every
   slot (2048 tokens of top-8 over 16 adapters: 1,144 blocks a row, 18,304 for the 16 rows,
   of which at most 2,944 can hold pairs);
@@ -82,7 +82,7 @@ from .dtypes import (
     words_loader,
     words_storer,
 )
-from .moe_blocks import block_in_use, chunk_reader, slice_and_group, unit_of
+from .moe_blocks import MOST_SLOTS_AT_ONCE, block_in_use, chunk_reader, slice_and_group, unit_walker
 
 __all__ = ["build_moe_outer_expand_kernel", "wide_words_out", "words_out"]
 
@@ -134,6 +134,7 @@ def build_moe_outer_expand_kernel(
     wide_x: bool,
     weighted: bool,
     add_inputs: bool,
+    slots_at_once: int = MOST_SLOTS_AT_ONCE,
 ):
     """The expand, specialised on the dtypes of B and of the output, the threads per block,
     the neighbouring columns a thread owns (``vec``), the pairs taken at once (``chunk``),
@@ -141,11 +142,14 @@ def build_moe_outer_expand_kernel(
     elements), whether the output does (``packed_out``: :func:`words_out` holds, and
     ``out`` is its int64 view) and in pairs of words (``wide_out``:
     :func:`wide_words_out` holds), ``wide_x``: the caller's promise that every buffer row
-    starts at a multiple of 16 bytes (the rank a multiple of 4), and the op's two options.
+    starts at a multiple of 16 bytes (the rank a multiple of 4), the op's two options, and
+    the slots whose counts the compact grid's walk reads at once
+    (:func:`.moe_blocks.slots_at_once`).
 
     All of them size registers, shared memory or unrolled loops, so they are constants;
     the options leave no branch behind.
     """
+    unit_of = unit_walker(slots_at_once)
     PACK_B = packing(w_dtype, packed_b)
     if rank % PACK_B:
         raise ValueError(f"packed rows of B take a rank that is a multiple of {PACK_B}, got {rank}")
@@ -369,7 +373,7 @@ def build_moe_outer_expand_kernel(
         ps = cuda.shared.array(CHUNK, int64)  # the chunk's pairs, -1: none
         ws = cuda.shared.array(CHUNK, float32)
 
-        # A compact grid (moe_blocks.unit_of): blockIdx.x walks the blocks in use.
+        # A compact grid (moe_blocks.unit_walker): blockIdx.x walks the blocks in use.
         v = cuda.blockIdx.x
         while True:
             slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, 1)

@@ -13,7 +13,7 @@ Work split:
 * ``blockIdx.x``: the block b of pairs of the row (:mod:`.moe_blocks`), and
   ``blockIdx.y`` the row, the slot l; or, on a compact grid, units of ``BLOCKS``
   neighbouring blocks of a row, those in use, ``x, x + gridDim.x, ...``
-  (:func:`.moe_blocks.unit_of`);
+  (:func:`.moe_blocks.unit_walker`);
 * ``blockIdx.z``: the slice s and a group of ``TILE_N = 8 * N_TILES`` ranks, ``z = s * G
   + g`` with ``G = ceil(r / TILE_N)`` groups a slice; or, ``JOINT``, a group of the
   slices' ranks side by side (``z = g``, ``G = ceil(S r / TILE_N)``): w13's gate and up
@@ -64,7 +64,7 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import word_halves, words_loader
 from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into
-from .moe_blocks import block_in_use, read_pass, slice_and_group, unit_of
+from .moe_blocks import MOST_SLOTS_AT_ONCE, block_in_use, read_pass, slice_and_group, unit_walker
 
 __all__ = ["build_moe_mma_shrink_kernel"]
 
@@ -79,6 +79,7 @@ def build_moe_mma_shrink_kernel(
     blocks: int = 1,
     joint: bool = False,
     compact: bool = False,
+    slots_at_once: int = MOST_SLOTS_AT_ONCE,
 ):
     """The shrink, specialised on the dtype of x and A (bf16 or fp16), the threads per
     block (whole warps), the 16-pair tiles of one pass (``m_tiles``), the 8-rank tiles of
@@ -90,8 +91,8 @@ def build_moe_mma_shrink_kernel(
     passes together); ``joint``: one CUDA block takes every slice's ranks, side by side (a
     lane reads the row of A of its own rank, so an 8-rank tile may hold ranks of both);
     ``compact``: the grid's CUDA blocks along x walk the units in use
-    (:func:`.moe_blocks.unit_of`), else take block ``blockIdx.x`` of row ``blockIdx.y``
-    (one block a unit).
+    (:func:`.moe_blocks.unit_walker`, reading ``slots_at_once`` slots' counts at once),
+    else take block ``blockIdx.x`` of row ``blockIdx.y`` (one block a unit).
 
     They must be constants: they size the fragment registers and the loops over them,
     which Numba unrolls only when the trip count is known.
@@ -104,6 +105,7 @@ def build_moe_mma_shrink_kernel(
     if threads % 32:
         raise ValueError(f"threads must be whole warps, got {threads}")
     add_product = mma_into(dtype)
+    unit_of = unit_walker(slots_at_once)
     two_words = words_loader(wide)
     THREADS, WARPS, M_TILES, N_TILES = threads, threads // 32, m_tiles, n_tiles
     TILE_M, TILE_N = 16 * m_tiles, 8 * n_tiles
@@ -274,7 +276,7 @@ def build_moe_mma_shrink_kernel(
                 top_k, by_pair, partials, my_scratch, row_of, xw, aw, acc,
             )  # fmt: skip
             return
-        v = cuda.blockIdx.x  # a compact grid (moe_blocks.unit_of): units of BLOCKS blocks
+        v = cuda.blockIdx.x  # a compact grid (moe_blocks.unit_walker): units of BLOCKS blocks
         while True:
             slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, BLOCKS)
             if slot == -1:

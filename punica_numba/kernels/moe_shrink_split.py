@@ -48,7 +48,7 @@ from numba import float32, int64
 from .._cuda import cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import memory_type, packing, word_loader
-from .moe_blocks import block_in_use, slice_and_group, unit_of
+from .moe_blocks import MOST_SLOTS_AT_ONCE, block_in_use, slice_and_group, unit_walker
 from .shrink import block_sum
 
 __all__ = ["build_moe_split_shrink_kernel"]
@@ -63,17 +63,19 @@ def build_moe_split_shrink_kernel(
     unroll: int,
     packed: bool,
     compact: bool = False,
+    slots_at_once: int = MOST_SLOTS_AT_ONCE,
 ):
     """The shrink, specialised on the dtype of x and A, the threads per block, the ranks
     (``tile_n``) and pairs (``tile_p``) of one chunk's products, the strides of K whose
     loads are issued together (``unroll``), whether x and A arrive as packed int64
     words, and whether the grid is compact (``compact``: its CUDA blocks along x walk the
-    blocks in use, :func:`.moe_blocks.unit_of`; else block ``blockIdx.x`` of row
-    ``blockIdx.y``).
+    blocks in use, :func:`.moe_blocks.unit_walker`, reading ``slots_at_once`` slots'
+    counts at once; else block ``blockIdx.x`` of row ``blockIdx.y``).
 
     They must be constants: they size the local (register) and shared arrays and the
     loops over them, which Numba unrolls only when the trip count is known.
     """
+    unit_of = unit_walker(slots_at_once)
     if threads & (threads - 1):
         raise ValueError(f"threads must be a power of two for the block's sum, got {threads}")
     if tile_n * tile_p > threads:
@@ -197,7 +199,7 @@ def build_moe_split_shrink_kernel(
                 aw, xv, tree,
             )  # fmt: skip
             return
-        v = cuda.blockIdx.x  # a compact grid (moe_blocks.unit_of): the blocks in use
+        v = cuda.blockIdx.x  # a compact grid (moe_blocks.unit_walker): the blocks in use
         while True:
             slot, b = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, 1)
             if slot == -1:

@@ -46,7 +46,7 @@ from ..kernels import moe_shrink_mma as mma_shrink
 from ..kernels import moe_shrink_split as split_shrink
 from ..kernels import moe_shrink_tiled as tiled_shrink
 from ..kernels.mma import MMA_DTYPES
-from ..kernels.moe_blocks import MAX_MOE_SLICES, units_in_use
+from ..kernels.moe_blocks import MAX_MOE_SLICES, slots_at_once, units_in_use
 from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
 from ..moe_meta import check_adapter_enabled
@@ -487,8 +487,9 @@ def _split_shrink(
     packed = x_words is not None and all(w is not None for w in a_words)
     if packed:
         x, a = x_words, a_words
+    walk = (slots_at_once(slots),) if compact else ()  # (a compact grid's walk)
     shrink = launcher_of(
-        split_shrink.build_moe_split_shrink_kernel(dtype, *config, packed, compact)
+        split_shrink.build_moe_split_shrink_kernel(dtype, *config, packed, compact, *walk)
     )
     rank_groups = -(-rank // config.tile_n)
     if compact:
@@ -547,6 +548,7 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
     output as words of four where :func:`..kernels.moe_expand_outer.words_out` allows."""
     out, buffer, weights, metadata, block_size, by_pair, offset, add_inputs = call
     slices, width, rank = len(b), b[0].shape[2], b[0].shape[3]
+    slots = metadata[1].shape[0]
     config = OUTER_EXPAND
     threads, chunk = outer_shape(rank, width, block_size, config)
     b_words = [words(w) for w in b]
@@ -557,7 +559,7 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
     expand = launcher_of(
         outer_expand.build_moe_outer_expand_kernel(
             b[0].dtype, out.dtype, threads, config.vec, chunk, rank, packed_b, packed_out,
-            wide_out, wide_x, by_pair, add_inputs,
+            wide_out, wide_x, by_pair, add_inputs, slots_at_once(slots),
         )
     )  # fmt: skip
     kernel_b = b_words if packed_b else b
@@ -608,9 +610,10 @@ def _mma_shrink(
         m_tiles = min(config.m_tiles, -(-block_size // 16))  # of the 16-pair tiles a block needs
     # 16-byte loads where every row is whole 16-byte pairs of words at multiples of 16
     wide = hidden % 8 == 0 and all(rows_start_at(t, 16) for t in (x, *a))
+    walk = (slots_at_once(slots),) if runs else ()  # (a compact grid's walk)
     shrink = launcher_of(
         mma_shrink.build_moe_mma_shrink_kernel(
-            dtype, config.threads, m_tiles, n_tiles, wide, group, joint, runs
+            dtype, config.threads, m_tiles, n_tiles, wide, group, joint, runs, *walk
         )
     )
     ranks = len(a) * rank if joint else rank  # the ranks one row of rank groups covers

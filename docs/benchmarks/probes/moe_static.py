@@ -2,17 +2,20 @@
 
 Not a timing: a static reading of what the compiler makes of each kernel, the figures of the
 lab notes' "MoE LoRA version 6, built and not yet timed" (``docs/benchmarks/lab_notes.md``).
-Each build in ``VARIANTS`` (Qwen3-30B-A3B's layer, r=16 unless named, bf16) is compiled by
+Each build in ``VARIANTS`` (Qwen3-30B-A3B's layer, r=16 unless named, bf16; compact grids
+whose walk reads eight slots' counts at once, one slot's where named ``one_slot``) is compiled by
 numba-cuda's NVVM to PTX for ``sm_90`` (``cuda.compile_ptx``, which needs no GPU), then by
 ``ptxas -arch=sm_90a -v`` (registers, spills) and disassembled by ``cuobjdump -sass``
 (instructions). Where the kernel asks the device whether dependent launches exist, and Numba
 which device it compiles for, the H200's answers are given (``sm_90``, yes).
 
 Needs, besides the package: ``ptxas`` (the CUDA toolkit's, or the ``nvidia-cuda-nvcc`` wheel's)
-and ``cuobjdump`` (the toolkit's, or the ``nvidia-cuda-cuobjdump`` wheel's) on ``PATH``, and an
+and ``cuobjdump`` (the toolkit's, or the ``nvidia-cuda-cuobjdump`` wheel's, which from 13.2 on
+calls ``nvdisasm``: the ``nvidia-cuda-nvdisasm`` wheel's) on ``PATH``, and an
 NVRTC library numba-cuda can load (the ``nvidia-cuda-nvrtc`` wheel's ``lib`` folder on
-``LD_LIBRARY_PATH``, with ``CUDA_HOME`` set). The figures of the notes were made with ptxas and
-cuobjdump 13.0 and NVRTC 13.0.
+``LD_LIBRARY_PATH``, with ``CUDA_HOME`` set). The figures of the notes were made with ptxas
+13.0 and NVRTC 13.0, disassembled by cuobjdump 13.0 and later by cuobjdump 13.2 with nvdisasm
+13.5 (the same counts for the same code).
 
 Run from the repository root: ``python docs/benchmarks/probes/moe_static.py [NAME ...]``.
 Prints one JSON line: the commit and ptxas's version, and for each build its registers, spill
@@ -35,10 +38,12 @@ VARIANTS = {  # name: (kernel, its builder's arguments past the dtypes)
     "outer_expand_w13_chunk8": ("outer", 192, 4, 8, 16, True, True, False, True, False, True),
     "outer_expand_w13_vec8": ("outer", 96, 8, 8, 16, True, True, True, True, False, True),
     "outer_expand_w2": ("outer", 256, 4, 16, 16, True, True, False, True, True, True),
+    "outer_expand_w13_one_slot": ("outer", 192, 4, 16, 16, True, True, False, True, False, True, 1),
     "mma_shrink_version_5": ("mma", 128, 1, 2, True),
     "mma_shrink_runs_1": ("mma", 128, 1, 4, True, 1, True, True),
     "mma_shrink_runs_2": ("mma", 128, 2, 4, True, 2, True, True),
     "mma_shrink_runs_4": ("mma", 128, 4, 4, True, 4, True, True),
+    "mma_shrink_runs_2_one_slot": ("mma", 128, 2, 4, True, 2, True, True, 1),
     "split_shrink_version_5": ("split", 64, 4, 2, 2, True),
     "split_shrink_compact": ("split", 64, 4, 2, 2, True, True),
 }
