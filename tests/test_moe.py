@@ -1305,6 +1305,17 @@ def _unit_walk(batch: int):
     return walk
 
 
+def test_version_6s_expand_keeps_registers_for_two_cuda_blocks_an_sm():
+    """``registers_for``: the register ceiling of version 6's expand leaves an SM's 65,536
+    registers to two CUDA blocks, in a thread's steps of 8, and at most 255."""
+    from punica_numba.kernels.moe_expand_outer import registers_for
+
+    assert [registers_for(t) for t in (256, 192, 128, 64)] == [128, 168, 255, 255]
+    assert registers_for(192, blocks=3) == 112
+    for threads in (64, 96, 192, 256):
+        assert 2 * threads * registers_for(threads) <= 65536
+
+
 def test_a_walk_reads_as_many_slots_at_once_as_a_power_of_two_holds_up_to_eight():
     """``slots_at_once``: one adapter's walk reads one slot, three read four, and any
     number past eight reads eight at a time."""

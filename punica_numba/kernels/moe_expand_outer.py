@@ -52,6 +52,13 @@ chunk of 16 pairs makes it 1,024 products long, past what the compiler unrolls),
 words of B, indexed by the rank, sit in the thread's local memory, which L1 serves: four
 8-byte loads a rank for 64 products (sm_90, ``probes/moe_static.py``).
 
+The shapes are sized for two CUDA blocks an SM (twelve or sixteen warps), and a register
+ceiling holds them there (:func:`registers_for`, through :func:`punica_numba._cuda.jit_kernel`,
+binding only where ptxas goes over it): ptxas's own count moves with small changes
+elsewhere in the code. The w2 expand of 256 threads took 161 registers where its walk
+reads one slot and 127 where it reads four or eight (one CUDA block an SM against two);
+held to 128 it spills nothing (sm_90, ptxas 13.0, ``probes/moe_static.py --bench 6``).
+
 Memory traffic per CUDA block in use (pairs ``p <= block_size``): ``THREADS * VEC * r``
 of B, once; ``r`` fp32 of the buffer and a weight per pair, once (not once a thread);
 ``p * THREADS * VEC`` outputs read (with ``add_inputs``) and written.
@@ -64,7 +71,7 @@ import functools
 import torch
 from numba import float32, int64, uint64
 
-from .._cuda import SIMULATOR, cuda, jit_kernel
+from .._cuda import SIMULATOR, SM_REGISTERS, THREAD_REGISTERS, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import (
     bf16_pair,
@@ -84,10 +91,26 @@ from .dtypes import (
 )
 from .moe_blocks import MOST_SLOTS_AT_ONCE, block_in_use, chunk_reader, slice_and_group, unit_walker
 
-__all__ = ["build_moe_outer_expand_kernel", "wide_words_out", "words_out"]
+__all__ = [
+    "BLOCKS_AN_SM",
+    "build_moe_outer_expand_kernel",
+    "registers_for",
+    "wide_words_out",
+    "words_out",
+]
+
+#: CUDA blocks an SM is to hold (module notes: the register ceiling).
+BLOCKS_AN_SM = 2
 
 #: 16-bit outputs in a word (an int64).
 WORD_OUTPUTS = 4
+
+
+def registers_for(threads: int, blocks: int = BLOCKS_AN_SM) -> int:
+    """The most registers a thread may have for an SM to hold ``blocks`` CUDA blocks of
+    ``threads`` threads: its 65,536 shared out, in the steps of 8 a thread that they are
+    given in (at most the 255 a thread can have)."""
+    return min(THREAD_REGISTERS, SM_REGISTERS // (blocks * threads) // 8 * 8)
 
 
 def words_out(out: torch.Tensor, offset: int, width: int, vec: int) -> bool:
@@ -346,7 +369,7 @@ def build_moe_outer_expand_kernel(
 
     begin = prologue()
 
-    @jit_kernel(THREADS)
+    @jit_kernel(THREADS, registers_for(THREADS))
     def moe_expand_outer(
         x, w0, w1, out, weights, sorted_ids, expert_ids, num_post_pad, enabled, block_size,
         offset,

@@ -22,6 +22,12 @@ Prints one JSON line: the commit and ptxas's version, and for each build its reg
 and stack bytes, shared memory, and its SASS instructions with the counts of its loads,
 stores, products, shuffles and barriers by kind (``sm90_moe_static.json`` beside the
 benchmarks is its output).
+
+``python docs/benchmarks/probes/moe_static.py --bench VERSION`` reads instead every kernel
+``fused_moe_lora(version=VERSION)`` launches for the 30 cases of ``bench --moe``, found by
+running the op on host tensors with its launches recorded, not made (``bench_builds``), and
+adds which builds each case launches: that they all compile for sm_90, and with how many
+registers, is known before a GPU times them (``sm90_moe_v6_builds.json``).
 """
 
 import collections
@@ -104,18 +110,39 @@ def _for_the_h200():
 
 def _reading(name, folder):
     """Registers, memory and SASS of one variant."""
-    from numba import cuda
     from numba.cuda import types
 
     kernel, *args = VARIANTS[name]
-    ptx, _ = cuda.compile_ptx(build(kernel, *args).py_func, _signature(kernel, types), cc=(9, 0))
+    return _compiled(build(kernel, *args), _signature(kernel, types), name, folder)
+
+
+def _compiled(kernel, signature, name, folder):
+    """Registers, memory and SASS of ``kernel`` (a built kernel) for these argument types, as
+    the launcher runs it: where the kernel has a register ceiling that the compiler's own
+    count passes (``punica_numba._cuda.jit_kernel``), compiled again under it (ptxas's
+    ``-maxrregcount``), with the count it passed as ``registers_uncapped``."""
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
     path = os.path.join(folder, name)
     with open(path + ".ptx", "w") as f:
         f.write(ptx)
-    report = subprocess.run(
-        ["ptxas", "-arch=sm_90a", "-v", path + ".ptx", "-o", path + ".cubin"],
-        capture_output=True, text=True, check=True,
-    ).stderr  # fmt: skip
+
+    def ptxas(*options):
+        return subprocess.run(
+            ["ptxas", "-arch=sm_90a", "-v", *options, path + ".ptx", "-o", path + ".cubin"],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+
+    def number(pattern, report):
+        found = re.search(pattern, report)
+        return int(found.group(1)) if found else 0
+
+    report, uncapped = ptxas(), {}
+    ceiling = getattr(kernel, "register_ceiling", None)
+    if ceiling is not None and number(r"Used (\d+) registers", report) > ceiling.registers:
+        uncapped = {"registers_uncapped": number(r"Used (\d+) registers", report)}
+        report = ptxas(f"-maxrregcount={ceiling.registers}")
     sass = subprocess.run(
         ["cuobjdump", "-sass", path + ".cubin"], capture_output=True, text=True, check=True
     ).stdout
@@ -123,19 +150,79 @@ def _reading(name, folder):
     kinds = collections.Counter(
         op for op in lines if re.match(r"(LDG|STG|LDS|STS|LDL|STL|FFMA|HMMA|SHFL|BAR)", op)
     )
-
-    def number(pattern):
-        found = re.search(pattern, report)
-        return int(found.group(1)) if found else 0
-
     return {
-        "registers": number(r"Used (\d+) registers"),
-        "spill_store_bytes": number(r"(\d+) bytes spill stores"),
-        "stack_frame_bytes": number(r"(\d+) bytes stack frame"),
-        "shared_bytes": number(r"(\d+) bytes smem"),
+        "registers": number(r"Used (\d+) registers", report),
+        **uncapped,
+        "spill_store_bytes": number(r"(\d+) bytes spill stores", report),
+        "stack_frame_bytes": number(r"(\d+) bytes stack frame", report),
+        "shared_bytes": number(r"(\d+) bytes smem", report),
         "sass_instructions": len(lines),
         "kinds": dict(sorted(kinds.items())),
     }
+
+
+def _argument_type(value, types):
+    """The Numba type a kernel is compiled for, of one argument as the op passes it to the
+    launcher (``punica_numba._cuda.KernelLauncher``: bf16 tensors as their int16 bits)."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, bool):
+        return types.boolean
+    if isinstance(value, int):
+        return types.int64
+    if isinstance(value, np.floating):
+        return types.float32
+    dtype = torch.int16 if value.dtype == torch.bfloat16 else value.dtype
+    element = getattr(types, str(dtype).removeprefix("torch."))  # float32, int64, ...
+    return types.Array(element, value.ndim, "C" if value.is_contiguous() else "A")
+
+
+def bench_builds(version):
+    """``(kernels, cases)``: every kernel ``fused_moe_lora(version=version)`` launches for the
+    cases of ``bench --moe`` at Qwen3-30B-A3B's shape, as the H200 would build them, with no
+    GPU: the op runs on host tensors with its launches recorded, not made.
+    ``kernels[key] = (kernel, signature)``, the key naming the builder and its arguments;
+    ``cases[case name] = [key, ...]`` in launch order."""
+    import functools
+
+    import torch
+    from numba.cuda import types
+
+    import punica_numba._checks
+    from punica_numba import bench_moe
+    from punica_numba.ops import moe as moe_ops
+
+    punica_numba._checks.SIMULATOR = True  # (host tensors pass the op's checks)
+    built = {}  # id of a kernel -> the builder's name and arguments
+
+    def recording(builder):
+        @functools.cache
+        def recorded(*args):
+            kernel = builder(*args)
+            built[id(kernel)] = f"{builder.__name__}{args}"
+            return kernel
+
+        return recorded
+
+    for module in (moe_ops.columns_expand, moe_ops.mma_expand, moe_ops.outer_expand,
+                   moe_ops.mma_shrink, moe_ops.split_shrink, moe_ops.tiled_shrink):  # fmt: skip
+        for name in [n for n in dir(module) if n.startswith("build_")]:
+            setattr(module, name, recording(getattr(module, name)))
+    launched = []
+    moe_ops.launcher_of = lambda kernel: lambda grid, block, args: launched.append((kernel, args))
+    kernels, cases = {}, {}
+    for case in bench_moe.default_cases():
+        args = bench_moe.argument_set(case, torch.Generator().manual_seed(0), "cpu")
+        launched.clear()
+        bench_moe._call(case, args, version=version)()
+        cases[case.name] = []
+        for kernel, arguments in launched:
+            signature = tuple(_argument_type(a, types) for a in arguments)
+            key = f"{built.get(id(kernel), kernel.py_func.__qualname__)} {signature}"
+            kernels[key] = (kernel, signature)
+            cases[case.name].append(key)
+    return kernels, cases
 
 
 def _output(command):
@@ -147,16 +234,26 @@ def _output(command):
 
 
 def main(argv=None) -> None:
-    names = (argv if argv is not None else sys.argv[1:]) or list(VARIANTS)
+    argv = argv if argv is not None else sys.argv[1:]
     _for_the_h200()
+    found = {}
     with tempfile.TemporaryDirectory() as folder:
-        builds = {name: _reading(name, folder) for name in names}
+        if argv[:1] == ["--bench"]:  # every build a version launches for bench --moe
+            kernels, cases = bench_builds(int(argv[1]))
+            builds = {
+                key: _compiled(kernel, signature, f"build{i}", folder)
+                for i, (key, (kernel, signature)) in enumerate(kernels.items())
+            }
+            found = {"version": int(argv[1]), "cases": cases}
+        else:
+            builds = {name: _reading(name, folder) for name in argv or list(VARIANTS)}
     ptxas = _output(["ptxas", "--version"])
     print(
         json.dumps(
             {
                 "commit": _output(["git", "rev-parse", "--short", "HEAD"]),
                 "ptxas": ptxas.splitlines()[-1] if ptxas else None,
+                **found,
                 "builds": builds,
             }
         )
