@@ -182,7 +182,8 @@ def bench_builds(version):
     """``(kernels, cases)``: every kernel ``fused_moe_lora(version=version)`` launches for the
     cases of ``bench --moe`` at Qwen3-30B-A3B's shape, as the H200 would build them, with no
     GPU: the op runs on host tensors with its launches recorded, not made.
-    ``kernels[key] = (kernel, signature)``, the key naming the builder and its arguments;
+    ``kernels[key] = (kernel, signature)``, the key naming the builder and its arguments
+    (and, for a kernel launched with other argument types too, a number);
     ``cases[case name] = [key, ...]`` in launch order."""
     import functools
 
@@ -219,7 +220,11 @@ def bench_builds(version):
         cases[case.name] = []
         for kernel, arguments in launched:
             signature = tuple(_argument_type(a, types) for a in arguments)
-            key = f"{built.get(id(kernel), kernel.py_func.__qualname__)} {signature}"
+            name = key = built.get(id(kernel), kernel.py_func.__qualname__)
+            other = 1
+            while key in kernels and kernels[key] != (kernel, signature):
+                other += 1
+                key = f"{name} #{other}"
             kernels[key] = (kernel, signature)
             cases[case.name].append(key)
     return kernels, cases
