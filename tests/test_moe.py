@@ -1136,15 +1136,21 @@ def test_version_6s_expand_gives_version_3s_bits(
 
 def test_version_6s_expand_holds_at_most_its_values_in_registers():
     """``outer_shape``: whole warps on a GPU (threads of 4 columns for the slice, up to the
-    most), and chunks no larger than the block nor than the registers allow."""
+    most), and chunks no larger than the block, nor than the registers for the sums and
+    old outputs allow, nor than the shared memory for the staged buffer rows; the rank
+    counts only there."""
     config = moe_ops.OuterExpand(threads=256, vec=4, chunk=16, values=160)
     unit = 1 if moe_ops.SIMULATOR else 32
     threads, chunk = moe_ops.outer_shape(16, 768, 16, config)
     assert threads == 192 and chunk == 16  # w13 of Qwen3-30B-A3B: one group a slice
     assert moe_ops.outer_shape(16, 2048, 16, config) == (256, 16)  # w2: two groups
     assert moe_ops.outer_shape(16, 768, 5, config)[1] == 8  # the block's pairs, rounded up
-    assert moe_ops.outer_shape(64, 768, 16, config)[1] == 4  # 4 * 4 * 1.5 + 4 * 32 <= 160
-    assert moe_ops.outer_shape(256, 768, 16, config)[1] == 1  # at least one (B spills)
+    assert moe_ops.outer_shape(256, 768, 16, config)[1] == 16  # the rank holds no register
+    wide = config._replace(vec=8)
+    assert moe_ops.outer_shape(16, 768, 16, wide)[1] == 8  # 16 * 8 * 1.5 > 160 >= 8 * 8 * 1.5
+    staged = moe_ops.STAGED_VALUES
+    assert moe_ops.outer_shape(staged // 4, 768, 16, config)[1] == 4  # the staged rows
+    assert moe_ops.outer_shape(4 * staged, 768, 16, config)[1] == 1  # at least one
     assert moe_ops.outer_shape(16, 10, 16, config)[0] == -(-3 // unit) * unit
 
 

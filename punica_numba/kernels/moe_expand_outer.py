@@ -45,12 +45,13 @@ the slice read row 0 or the slice's last columns, in bounds, and store nothing.
 Deterministic: every output is stored by one thread, its sum in rank order.
 
 Registers a thread holds across the sums: ``CHUNK * VEC`` sums and ``CHUNK * VEC`` old
-outputs (packed, two a register); the launcher picks ``VEC`` and ``CHUNK`` so that these
-and the ``VEC * r`` elements of B stay within what a thread can hold
+outputs (packed, two a register); the launcher picks ``CHUNK`` so that these stay within
+what a thread can hold, and the chunk's staged buffer rows within a share of shared memory
 (:func:`punica_numba.ops.moe.outer_shape`). The loop over the ranks is not unrolled (a
 chunk of 16 pairs makes it 1,024 products long, past what the compiler unrolls), so the
-words of B, indexed by the rank, sit in the thread's local memory, which L1 serves: four
-8-byte loads a rank for 64 products (sm_90, ``probes/moe_static.py``).
+``VEC * r`` elements of B, indexed by the rank, sit in the thread's local memory, which
+L1 serves, whatever the rank: four 8-byte loads a rank for 64 products (sm_90,
+``probes/moe_static.py``).
 
 The shapes are sized for two CUDA blocks an SM (twelve or sixteen warps), and a register
 ceiling holds them there (:func:`registers_for`, through :func:`punica_numba._cuda.jit_kernel`,

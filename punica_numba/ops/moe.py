@@ -185,20 +185,33 @@ OUTER_EXPAND = (
 )
 
 
+#: The most fp32 buffer values version 6's expand stages in shared memory for a chunk
+#: (``rank * chunk``; 16 KB, two CUDA blocks an SM in 32 KB).
+STAGED_VALUES = 4096
+
+
 def outer_shape(
     rank: int, width: int, block_size: int, config: OuterExpand = OUTER_EXPAND
 ) -> tuple[int, int]:
     """``(threads, chunk)`` of version 6's expand for a slice of ``width`` columns at
     ``rank`` and ``block_size``: enough threads of ``config.vec`` columns for the slice
     (whole warps on a GPU) up to ``config.threads``; and ``config.chunk`` pairs at once,
-    no more than a block holds, halved (to 1 at the least) while the thread's sums, its
-    old outputs (two to a register) and its words of B (two 16-bit elements to a
-    register) come to more than ``config.values`` registers."""
+    no more than a block holds, halved (to 1 at the least) while the thread's sums and its
+    old outputs (two to a register) come to more than ``config.values`` registers, or the
+    chunk's buffer rows to more than :data:`STAGED_VALUES`.
+
+    The rank costs no registers: the loop over it is not unrolled, so the thread's words of
+    B sit in local memory (``moe_expand_outer``'s notes). Read for sm_90 (ptxas 13.0,
+    ``probes/moe_static.py``): at r=64 a chunk of 16 takes 163 registers (w13, 192 threads)
+    and 127 (w2, 256), no spills, where a rule that counted B's words as registers had
+    chosen chunks of 4, of 53-61 registers and four waits a block instead of one."""
     unit = 1 if SIMULATOR else 32
     needed = -(-width // config.vec)  # threads of vec columns that cover the slice
     threads = min(config.threads, -(-needed // unit) * unit)
     chunk = min(config.chunk, 1 << max(0, (block_size - 1).bit_length()))
-    while chunk > 1 and chunk * config.vec * 3 // 2 + config.vec * rank // 2 > config.values:
+    while chunk > 1 and (
+        chunk * config.vec * 3 // 2 > config.values or rank * chunk > STAGED_VALUES
+    ):
         chunk //= 2
     return threads, chunk
 

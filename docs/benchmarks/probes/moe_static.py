@@ -27,7 +27,8 @@ benchmarks is its output).
 ``fused_moe_lora(version=VERSION)`` launches for the 30 cases of ``bench --moe``, found by
 running the op on host tensors with its launches recorded, not made (``bench_builds``), and
 adds which builds each case launches: that they all compile for sm_90, and with how many
-registers, is known before a GPU times them (``sm90_moe_v6_builds.json``).
+registers, is known before a GPU times them (``sm90_moe_v6_builds.json``). ``--shapes
+VERSION`` does the same for :data:`OTHER_SHAPES` (``sm90_moe_v6_other_shapes.json``).
 """
 
 import collections
@@ -44,6 +45,9 @@ VARIANTS = {  # name: (kernel, its builder's arguments past the dtypes)
     "outer_expand_w13_chunk8": ("outer", 192, 4, 8, 16, True, True, False, True, False, True),
     "outer_expand_w13_vec8": ("outer", 96, 8, 8, 16, True, True, True, True, False, True),
     "outer_expand_w2": ("outer", 256, 4, 16, 16, True, True, False, True, True, True),
+    "outer_expand_w13_r64": ("outer", 192, 4, 16, 64, True, True, False, True, False, True),
+    "outer_expand_w13_r64_chunk8": ("outer", 192, 4, 8, 64, True, True, False, True, False, True),
+    "outer_expand_w2_r64": ("outer", 256, 4, 16, 64, True, True, False, True, True, True),
     "outer_expand_w13_one_slot": ("outer", 192, 4, 16, 16, True, True, False, True, False, True, 1),
     "mma_shrink_version_5": ("mma", 128, 1, 2, True),
     "mma_shrink_runs_1": ("mma", 128, 1, 4, True, 1, True, True),
@@ -178,10 +182,39 @@ def _argument_type(value, types):
     return types.Array(element, value.ndim, "C" if value.is_contiguous() else "A")
 
 
-def bench_builds(version):
-    """``(kernels, cases)``: every kernel ``fused_moe_lora(version=version)`` launches for the
-    cases of ``bench --moe`` at Qwen3-30B-A3B's shape, as the H200 would build them, with no
-    GPU: the op runs on host tensors with its launches recorded, not made.
+#: Shapes beside the benchmark's, one or two things changed from Qwen3-30B-A3B's layer (r=16,
+#: bf16, hidden 2048, intermediate 768, 128 experts, top-8, blocks of 16): other ranks and
+#: dtypes, a larger model, other block sizes, Mixtral's few experts; each at 16 tokens over 4
+#: adapters, 256 and 2048 on one (``--shapes``).
+OTHER_SHAPES = (
+    dict(dtype="fp16"),
+    dict(rank=32),
+    dict(rank=64),
+    dict(rank=64, dtype="fp16"),
+    dict(rank=8, block_size=32),
+    dict(hidden=4096, intermediate=1536, experts=64),
+    dict(block_size=64),
+    dict(hidden=4096, intermediate=14336, experts=8, top_k=2),
+)
+
+
+def other_cases():
+    """The cases of :data:`OTHER_SHAPES`, both projections."""
+    from punica_numba.bench_moe import MoECase
+
+    return [
+        MoECase(projection, T, loras, **shape)
+        for shape in OTHER_SHAPES
+        for projection in ("w13", "w2")
+        for T, loras in ((16, 4), (256, 1), (2048, 1))
+    ]
+
+
+def bench_builds(version, cases=None):
+    """``(kernels, cases)``: every kernel ``fused_moe_lora(version=version)`` launches for
+    ``cases`` (default: those of ``bench --moe``, at Qwen3-30B-A3B's shape), as the H200
+    would build them, with no GPU: the op runs on host tensors with its launches recorded,
+    not made.
     ``kernels[key] = (kernel, signature)``, the key naming the builder and its arguments
     (and, for a kernel launched with other argument types too, a number);
     ``cases[case name] = [key, ...]`` in launch order."""
@@ -212,12 +245,13 @@ def bench_builds(version):
             setattr(module, name, recording(getattr(module, name)))
     launched = []
     moe_ops.launcher_of = lambda kernel: lambda grid, block, args: launched.append((kernel, args))
-    kernels, cases = {}, {}
-    for case in bench_moe.default_cases():
+    kernels, found = {}, {}
+    for case in cases if cases is not None else bench_moe.default_cases():
         args = bench_moe.argument_set(case, torch.Generator().manual_seed(0), "cpu")
         launched.clear()
         bench_moe._call(case, args, version=version)()
-        cases[case.name] = []
+        case_name = case.name if cases is None else f"{case.name} {_changed(case)}"
+        found[case_name] = []
         for kernel, arguments in launched:
             signature = tuple(_argument_type(a, types) for a in arguments)
             name = key = built.get(id(kernel), kernel.py_func.__qualname__)
@@ -226,8 +260,19 @@ def bench_builds(version):
                 other += 1
                 key = f"{name} #{other}"
             kernels[key] = (kernel, signature)
-            cases[case.name].append(key)
-    return kernels, cases
+            found[case_name].append(key)
+    return kernels, found
+
+
+def _changed(case):
+    """What a case changes from the benchmark's shape, as ``name=value`` words."""
+    from dataclasses import MISSING, fields
+
+    return " ".join(
+        f"{f.name}={getattr(case, f.name)}"
+        for f in fields(case)
+        if f.default is not MISSING and getattr(case, f.name) != f.default
+    )
 
 
 def _output(command):
@@ -243,8 +288,9 @@ def main(argv=None) -> None:
     _for_the_h200()
     found = {}
     with tempfile.TemporaryDirectory() as folder:
-        if argv[:1] == ["--bench"]:  # every build a version launches for bench --moe
-            kernels, cases = bench_builds(int(argv[1]))
+        if argv[:1] in (["--bench"], ["--shapes"]):  # every build a version launches
+            shapes = other_cases() if argv[0] == "--shapes" else None
+            kernels, cases = bench_builds(int(argv[1]), shapes)
             builds = {
                 key: _compiled(kernel, signature, f"build{i}", folder)
                 for i, (key, (kernel, signature)) in enumerate(kernels.items())
