@@ -66,8 +66,13 @@ token row of the buffer is first scaled by a power of two of its own:
   read; a build of chunks makes one pass over its elements first, and reads them again
   for each chunk, mostly from L1), then the four lanes ``4g .. 4g + 3``, which share rows
   ``g`` and ``g + 8``, take the largest of theirs (:func:`.mma.largest_of_lane_group`: two
-  ``shfl.sync.bfly``, lane xor 1 and 2). Magnitudes are compared as bits
-  (:func:`.mma.abs_bits`), so an infinity or a NaN ranks above every finite value;
+  ``shfl.sync.bfly``, lane xor 1 and 2, on the bits of the lanes' largest,
+  :func:`.mma.abs_bits`). A lane compares its own magnitudes as floats, a ``max`` an
+  element (as bits it took a compare and a select: the r=128 build of chunks 1,200 SASS
+  instructions against 1,016, ``probes/expand_f16_static.py``): an infinity ranks above
+  every finite value, and a NaN may be passed over, which changes no output, for every
+  output of a row sums each of its elements, so a row holding a NaN gives NaN whatever its
+  scale;
 * the power of two ``2**s`` that brings that magnitude into [2**14, 2**15), room left for
   the largest to round up (:func:`.mma.f16_row_scale`). ``s`` is held to -113 .. 126, so
   that ``2**s`` and ``2**-s`` are both normal fp32 numbers: a row whose largest is below
@@ -429,7 +434,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import float32, int32, int64, uint32, uint64
+from numba import float32, int64, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda, dependent_launch, jit_kernel
 from .dependent_launch import next_launch, prologue
@@ -764,13 +769,14 @@ def build_mma_expand_kernel(
         lane's elements of every rank step (held, or read: a build of chunks reads them
         again for each chunk's fragments), then of the four lanes that share the row."""
         for i in range(ROWS):  # row g + 8 * (i % 2) of m-tile i // 2
-            largest = int32(0)
+            largest = float32(0.0)
             for kk in range(K_STEPS):
                 v0, v1, v2, v3 = four_values(x, s, token, i // 2, i % 2, kk, t, buffer_values)
-                pair01 = max(abs_bits(v0), abs_bits(v1))
-                pair23 = max(abs_bits(v2), abs_bits(v3))
+                pair01 = max(abs(v0), abs(v1))
+                pair23 = max(abs(v2), abs(v3))
                 largest = max(largest, max(pair01, pair23))
-            scale[i], back[i] = f16_row_scale(largest_of_lane_group(largest, my_scratch))
+            bits = abs_bits(largest)
+            scale[i], back[i] = f16_row_scale(largest_of_lane_group(bits, my_scratch))
 
     @cuda.jit(device=True, inline="always")
     def add_step(acc, a, j, nj, word, my_scratch):
