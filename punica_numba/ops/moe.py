@@ -587,7 +587,7 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
 
 
 def compact_units(num_pairs: int, metadata: tuple, experts: int, block_size: int, per: int):
-    """The CUDA blocks along x of a compact grid (:func:`..kernels.moe_blocks.unit_of`):
+    """The CUDA blocks along x of a compact grid (:func:`..kernels.moe_blocks.unit_walker`):
     as many as the call's pairs can fill units of ``per`` blocks
     (:func:`..kernels.moe_blocks.units_in_use`), and no more than the rows' own bound."""
     row_blocks, slots = metadata[1].shape[1], metadata[1].shape[0]

@@ -8,7 +8,7 @@ and runs of neighbouring blocks of one expert in passes of several tiles
 :mod:`punica_numba.kernels.moe_expand_outer`: a chunk of a block's pairs at once, their old
 outputs asked for together in words, their buffer rows staged in shared memory, outer
 products a rank (``ops.moe.OUTER_EXPAND``); and all three kernels run on compact grids,
-sized to the blocks in use rather than to every slot's bound (``moe_blocks.unit_of``).
+sized to the blocks in use rather than to every slot's bound (``moe_blocks.unit_walker``).
 These are first designs; the variants below are the shapes to choose from (ptxas 13.0 for
 sm_90, static, registers at r=16):
 
