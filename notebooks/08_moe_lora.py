@@ -302,3 +302,47 @@ for version in (5, 6):
     stored[version] = y.view(torch.int16)  # the bits
 assert torch.equal(stored[5], stored[6])
 print("versions 5 and 6 store the same bf16 bits")
+
+# %% [markdown]
+# Version 6's grids are *compact*. The grids above launch a row's bound of blocks for
+# every slot (`aligned_sizes`), and a CUDA block past its row's blocks in use leaves at
+# once; at Qwen3-30B-A3B's layer, 2048 tokens over 16 adapters, that is 18,304 CUDA blocks
+# of which at most 2,944 find pairs (`kernels.moe_blocks.units_in_use` counts the most a
+# call's pairs can fill). A compact grid launches that many and no more, and CUDA block x
+# takes the blocks in use numbered x, x + G, x + 2G, ... (G the grid's size), counting them
+# slot by slot from the rows' totals. Emulated here on a grid of two, fewer than the blocks
+# in use, so that each CUDA block takes several:
+
+# %%
+from punica_numba.kernels.moe_blocks import units_in_use
+
+
+def block_number(v, blocks):
+    """``(slot, b)`` of the v-th block in use, counting slot by slot (the kernels'
+    ``moe_blocks.unit_walker``, one block a unit); ``(-1, 0)`` past the last."""
+    for slot in range(L):
+        used = -(-int(blocks.num_tokens_post_padded[slot]) // block_size)
+        used *= int(adapter_enabled[slot])  # (a slot turned off has none)
+        if v < used:
+            return slot, v
+        v -= used
+    return -1, 0
+
+
+G = 2  # CUDA blocks along x
+taken = []
+for x in range(G):  # blockIdx.x
+    v = x
+    while (found := block_number(v, blocks))[0] != -1:
+        taken.append(found)
+        v += G
+in_use = [
+    (slot, b)
+    for slot in range(L)
+    for b in range(num_blocks)
+    if b * block_size < int(blocks.num_tokens_post_padded[slot]) and adapter_enabled[slot]
+]
+assert sorted(taken) == in_use  # every block in use, each once
+assert len(in_use) <= units_in_use(P, L, E, block_size, 1)
+print(f"{len(in_use)} blocks in use, {L * num_blocks} in the full grid, taken by {G} CUDA blocks")
+print("Qwen3-30B-A3B, 2048 tokens over 16 adapters:", units_in_use(2048 * 8, 16, 128, 16, 1))
