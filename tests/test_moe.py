@@ -1198,6 +1198,10 @@ def _shrink_buffers(dtype, *, rank, K, B, pairs, projection, monkeypatch, kernel
         ("w13", torch.bfloat16, 12, 32, 4, 33),  # runs of four blocks in one tile
         ("w13", torch.float16, 20, 20, 8, 65),  # runs of four in a pass of two tiles
         ("w2", torch.bfloat16, 16, 32, 8, 9),  # one slice, blocks one by one
+        # K of 6 and 4 chunks over 2 warps: each warp's chunks in turns of two sets of
+        # words, ending on either ("Ahead"), where the cases above have one chunk
+        ("w13", torch.bfloat16, 12, 168, 4, 33),
+        ("w2", torch.float16, 16, 104, 8, 9),
     ],
 )
 def test_version_6s_tensor_core_shrink_gives_version_5s_bits(
@@ -1213,6 +1217,7 @@ def test_version_6s_tensor_core_shrink_gives_version_5s_bits(
                                                         monkeypatch=monkeypatch)  # fmt: skip
     ((_, args),) = built
     m_tiles, n_tiles, blocks, joint = args[2], args[3], args[5], args[6]
+    assert args[9] is moe_ops.MMA_SHRINK_AHEAD  # version 6 loads a warp's next chunk ahead
     if projection == "w13":
         assert joint and blocks == 4 and rank % 8  # a tile of both slices' ranks
     else:

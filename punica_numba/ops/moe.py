@@ -221,12 +221,21 @@ def outer_shape(
 #: the simulator tiles that two slices and runs of two blocks cross at test sizes. The GPU's
 #: are a first design for Qwen3-30B-A3B's layer (w13: both slices' 16 ranks in four tiles;
 #: runs of up to two blocks of 16 pairs), not yet timed: with runs of four, ptxas 13.0 for
-#: sm_90 spills (255 registers and a 40-byte stack frame), with two it does not (186).
+#: sm_90 spills (255 registers and a 40-byte stack frame), with two it does not (186; 255
+#: with the next chunk loaded ahead, :data:`MMA_SHRINK_AHEAD`, spilling 16 bytes outside
+#: the loop over K).
 MMA_SHRINK_RUNS = (
     MmaShrink(threads=64, m_tiles=2, n_tiles=2)
     if SIMULATOR
     else MmaShrink(threads=128, m_tiles=2, n_tiles=4)
 )
+
+
+#: Whether version 6's tensor-core shrink loads a warp's next chunk before it multiplies
+#: this one (``moe_shrink_mma``'s notes, "Ahead"). A first design, not yet timed: for
+#: sm_90 it takes the shipped w13 build from 186 registers to 255, with 16 bytes of
+#: spills outside the loop over K, and keeps two CUDA blocks an SM.
+MMA_SHRINK_AHEAD = True
 
 
 def mma_shrink_runs(
@@ -623,10 +632,11 @@ def _mma_shrink(
         m_tiles = min(config.m_tiles, -(-block_size // 16))  # of the 16-pair tiles a block needs
     # 16-byte loads where every row is whole 16-byte pairs of words at multiples of 16
     wide = hidden % 8 == 0 and all(rows_start_at(t, 16) for t in (x, *a))
-    walk = (slots_at_once(slots),) if runs else ()  # (a compact grid's walk)
+    # version 6: a compact grid's walk, and each warp's next chunk loaded ahead
+    six = (slots_at_once(slots), MMA_SHRINK_AHEAD) if runs else ()
     shrink = launcher_of(
         mma_shrink.build_moe_mma_shrink_kernel(
-            dtype, config.threads, m_tiles, n_tiles, wide, group, joint, runs, *walk
+            dtype, config.threads, m_tiles, n_tiles, wide, group, joint, runs, *six
         )
     )
     ranks = len(a) * rank if joint else rank  # the ranks one row of rank groups covers

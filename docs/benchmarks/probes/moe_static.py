@@ -54,6 +54,9 @@ VARIANTS = {  # name: (kernel, its builder's arguments past the dtypes)
     "mma_shrink_runs_2": ("mma", 128, 2, 4, True, 2, True, True),
     "mma_shrink_runs_4": ("mma", 128, 4, 4, True, 4, True, True),
     "mma_shrink_runs_2_one_slot": ("mma", 128, 2, 4, True, 2, True, True, 1),
+    "mma_shrink_runs_1_ahead": ("mma", 128, 1, 4, True, 1, True, True, 8, True),
+    "mma_shrink_runs_2_ahead": ("mma", 128, 2, 4, True, 2, True, True, 8, True),
+    "mma_shrink_runs_4_ahead": ("mma", 128, 4, 4, True, 4, True, True, 8, True),
     "split_shrink_version_5": ("split", 64, 4, 2, 2, True),
     "split_shrink_compact": ("split", 64, 4, 2, 2, True, True),
 }

@@ -1,10 +1,11 @@
 """Version 6's MoE kernels against version 5's, and their shapes against each other.
 
 A probe for the H200, written at f43fae1 and not yet run (the registers below are those of
-the kernels as of the compact grids). Version 6 (``ops.moe``) keeps version 5's choice
-between the shrinks, but its tensor-core shrink takes both slices of w13 in one CUDA block
-and runs of neighbouring blocks of one expert in passes of several tiles
-(``ops.moe.MMA_SHRINK_RUNS``, ``mma_shrink_runs``); its expand is
+the kernels as of the loads ahead in the tensor-core shrink, ``probes/moe_static.py``).
+Version 6 (``ops.moe``) keeps version 5's choice between the shrinks, but its tensor-core
+shrink takes both slices of w13 in one CUDA block and runs of neighbouring blocks of one
+expert in passes of several tiles (``ops.moe.MMA_SHRINK_RUNS``, ``mma_shrink_runs``), a
+warp's next chunk of K loaded ahead (``MMA_SHRINK_AHEAD``); its expand is
 :mod:`punica_numba.kernels.moe_expand_outer`: a chunk of a block's pairs at once, their old
 outputs asked for together in words, their buffer rows staged in shared memory, outer
 products a rank (``ops.moe.OUTER_EXPAND``); and all three kernels run on compact grids,
@@ -14,14 +15,16 @@ sm_90, static, registers at r=16):
 
 * expand (threads at most, columns a thread, pairs at once, registers held):
   ``vec4_chunk16``, the shipped one, 8-byte words and a block of 16 pairs in one chunk (156
-  registers at w13's 192 threads); ``vec4_chunk8`` (112) and ``vec4_chunk4``, fewer pairs at
+  registers at w13's 192 threads); ``vec4_chunk8`` (95) and ``vec4_chunk4``, fewer pairs at
   once and more CUDA blocks an SM; ``vec8_chunk8``, 16-byte loads and stores, 96 threads for
-  w13's 768 columns (163); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
+  w13's 768 columns (153); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
   four groups, not two);
 * shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles; the shipped one is
-  ``(128, 2, 4)``, runs of up to two blocks, 186 registers with both slices):
-  ``mma_m4_n4``, runs of four (255 registers and a 40-byte spill stack), and ``mma_m1_n4``,
-  one block a unit (173);
+  ``(128, 2, 4)``, runs of up to two blocks, each warp's next chunk loaded ahead, 255
+  registers with both slices and 16 bytes of spills outside the loop over K):
+  ``mma_m4_n4``, runs of four (255 registers, 396 bytes of spills), ``mma_m1_n4``, one
+  block a unit (214), and ``mma_not_ahead``, the shipped shape without the next chunk
+  loaded ahead (``ops.moe.MMA_SHRINK_AHEAD``; 186 registers, no spills);
 * the split shrink of blocks of few pairs (threads, ranks and pairs of a chunk, strides of
   K whose loads go together; ``ops.moe.SPLIT_SHRINK``, shipped ``(64, 4, 2, 2)``, whose 8
   words of K a thread at K = 2048 go in 4 trips): ``split_u4`` and ``split_u8``, 2 trips
@@ -60,6 +63,7 @@ VARIANTS = {  # name: (kernel, its shape's fields)
     "vec4_chunk16_128": ("expand", 128, 4, 16, 160),
     "mma_m4_n4": ("shrink", 128, 4, 4),
     "mma_m1_n4": ("shrink", 128, 1, 4),
+    "mma_not_ahead": ("ahead", False),
     "split_u4": ("split", 64, 4, 2, 4),
     "split_u8": ("split", 64, 4, 2, 8),
     "split_t128_u4": ("split", 128, 4, 2, 4),
@@ -84,6 +88,9 @@ def build(kernel, *config):
     (768 columns and K = 2048, r=16, bf16, blocks of 16, add_inputs), built."""
     if kernel == "threshold":  # the kernel a lower threshold lets run
         return build("shrink", *moe_ops.MMA_SHRINK_RUNS)
+    ahead = moe_ops.MMA_SHRINK_AHEAD
+    if kernel == "ahead":  # the shipped shrink, its next chunk loaded ahead or not
+        kernel, config, ahead = "shrink", moe_ops.MMA_SHRINK_RUNS, config[0]
     if kernel == "split":
         return moe_ops.split_shrink.build_moe_split_shrink_kernel(
             torch.bfloat16, *config, True, True
@@ -93,7 +100,7 @@ def build(kernel, *config):
         shape = moe_ops.mma_shrink_runs(2048 * 8, 1, 128, 16, 2, 16, config)
         m_tiles, n_tiles, blocks, joint = shape
         return moe_ops.mma_shrink.build_moe_mma_shrink_kernel(
-            torch.bfloat16, config.threads, m_tiles, n_tiles, True, blocks, joint, True
+            torch.bfloat16, config.threads, m_tiles, n_tiles, True, blocks, joint, True, 1, ahead
         )
     config = moe_ops.OuterExpand(*config)
     threads, chunk = moe_ops.outer_shape(16, 768, 16, config)
@@ -117,10 +124,10 @@ def main(argv=None) -> None:
     cases = args.cases or [bench_moe.MoECase(*c) for c in CASES]
     bandwidth = bench.copy_bandwidth_tbps()
     names = {"expand": "OUTER_EXPAND", "shrink": "MMA_SHRINK_RUNS", "split": "SPLIT_SHRINK"}
-    names["threshold"] = "MMA_SHRINK_FROM_PAIRS"
+    names.update(threshold="MMA_SHRINK_FROM_PAIRS", ahead="MMA_SHRINK_AHEAD")
     shipped = {kernel: getattr(moe_ops, name) for kernel, name in names.items()}
     shapes = {"expand": moe_ops.OuterExpand, "shrink": moe_ops.MmaShrink}
-    shapes.update(split=moe_ops.SplitShrink, threshold=int)
+    shapes.update(split=moe_ops.SplitShrink, threshold=int, ahead=bool)
     runs = [("version_5", 5, None), ("version_6", 6, None)]
     runs += [(name, 6, variant) for name, variant in VARIANTS.items()]
     start, rows = time.time(), []
