@@ -15,7 +15,6 @@ Prints one JSON line: the commit and ptxas's version, and for each build what
 ``moe_static._compiled`` reads.
 """
 
-import json
 import os
 import sys
 import tempfile
@@ -65,7 +64,7 @@ def _signature():
 
 
 def main(argv=None) -> None:
-    from moe_static import _compiled, _for_the_h200, _output
+    from moe_static import _compiled, _for_the_h200, print_readings
 
     names = (argv if argv is not None else sys.argv[1:]) or list(VARIANTS)
     _for_the_h200()
@@ -73,16 +72,7 @@ def main(argv=None) -> None:
         builds = {
             name: _compiled(build(*VARIANTS[name]), _signature(), name, folder) for name in names
         }
-    ptxas = _output(["ptxas", "--version"])
-    print(
-        json.dumps(
-            {
-                "commit": _output(["git", "rev-parse", "--short", "HEAD"]),
-                "ptxas": ptxas.splitlines()[-1] if ptxas else None,
-                "builds": builds,
-            }
-        )
-    )
+    print_readings(builds)
 
 
 if __name__ == "__main__":

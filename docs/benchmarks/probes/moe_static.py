@@ -301,17 +301,15 @@ def main(argv=None) -> None:
             found = {"version": int(argv[1]), "cases": cases}
         else:
             builds = {name: _reading(name, folder) for name in argv or list(VARIANTS)}
+    print_readings(builds, **found)
+
+
+def print_readings(builds, **more):
+    """One JSON line: the commit, ptxas's version, ``more``, and the builds' readings."""
     ptxas = _output(["ptxas", "--version"])
-    print(
-        json.dumps(
-            {
-                "commit": _output(["git", "rev-parse", "--short", "HEAD"]),
-                "ptxas": ptxas.splitlines()[-1] if ptxas else None,
-                **found,
-                "builds": builds,
-            }
-        )
-    )
+    commit = _output(["git", "rev-parse", "--short", "HEAD"])
+    version = ptxas.splitlines()[-1] if ptxas else None
+    print(json.dumps({"commit": commit, "ptxas": version, **more, "builds": builds}))
 
 
 if __name__ == "__main__":
