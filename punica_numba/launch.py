@@ -72,7 +72,9 @@ class LaunchConfig:
     the shrink ``tile_n`` ranks (0: every rank; else a block per group of ``tile_n``).
     An expand's blocks walk ``passes`` column groups each, striding by the grid: its
     tile's tokens and buffer rows are looked up and loaded once for them all, and a slice
-    narrower than the widest leaves fewer blocks idle. A tensor-core shrink with
+    narrower than the widest leaves fewer blocks idle. A tensor-core expand's ``chunk`` (0:
+    64) is the ranks whose buffer fragments a lane holds at once, a multiple of 16
+    (:mod:`.kernels.expand_mma`, "Ranks past 64"). A tensor-core shrink with
     ``splits`` > 1 also cuts K into that many chunks, a block each along grid.z, the last
     block of each tile and rank group adding the chunks' sums
     (:mod:`.kernels.shrink_mma_split`).
@@ -94,7 +96,7 @@ class LaunchConfig:
     spread: bool = True  # spread rank / column groups over grid.z, or loop inside the block
     passes: int = 1  # expand, spread: column groups each block walks (grid.z = groups / passes)
     micro: tuple[int, int] = (1, 1)  # tiled: the register tile of one thread
-    chunk: int = 0  # tiled: ranks staged in shared memory at a time
+    chunk: int = 0  # tiled: ranks staged in shared memory at a time; mma expand: held (0: 64)
     vec: int = 1  # row expand: output columns per thread
     splits: int = 1  # split or tensor-core shrink: the chunks K is cut into, a block each
     from_tokens_per_slot: float = 0.0
@@ -194,6 +196,8 @@ _SIMULATOR_CONFIGS = {
         # One warp, four 8-column tiles: a 16-byte word of output per lane and row where
         # the output allows; each block walks two column groups.
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=32, passes=2, from_tokens_per_slot=4),
+        # The rank in chunks of 32 (as two of the GPU's, below): timed by the tuner only.
+        LaunchConfig("mma", threads=32, tile_m=16, tile_n=32, chunk=32, tuned_only=True),
     ),
 }
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
@@ -546,6 +550,15 @@ _GPU_CONFIGS = {
             to_rank=16,
             to_slices=1,
         ),
+        # The tensor-core expands above hold the rank in chunks of 64 (kernels.expand_mma,
+        # "Ranks past 64"), and ptxas gives the one-warp build at r=128 180 registers (fp16
+        # B) or 184 (bf16), held to the 128 of kernels.expand_mma.MAX_REGISTERS with 80 or
+        # 44 bytes of spills; in chunks of 32, 132 and 12 or 20 bytes (sm_90, ptxas 13.0,
+        # the build of probes/expand_f16_static.py; not timed). The one-warp and the two-warp
+        # tiles with chunks of 32: timed by the tuner only, at every rank (a table may name
+        # them; forced, they run).
+        LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, chunk=32, tuned_only=True),
+        LaunchConfig("mma", threads=64, tile_m=16, tile_n=128, passes=2, chunk=32, tuned_only=True),
     ),
 }
 
@@ -698,8 +711,8 @@ def _fits(limit: int | None, value: int) -> bool:
 def config_name(config: LaunchConfig) -> str:
     """A short label, e.g. ``rows_t256_m1_n4``, ``rows_t128_m4_n512_v4`` (4 columns per
     thread), ``tiled_t256_m64_n128_u8x4_c16``, ``mma_t128_m16_n128`` or
-    ``mma_t64_m16_n128_p2`` (two column groups per block) or ``split_t128_m4_n4_k8`` (K
-    in eight chunks)."""
+    ``mma_t64_m16_n128_p2`` (two column groups per block), ``mma_t32_m16_n64_c32`` (the
+    rank's fragments 32 ranks at a time) or ``split_t128_m4_n4_k8`` (K in eight chunks)."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
         name += f"_v{config.vec}"
@@ -707,6 +720,8 @@ def config_name(config: LaunchConfig) -> str:
         name += f"_p{config.passes}"
     if config.kernel == "tiled":
         name += f"_u{config.micro[0]}x{config.micro[1]}_c{config.chunk}"
+    elif config.chunk:
+        name += f"_c{config.chunk}"
     if config.kernel == "split" or config.splits > 1:
         name += f"_k{config.splits}"
     return name

@@ -223,6 +223,29 @@ def test_chunks_of_the_rank_give_the_same_bits(rank, dtype, x_dtype, chunks, mon
         assert not bool(differ.any()), (size, torch.nonzero(differ)[:4].tolist())
 
 
+def test_a_configurations_chunk_reaches_the_build_and_changes_no_bit(monkeypatch):
+    """A tensor-core expand configuration with a ``chunk`` (the tuner's ``_c32`` ones) builds
+    the expand with that many ranks held at once, and stores the bits of a configuration
+    of the default chunks (the tensor-core expands add in one order whatever their tiles):
+    at r=96, three chunks of 32 against two of 64 (the second shorter)."""
+    config = next(c for c in _mma_configs("expand") if c.chunk)
+    plain = next(c for c in _mma_configs("expand") if not c.chunk and c.threads == config.threads)
+    assert config_name(config).endswith(f"_c{config.chunk}")
+    builds = record_mma_expand_builds(monkeypatch)
+    problem = Problem([0] * 12 + [1] * 8, 20, 2, seed=5)
+    case = serving_expand_case(problem, 96, [40], offset_start=4, dtype=torch.bfloat16)
+    outputs = []
+    for forced in (plain, config):
+
+        def run(*args, forced=forced, **kwargs):
+            _forced("expand", forced, [])(*args, **kwargs)
+            outputs.append(args[2].clone())
+
+        check_expand(run, case)
+    assert [a[15] if len(a) > 15 else None for a, _ in builds] == [None, config.chunk // 16]
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_ranks_up_to_64_are_one_chunk():
     """Up to r=64 (four rank steps of 16) an expand is built as one chunk, the code it
     had before chunks came; past it in chunks of four steps, the last one shorter where

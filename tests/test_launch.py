@@ -152,8 +152,14 @@ def test_from_rank_holds_back_a_config(monkeypatch):
     elsewhere."""
     monkeypatch.setattr(launch, "SIMULATOR", False)
     # (Not those that a hidden size gates too: the tensor-core split shrinks, whose rank
-    # ranges test_split_shrink checks with the rest of their thresholds.)
-    gated = [(op, c) for op in OPS for c in launch_configs(op) if c.from_rank and not c.from_hidden]
+    # ranges test_split_shrink checks with the rest of their thresholds; nor those the
+    # heuristic never picks, test_a_tuned_only_config_is_never_the_heuristics_pick's.)
+    gated = [
+        (op, c)
+        for op in OPS
+        for c in launch_configs(op)
+        if c.from_rank and not c.from_hidden and not c.tuned_only
+    ]
     assert {op for op, _ in gated} == set(OPS), "each op gates a configuration on the rank"
     for op, config in gated:
         tensor_cores = config.kernel == "mma"
@@ -288,15 +294,16 @@ def test_a_tuned_only_config_is_never_the_heuristics_pick(monkeypatch):
     for op, config in marked:
         tokens = 16  # over slots that reach its own tokens-per-slot cap, in few tiles
         slots = max(1, int(tokens // (config.to_tokens_per_slot or 4)))
-        hidden = max(config.from_hidden, 1)
-        chosen = choose_launch_config(op, tokens, slots, 16, True, K=hidden, N=16)
+        hidden, rank = max(config.from_hidden, 1), max(config.from_rank, 16)
+        chosen = choose_launch_config(op, tokens, slots, rank, True, K=hidden, N=16)
         assert not chosen.tuned_only, chosen
         with force_launch_config(op, config):
-            assert choose_launch_config(op, tokens, slots, 16, True, K=hidden, N=16) == config
+            assert choose_launch_config(op, tokens, slots, rank, True, K=hidden, N=16) == config
         unmarked = dataclasses.replace(config, tuned_only=False)
         table = tuple(unmarked if c == config else c for c in launch_configs(op))
         with mock.patch.dict(launch._GPU_CONFIGS, {op: table}):
-            assert choose_launch_config(op, tokens, slots, 16, True, K=hidden, N=16) == unmarked
+            again = choose_launch_config(op, tokens, slots, rank, True, K=hidden, N=16)
+            assert again == unmarked
 
 
 def test_arithmetic_keys_group_what_adds_alike(table):

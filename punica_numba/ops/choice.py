@@ -229,6 +229,7 @@ def choose_expand(
             asking,
             asking and after_own_shrink,  # B before the wait
             dtype,  # of B and the output: bf16, or fp16 (two f16 products a tile)
+            *((config.chunk // 16,) if config.chunk else ()),  # rank steps held at once
         )
         # (the kernel places slices by 4-column words)
         return ExpandChoice(
