@@ -66,7 +66,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import float32, int64, uint32
+from numba import float32, int64, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
@@ -75,6 +75,16 @@ from .mma import FRAGMENT_WORDS, MMA_DTYPES, mma_into
 from .moe_blocks import MOST_SLOTS_AT_ONCE, block_in_use, read_pass, slice_and_group, unit_walker
 
 __all__ = ["build_moe_mma_shrink_kernel"]
+
+
+@cuda.jit(device=True, inline="always")
+def _unsigned(i):
+    return uint64(i)
+
+
+@cuda.jit(device=True, inline="always")
+def _as_it_is(i):
+    return i
 
 
 @functools.cache
@@ -132,6 +142,10 @@ def build_moe_mma_shrink_kernel(
     # 6's builds (a compact grid, both slices), whose passes can be 64 entries long;
     # version 5's keep the reads that were timed (moe_blocks.read_pass).
     JOINED = COMPACT or JOINT
+    # Version 6's builds index x and A unsigned (no check for a negative index: every index
+    # here is one; for sm_90 the shipped w13 build with its next chunk ahead 255 registers
+    # and 16 bytes of spills -> 254 and none); version 5's keep the code that was timed.
+    index = _unsigned if COMPACT else _as_it_is
 
     @cuda.jit(device=True, inline="always")
     def words_at(row, q, words, present):
@@ -183,10 +197,11 @@ def build_moe_mma_shrink_kernel(
         rank lies in (a branch a load, not a choice of arrays)."""
         for nj in range(N_TILES):
             sj, n = slice_of(min(n0 + 8 * nj + g, ranks - 1), rank)  # past: never stored
+            row = (index(slot), index(expert), index(n))
             if sj == 0:
-                aw[2 * nj], aw[2 * nj + 1] = words_at(w[slot, expert, n], q, words, True)
+                aw[2 * nj], aw[2 * nj + 1] = words_at(w[row], q, words, True)
             else:
-                aw[2 * nj], aw[2 * nj + 1] = words_at(w1[slot, expert, n], q, words, True)
+                aw[2 * nj], aw[2 * nj + 1] = words_at(w1[row], q, words, True)
 
     @cuda.jit(device=True, inline="always")
     def load_chunk(xw, aw, x, w, w1, slot, expert, n0, ranks, rank, row_of, chunk, t, g):
@@ -195,7 +210,9 @@ def build_moe_mma_shrink_kernel(
         words = x.shape[1]
         q = 8 * chunk + 2 * t  # the lane's first word of the chunk
         for i in range(ROWS):
-            xw[2 * i], xw[2 * i + 1] = words_at(x[max(row_of[i], 0)], q, words, row_of[i] >= 0)
+            xw[2 * i], xw[2 * i + 1] = words_at(
+                x[index(max(row_of[i], 0))], q, words, row_of[i] >= 0
+            )
         load_a(aw, w, w1, slot, expert, n0, ranks, rank, q, words, g)
 
     @cuda.jit(device=True, inline="always")
