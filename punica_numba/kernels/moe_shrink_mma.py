@@ -44,7 +44,7 @@ chunks' words and asks for the next chunk's before it multiplies this one's, so 
 chunk's loads are in flight while the one before is multiplied (:mod:`.shrink_mma` does the
 same, where the H200 took T=4096 on one LoRA from 21.3 to 15.3 µs with it and 16-byte
 loads). The same chunks in the same order: the same bits. The price is a second chunk's
-words in registers.
+words in registers (for sm_90 the shipped w13 build takes 254 instead of 176).
 
 Every thread calls ``mma`` equally often (the simulator needs it, :mod:`.mma`): every
 warp walks the same chunk count (past the last chunk with zero fragments), and a pass

@@ -221,9 +221,8 @@ def outer_shape(
 #: the simulator tiles that two slices and runs of two blocks cross at test sizes. The GPU's
 #: are a first design for Qwen3-30B-A3B's layer (w13: both slices' 16 ranks in four tiles;
 #: runs of up to two blocks of 16 pairs), not yet timed: with runs of four, ptxas 13.0 for
-#: sm_90 spills (255 registers and a 40-byte stack frame), with two it does not (186; 255
-#: with the next chunk loaded ahead, :data:`MMA_SHRINK_AHEAD`, spilling 16 bytes outside
-#: the loop over K).
+#: sm_90 spills (255 registers, 24 bytes of spill stores), with two it does not (176; 254
+#: with the next chunk loaded ahead, :data:`MMA_SHRINK_AHEAD`).
 MMA_SHRINK_RUNS = (
     MmaShrink(threads=64, m_tiles=2, n_tiles=2)
     if SIMULATOR
@@ -233,8 +232,8 @@ MMA_SHRINK_RUNS = (
 
 #: Whether version 6's tensor-core shrink loads a warp's next chunk before it multiplies
 #: this one (``moe_shrink_mma``'s notes, "Ahead"). A first design, not yet timed: for
-#: sm_90 it takes the shipped w13 build from 186 registers to 255, with 16 bytes of
-#: spills outside the loop over K, and keeps two CUDA blocks an SM.
+#: sm_90 it takes the shipped w13 build from 176 registers to 254, no spills, and keeps
+#: two CUDA blocks an SM.
 MMA_SHRINK_AHEAD = True
 
 

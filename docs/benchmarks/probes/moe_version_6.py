@@ -20,11 +20,10 @@ sm_90, static, registers at r=16):
   w13's 768 columns (153); ``vec4_chunk16_128``, at most 128 threads (w2's 2048 columns in
   four groups, not two);
 * shrink (threads, 16-pair tiles of a pass at most, 8-rank tiles; the shipped one is
-  ``(128, 2, 4)``, runs of up to two blocks, each warp's next chunk loaded ahead, 255
-  registers with both slices and 16 bytes of spills outside the loop over K):
-  ``mma_m4_n4``, runs of four (255 registers, 396 bytes of spills), ``mma_m1_n4``, one
-  block a unit (214), and ``mma_not_ahead``, the shipped shape without the next chunk
-  loaded ahead (``ops.moe.MMA_SHRINK_AHEAD``; 186 registers, no spills);
+  ``(128, 2, 4)``, runs of up to two blocks, each warp's next chunk loaded ahead, 254
+  registers with both slices, no spills): ``mma_m4_n4``, runs of four (255 registers, 336
+  bytes of spills), ``mma_m1_n4``, one block a unit (180), and ``mma_not_ahead``, the
+  shipped shape without the next chunk loaded ahead (``ops.moe.MMA_SHRINK_AHEAD``; 176);
 * the split shrink of blocks of few pairs (threads, ranks and pairs of a chunk, strides of
   K whose loads go together; ``ops.moe.SPLIT_SHRINK``, shipped ``(64, 4, 2, 2)``, whose 8
   words of K a thread at K = 2048 go in 4 trips): ``split_u4`` and ``split_u8``, 2 trips
