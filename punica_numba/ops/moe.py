@@ -549,7 +549,7 @@ def _columns_expand(call: _Expand, b: list[torch.Tensor]) -> None:
     vec, tile_p = columns_shape(rank, config)
     b_words = [words(w) for w in b]
     packed_b = all(w is not None for w in b_words)
-    wide = rank % 4 == 0 and buffer.data_ptr() % 16 == 0  # every buffer row at 16 bytes
+    wide = rows_start_at(buffer, 16)  # every buffer row at 16 bytes
     shape = (config.threads, vec, tile_p, rank)
     options = (packed_b, wide, by_pair, add_inputs)
     expand = launcher_of(
@@ -576,7 +576,7 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
     packed_b = all(w is not None for w in b_words)
     packed_out = outer_expand.words_out(out, offset, width, config.vec)
     wide_out = outer_expand.wide_words_out(out, offset, width, config.vec)
-    wide_x = rank % 4 == 0 and buffer.data_ptr() % 16 == 0  # every buffer row at 16 bytes
+    wide_x = rows_start_at(buffer, 16)  # every buffer row at 16 bytes
     expand = launcher_of(
         outer_expand.build_moe_outer_expand_kernel(
             b[0].dtype, out.dtype, threads, config.vec, chunk, rank, packed_b, packed_out,
