@@ -185,6 +185,16 @@ OUTER_EXPAND = (
 )
 
 
+#: Version 6 takes its expand from this many pairs a block in use on average
+#: (:func:`pairs_per_block`), version 3's below it (as version 5 chooses its shrink). 1:
+#: the outer-product expand on every call.
+OUTER_EXPAND_FROM_PAIRS = 1
+
+#: Whether version 6's split shrink runs on a compact grid (:func:`compact_units`), or on
+#: version 5's grid of every slot's bound, its idle CUDA blocks leaving at once.
+COMPACT_SPLIT_SHRINK = True
+
+
 #: The most fp32 buffer values version 6's expand stages in shared memory for a chunk
 #: (``rank * chunk``; 16 KB, two CUDA blocks an SM in 32 KB).
 STAGED_VALUES = 4096
@@ -447,13 +457,13 @@ def fused_moe_lora(
         if tensor_cores is not None:
             _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=version == 6)
         else:
-            _split_shrink(shrink, x, a, compact=version == 6)
+            _split_shrink(shrink, x, a, compact=version == 6 and COMPACT_SPLIT_SHRINK)
         call = _Expand(
             out, buffer, weights, metadata, block_size, mul_routed_weight, offset, add_inputs
         )
         if version == 4 and tensor_cores is not None:
             _mma_expand(call, tensor_cores[2], x.dtype)
-        elif version == 6:
+        elif version == 6 and pairs_per_block(num_pairs, L, E) >= OUTER_EXPAND_FROM_PAIRS:
             _outer_expand(call, b)
         else:
             _columns_expand(call, b)

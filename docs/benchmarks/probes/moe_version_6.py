@@ -28,6 +28,11 @@ sm_90, static, registers at r=16):
   K whose loads go together; ``ops.moe.SPLIT_SHRINK``, shipped ``(64, 4, 2, 2)``, whose 8
   words of K a thread at K = 2048 go in 4 trips): ``split_u4`` and ``split_u8``, 2 trips
   and 1; ``split_t128_u4``, 128 threads, 1 trip;
+* the choice between the expands (``ops.moe.OUTER_EXPAND_FROM_PAIRS``, shipped 1: the
+  outer-product one always): ``outer_from_pairs_4``, ``_8`` and ``_16``, version 3's
+  expand below that many pairs a block on average, and ``columns_expand``, version 3's
+  always; and the split shrink on version 5's grid, not a compact one
+  (``ops.moe.COMPACT_SPLIT_SHRINK``): ``split_full_grid``;
 * the choice between the shrinks (``ops.moe.MMA_SHRINK_FROM_PAIRS``, shipped 4 pairs a
   (slot, expert) block on average, a point between version 4's measured 1 and 8):
   ``from_pairs_1``, the tensor cores wherever the operands allow, and ``from_pairs_16``.
@@ -37,15 +42,19 @@ at 16, 64, 256 and 2048 tokens on 1 and 16 adapters, the furthest from the aim f
 op is timed as the benchmark times it (each run checked against the float64 reference on the
 first argument set, then CUDA-graph replays over a pool larger than the L2:
 ``bench_moe.checked_pool``, one pool for all the runs of a case) at version 5, at version 6
-as shipped, then at version 6 with each variant in place of the shipped shape of its kernel.
+as shipped, then at version 6 with each variant in place of the shipped shape of its kernel
+(or those named by ``--variants``). With ``--kernels``, each run also records its kernels'
+device µs a call by name (``torch.profiler``, the pool's calls once each, eagerly).
 
 Run on a GPU from the repository root: ``python docs/benchmarks/probes/moe_version_6.py
-[--limit SECONDS] [CASE ...]`` (a case as ``w13:2048:16``). Prints one JSON line: per case,
+[--limit SECONDS] [--variants NAME,...] [--kernels] [CASE ...]`` (a case as
+``w13:2048:16``). Prints one JSON line: per case,
 µs of each and its relative error.
 """
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -68,6 +77,11 @@ VARIANTS = {  # name: (kernel, its shape's fields)
     "split_t128_u4": ("split", 128, 4, 2, 4),
     "from_pairs_1": ("threshold", 1),
     "from_pairs_16": ("threshold", 16),
+    "outer_from_pairs_4": ("outer_from", 4),
+    "outer_from_pairs_8": ("outer_from", 8),
+    "outer_from_pairs_16": ("outer_from", 16),
+    "columns_expand": ("outer_from", 1 << 30),
+    "split_full_grid": ("compact_split", False),
 }
 
 #: The cases run unless others are named: (projection, tokens, adapters), w13 and w2 at 16,
@@ -110,6 +124,24 @@ def build(kernel, *config):
     )  # fmt: skip
 
 
+def kernel_times(calls) -> dict[str, float]:
+    """Device µs a call of each kernel the calls launch (by its Python name), each call
+    once, eagerly, under ``torch.profiler``."""
+    from punica_numba.profile import kernel_table, one_cycle_profiler
+
+    torch.cuda.synchronize()
+    with one_cycle_profiler([torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for name, us, _ in kernel_table(profiler.events()):
+        short = re.search(r"moe_[a-z_]+", name)
+        key = short.group(0) if short else name[:40]
+        times[key] = round(times.get(key, 0.0) + us / len(calls), 3)
+    return times
+
+
 def _case(text: str) -> bench_moe.MoECase:
     projection, tokens, adapters = text.split(":")
     return bench_moe.MoECase(projection, int(tokens), int(adapters))
@@ -119,16 +151,21 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", type=_case)
     parser.add_argument("--limit", type=float, default=1e9, help="stop after this many seconds")
+    parser.add_argument("--variants", help="comma-separated names of VARIANTS (default: all)")
+    parser.add_argument("--kernels", action="store_true", help="device µs of each kernel")
     args = parser.parse_args(argv)
+    chosen = args.variants.split(",") if args.variants else list(VARIANTS)
     cases = args.cases or [bench_moe.MoECase(*c) for c in CASES]
     bandwidth = bench.copy_bandwidth_tbps()
     names = {"expand": "OUTER_EXPAND", "shrink": "MMA_SHRINK_RUNS", "split": "SPLIT_SHRINK"}
     names.update(threshold="MMA_SHRINK_FROM_PAIRS", ahead="MMA_SHRINK_AHEAD")
+    names.update(outer_from="OUTER_EXPAND_FROM_PAIRS", compact_split="COMPACT_SPLIT_SHRINK")
     shipped = {kernel: getattr(moe_ops, name) for kernel, name in names.items()}
     shapes = {"expand": moe_ops.OuterExpand, "shrink": moe_ops.MmaShrink}
     shapes.update(split=moe_ops.SplitShrink, threshold=int, ahead=bool)
+    shapes.update(outer_from=int, compact_split=bool)
     runs = [("version_5", 5, None), ("version_6", 6, None)]
-    runs += [(name, 6, variant) for name, variant in VARIANTS.items()]
+    runs += [(name, 6, VARIANTS[name]) for name in chosen]
     start, rows = time.time(), []
     try:
         for case in cases:
@@ -149,6 +186,8 @@ def main(argv=None) -> None:
                 error = check(make_call)
                 us = bench.time_calls([make_call(args) for args in pool])
                 row[name] = {"us": round(us, 3), "relative_error": error}
+                if args.kernels:
+                    row[name]["kernels"] = kernel_times([make_call(args) for args in pool])
             rows.append(row)
             del pool
             torch.cuda.empty_cache()
