@@ -1061,6 +1061,44 @@ def test_version_5_takes_the_tensor_core_shrink_from_its_threshold(
     assert [name for name, _ in built] == [shrink, "build_moe_columns_expand_kernel"]
 
 
+@pytest.mark.parametrize(
+    "pairs, outer_from, compact, shrink, expand",
+    [
+        (1, 4, True, "build_moe_split_shrink_kernel", "build_moe_columns_expand_kernel"),
+        (1, 4, False, "build_moe_split_shrink_kernel", "build_moe_columns_expand_kernel"),
+        (6, 4, True, "build_moe_mma_shrink_kernel", "build_moe_outer_expand_kernel"),
+        (1, 1, False, "build_moe_split_shrink_kernel", "build_moe_outer_expand_kernel"),
+    ],
+)
+def test_version_6_takes_the_outer_expand_from_its_threshold(
+    pairs, outer_from, compact, shrink, expand, monkeypatch
+):
+    """The call of the test above (w2, bf16: 1.5 pairs a block, or 4) at version 6, with
+    OUTER_EXPAND_FROM_PAIRS at ``outer_from``: version 3's expand below it, the outer
+    products from it on; and its split shrink on a compact grid, or on version 5's, as
+    COMPACT_SPLIT_SHRINK says. Each gives the reference."""
+    monkeypatch.setattr(moe_ops, "OUTER_EXPAND_FROM_PAIRS", outer_from)
+    monkeypatch.setattr(moe_ops, "COMPACT_SPLIT_SHRINK", compact)
+    B = 4
+    case, d, blocks = _one_block_call(torch.bfloat16, rank=8, K=32, N=8, B=B, projection="w2",
+                                      offset=1, pairs=pairs)  # fmt: skip
+    y, before = d["y"], d["y"].clone()
+    built = _recording_builds(
+        monkeypatch,
+        VERSION_3_BUILDERS
+        + VERSION_4_BUILDERS
+        + ((moe_ops.outer_expand, "build_moe_outer_expand_kernel"),),
+    )
+    fused_moe_lora(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+        block_size=B, mul_routed_weight=case.mul, offset=case.offset, version=6,
+    )  # fmt: skip
+    check_against_reference(case, y, d, before)
+    assert [name for name, _ in built] == [shrink, expand]
+    if "split" in shrink:  # (dtype, threads, tile_n, tile_p, unroll, packed, compact, ...)
+        assert built[0][1][6] is compact
+
+
 # -- 8. version 6: a chunk of pairs at once, runs of blocks, compact grids -------------------
 
 
