@@ -1,7 +1,7 @@
 """The MoE kernels' registers and SASS for the H200, compiled on a machine without a GPU.
 
 Not a timing: a static reading of what the compiler makes of each kernel, the figures of the
-lab notes' "MoE LoRA version 6, built and not yet timed" (``docs/benchmarks/lab_notes.md``).
+lab notes' "MoE LoRA version 6, built" (``docs/benchmarks/lab_notes.md``).
 Each build in ``VARIANTS`` (Qwen3-30B-A3B's layer, r=16 unless named, bf16; compact grids
 whose walk reads eight slots' counts at once, one slot's where named ``one_slot``) is compiled by
 numba-cuda's NVVM to PTX for ``sm_90`` (``cuda.compile_ptx``, which needs no GPU), then by
