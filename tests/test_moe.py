@@ -1151,11 +1151,13 @@ def test_version_6s_expand_gives_version_3s_bits(
     monkeypatch.setattr(moe_ops, "OUTER_EXPAND", config)
     group = config.threads * config.vec
     N = group * (2 if past else 1) + past
-    B = config.chunk * chunks[0] + chunks[1]
+    # the chunk the launcher takes for this vec (8 columns a thread hold more: on a GPU, 8)
+    chunk = moe_ops.outer_shape(rank, N, 1 << 20, config)[1]
+    B = chunk * chunks[0] + chunks[1]
     columns = offset + slices * N + pad  # y's columns: ``pad`` past the slices
     call, b = _expand_call(dtype, rank=rank, N=N, B=B, slices=slices, mul=mul, offset=offset,
                            add_inputs=add_inputs, columns=columns)  # fmt: skip
-    assert moe_ops.outer_shape(rank, N, B, config) == (config.threads, config.chunk)
+    assert moe_ops.outer_shape(rank, N, B, config) == (config.threads, chunk)
     before = call.out.clone()
     moe_ops._columns_expand(call, b)
     want = call.out.clone()
@@ -1396,10 +1398,13 @@ def test_a_compact_grids_walk_finds_every_unit_once_in_slot_order(batch):
             blocks = math.ceil(min(max(int(num_post_pad[slot]), 0), EM) / B)
             if enabled[slot]:
                 want += [(slot, u * per) for u in range(math.ceil(blocks / per))]
-        found = np.full((len(want) + G, 2), -2, dtype=np.int64)
-        stop = np.zeros(G, dtype=np.int64)
-        sorted_ids = np.zeros((L, EM), dtype=np.int32)
-        walk[G, 1](num_post_pad, enabled, B, sorted_ids, per, found, stop)
+        found = cuda.to_device(np.full((len(want) + G, 2), -2, dtype=np.int64))
+        stop = cuda.to_device(np.zeros(G, dtype=np.int64))
+        sorted_ids = cuda.to_device(np.zeros((L, EM), dtype=np.int32))
+        counts = cuda.to_device(num_post_pad)
+        # (device arrays: a host array passed to a kernel is a warning on a GPU)
+        walk[G, 1](counts, cuda.to_device(enabled), B, sorted_ids, per, found, stop)
+        found, stop = found.copy_to_host(), stop.copy_to_host()
         where = (L, EM, B, per, G)
         assert [tuple(row) for row in found[: len(want)]] == want, where
         assert (found[len(want) :] == -2).all(), where

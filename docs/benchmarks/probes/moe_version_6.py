@@ -101,6 +101,13 @@ def build(kernel, *config):
     (768 columns and K = 2048, r=16, bf16, blocks of 16, add_inputs), built."""
     if kernel == "threshold":  # the kernel a lower threshold lets run
         return build("shrink", *moe_ops.MMA_SHRINK_RUNS)
+    if kernel == "outer_from":  # the expand a threshold lets run where blocks are full
+        return build("expand", *moe_ops.OUTER_EXPAND)
+    if kernel == "compact_split":  # the split shrink on a compact grid, or on version 5's
+        walk = (1,) if config[0] else ()
+        return moe_ops.split_shrink.build_moe_split_shrink_kernel(
+            torch.bfloat16, *moe_ops.SPLIT_SHRINK, True, config[0], *walk
+        )
     ahead = moe_ops.MMA_SHRINK_AHEAD
     if kernel == "ahead":  # the shipped shrink, its next chunk loaded ahead or not
         kernel, config, ahead = "shrink", moe_ops.MMA_SHRINK_RUNS, config[0]
