@@ -186,13 +186,22 @@ OUTER_EXPAND = (
 
 
 #: Version 6 takes its expand from this many pairs a block in use on average
-#: (:func:`pairs_per_block`), version 3's below it (as version 5 chooses its shrink). 1:
-#: the outer-product expand on every call.
-OUTER_EXPAND_FROM_PAIRS = 1
+#: (:func:`pairs_per_block`), version 3's below it (as version 5 chooses its shrink).
+#: Kernel by kernel on an H200 at 3fad2cc (``probes/moe_version_6.py --kernels``,
+#: docs/benchmarks/h200_moe_v6_kernels.json; Qwen3-30B-A3B's layer, r=16, bf16, blocks of
+#: 16): at 1 pair a block the outer-product expand took 1.07-2.66x version 3's time, at 4
+#: 1.39-1.69x, at 8 0.94x (w13) and 1.13x (w2), at 32 0.79x and 0.93x; at 16 and 128 (one
+#: adapter) version 6 as a whole was faster (h200_moe_v6.json). 16: the first measured
+#: point past the crossing.
+OUTER_EXPAND_FROM_PAIRS = 16
 
 #: Whether version 6's split shrink runs on a compact grid (:func:`compact_units`), or on
-#: version 5's grid of every slot's bound, its idle CUDA blocks leaving at once.
-COMPACT_SPLIT_SHRINK = True
+#: version 5's grid of every slot's bound, its idle CUDA blocks leaving at once. On the
+#: same H200 run the compact grid was slower on 12 of the 14 cases that took the split
+#: shrink (by 0.2-0.8 µs at 1 token, and at 16 on one adapter; by 30 µs at 256 tokens over
+#: 16 adapters: its CUDA blocks, short-lived, each walk the slots twice), and faster only at
+#: 16 tokens over 16 adapters (13.3 against 21.2 µs, w13; 7.8 against 10.9, w2).
+COMPACT_SPLIT_SHRINK = False
 
 
 #: The most fp32 buffer values version 6's expand stages in shared memory for a chunk
