@@ -18,9 +18,11 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    expand always;
 6. 5's choice of shrink, the tensor-core one taking every slice in one CUDA block and
    runs of blocks of one expert together (:data:`MMA_SHRINK_RUNS`, :func:`mma_shrink_runs`),
-   and the expand that takes a chunk of a block's pairs at once as outer products
-   (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`), each on a compact grid
-   (:func:`compact_units`).
+   and, where the pairs fill the blocks (:data:`OUTER_EXPAND_FROM_PAIRS`), the expand
+   that takes a chunk of a block's pairs at once as outer products
+   (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`), else 3's; each new kernel on
+   a compact grid (:func:`compact_units`; the split shrink too where
+   :data:`COMPACT_SPLIT_SHRINK`).
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -239,9 +241,10 @@ def outer_shape(
 #: group (the launcher takes fewer where the call needs fewer: :func:`mma_shrink_runs`). On
 #: the simulator tiles that two slices and runs of two blocks cross at test sizes. The GPU's
 #: are a first design for Qwen3-30B-A3B's layer (w13: both slices' 16 ranks in four tiles;
-#: runs of up to two blocks of 16 pairs), not yet timed: with runs of four, ptxas 13.0 for
-#: sm_90 spills (255 registers, 24 bytes of spill stores), with two it does not (176; 254
-#: with the next chunk loaded ahead, :data:`MMA_SHRINK_AHEAD`).
+#: runs of up to two blocks of 16 pairs): with runs of four, ptxas 13.0 for sm_90 spills
+#: (255 registers, 24 bytes of spill stores), with two it does not (176; 254 with the next
+#: chunk loaded ahead, :data:`MMA_SHRINK_AHEAD`). On an H200 at 4d1a875 runs of one and of
+#: four came within 5 % of it where version 6 won (h200_moe_v6_variants.json).
 MMA_SHRINK_RUNS = (
     MmaShrink(threads=64, m_tiles=2, n_tiles=2)
     if SIMULATOR
@@ -250,9 +253,10 @@ MMA_SHRINK_RUNS = (
 
 
 #: Whether version 6's tensor-core shrink loads a warp's next chunk before it multiplies
-#: this one (``moe_shrink_mma``'s notes, "Ahead"). A first design, not yet timed: for
-#: sm_90 it takes the shipped w13 build from 176 registers to 254, no spills, and keeps
-#: two CUDA blocks an SM.
+#: this one (``moe_shrink_mma``'s notes, "Ahead"). For sm_90 it takes the shipped w13
+#: build from 176 registers to 254, no spills, and keeps two CUDA blocks an SM; on an H200
+#: at 4d1a875 the op took 165 µs with it and 202 without (w13, 2048 tokens on one adapter;
+#: h200_moe_v6_variants.json).
 MMA_SHRINK_AHEAD = True
 
 
@@ -377,9 +381,11 @@ def fused_moe_lora(
     (on an H200 each kernel so taken was the faster of the two where it was measured); 6,
     5's choice, with the tensor-core shrink taking every slice in one CUDA block and runs
     of blocks of one expert together, the expand taking a chunk of a block's pairs at once
-    as outer products (:mod:`..kernels.moe_expand_outer`), and all on compact grids (the
-    same bits as 5's shrinks and 3's expand; not yet timed on a GPU). The same sums in other
-    orders; :data:`DEFAULT_VERSION` (5) unless asked.
+    as outer products (:mod:`..kernels.moe_expand_outer`) where the pairs average at least
+    :data:`OUTER_EXPAND_FROM_PAIRS` (16) a block, else 3's; its own kernels on compact
+    grids, the split shrink on 5's unless :data:`COMPACT_SPLIT_SHRINK` (the same bits as
+    5's shrinks and 3's expand). The same sums in other orders; :data:`DEFAULT_VERSION` (5)
+    unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
