@@ -283,12 +283,13 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # pair a block and 4's expand on every case). Version 5 is the op's default (the wrapper's
 # call above ran it): on the H200 it takes 0.53-0.87x version 3's time where its blocks are
 # full enough for the tensor cores, and version 3's kernels elsewhere. Version 6 waits on
-# memory less: its expand takes a chunk of a block's pairs at once, asking for all their
-# old outputs together and forming the sums as outer products, rank by rank
-# (`kernels.moe_expand_outer`); its tensor-core shrink reads each row of x once for both
-# slices of w13 and each chunk of A once for a run of blocks of one expert; and every
-# kernel's grid holds only the blocks the call's pairs can fill. It stores the same bits
-# as version 5 (the sums in the same order), and is not yet timed on a GPU:
+# memory less where blocks are full: its expand takes a chunk of a block's pairs at once,
+# asking for all their old outputs together and forming the sums as outer products, rank
+# by rank (`kernels.moe_expand_outer`); its tensor-core shrink reads each row of x once for
+# both slices of w13 and each chunk of A once for a run of blocks of one expert; and their
+# grids hold only the blocks the call's pairs can fill. On the H200 its expand won from
+# about 16 pairs a block and lost below, so it runs only there (`OUTER_EXPAND_FROM_PAIRS`).
+# It stores the same bits as version 5 (the sums in the same order):
 
 # %%
 stored = {}
