@@ -200,7 +200,7 @@ OUTER_EXPAND_FROM_PAIRS = 16
 #: Whether version 6's split shrink runs on a compact grid (:func:`compact_units`), or on
 #: version 5's grid of every slot's bound, its idle CUDA blocks leaving at once. On the
 #: same H200 run the compact grid was slower on 12 of the 14 cases that took the split
-#: shrink (by 0.2-0.8 µs at 1 token, and at 16 on one adapter; by 30 µs at 256 tokens over
+#: shrink (by 0.2-0.8 µs at 1 token, and at 16 on one adapter; by 13-30 µs at 256 tokens over
 #: 16 adapters: its CUDA blocks, short-lived, each walk the slots twice), and faster only at
 #: 16 tokens over 16 adapters (13.3 against 21.2 µs, w13; 7.8 against 10.9, w2).
 COMPACT_SPLIT_SHRINK = False
