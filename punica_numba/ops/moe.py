@@ -464,9 +464,8 @@ def fused_moe_lora(
     out = y.view(num_pairs, columns)  # [P, W]
     if version >= 3:
         # The tensor-core shrink: version 4's, and 5's where its blocks are full enough.
-        mma = version == 4 or (
-            version >= 5 and pairs_per_block(num_pairs, L, E) >= MMA_SHRINK_FROM_PAIRS
-        )
+        average = pairs_per_block(num_pairs, L, E)  # (versions 5 and 6 choose by it)
+        mma = version == 4 or (version >= 5 and average >= MMA_SHRINK_FROM_PAIRS)
         tensor_cores = tensor_core_words(x, a, b) if mma else None
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
         if tensor_cores is not None:
@@ -478,7 +477,7 @@ def fused_moe_lora(
         )
         if version == 4 and tensor_cores is not None:
             _mma_expand(call, tensor_cores[2], x.dtype)
-        elif version == 6 and pairs_per_block(num_pairs, L, E) >= OUTER_EXPAND_FROM_PAIRS:
+        elif version == 6 and average >= OUTER_EXPAND_FROM_PAIRS:
             _outer_expand(call, b)
         else:
             _columns_expand(call, b)
