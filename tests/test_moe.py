@@ -856,8 +856,10 @@ def test_the_moe_benchmark_runs_the_version_it_is_given(tmp_path, capsys):
 
 
 def _recording_all_builds(monkeypatch) -> list:
-    """``(builder, arguments)`` of every kernel versions 3's and 4's builders are asked for."""
-    return _recording_builds(monkeypatch, VERSION_3_BUILDERS + VERSION_4_BUILDERS)
+    """``(builder, arguments)`` of every kernel versions 3's and 4's builders and version 6's
+    expand builder are asked for."""
+    outer = ((moe_ops.outer_expand, "build_moe_outer_expand_kernel"),)
+    return _recording_builds(monkeypatch, VERSION_3_BUILDERS + VERSION_4_BUILDERS + outer)
 
 
 def _one_block_call(dtype, *, rank, K, N, B, projection, offset, slices=None, pairs=None):
@@ -1082,18 +1084,7 @@ def test_version_6_takes_the_outer_expand_from_its_threshold(
     B = 4
     case, d, blocks = _one_block_call(torch.bfloat16, rank=8, K=32, N=8, B=B, projection="w2",
                                       offset=1, pairs=pairs)  # fmt: skip
-    y, before = d["y"], d["y"].clone()
-    built = _recording_builds(
-        monkeypatch,
-        VERSION_3_BUILDERS
-        + VERSION_4_BUILDERS
-        + ((moe_ops.outer_expand, "build_moe_outer_expand_kernel"),),
-    )
-    fused_moe_lora(
-        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
-        block_size=B, mul_routed_weight=case.mul, offset=case.offset, version=6,
-    )  # fmt: skip
-    check_against_reference(case, y, d, before)
+    built = _run_version(6, case, d, blocks, B, monkeypatch)
     assert [name for name, _ in built] == [shrink, expand]
     if "split" in shrink:  # (dtype, threads, tile_n, tile_p, unroll, packed, compact, ...)
         assert built[0][1][6] is compact
