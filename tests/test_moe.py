@@ -1261,6 +1261,28 @@ def test_version_6s_tensor_core_shrink_gives_version_5s_bits(
     assert bool((six[:, ~listed] == 7.0).all()), "a pair in no block was written"
 
 
+@pytest.mark.parametrize(
+    "joint, compact", [(True, True), (False, True), (True, False), (False, False)]
+)
+def test_version_6s_tensor_core_shrink_of_single_blocks_takes_either_grid(
+    joint, compact, monkeypatch
+):
+    """Where version 6's tensor-core shrink takes units of one block (w13, 5.5 pairs a
+    block): both slices in one CUDA block or each in its own (MMA_SHRINK_JOINT), on a
+    compact grid or on version 5's (COMPACT_SINGLE_BLOCK_MMA_SHRINK); every way the same
+    bits as version 5's, each the float64 product, and no row of no block written."""
+    monkeypatch.setattr(moe_ops, "MMA_SHRINK_JOINT", joint)
+    monkeypatch.setattr(moe_ops, "COMPACT_SINGLE_BLOCK_MMA_SHRINK", compact)
+    five, six, built, want, listed, _ = _shrink_buffers(torch.bfloat16, rank=12, K=168, B=8,
+                                                        pairs=9, projection="w13",
+                                                        monkeypatch=monkeypatch)  # fmt: skip
+    ((_, args),) = built
+    assert (args[5], args[6], args[7]) == (1, joint, compact)  # blocks a unit, joint, compact
+    assert torch.equal(six.view(torch.int32), five.view(torch.int32)), "different bits"
+    torch.testing.assert_close(six[:, listed].double(), want[:, listed], rtol=1e-5, atol=1e-5)
+    assert bool((six[:, ~listed] == 7.0).all()), "a pair in no block was written"
+
+
 def test_version_6s_tensor_core_shrink_shape():
     """``mma_shrink_runs``: both slices side by side where there are two; runs of blocks (a
     power of two) only where the call's pairs average enough a (slot, expert) to fill them,

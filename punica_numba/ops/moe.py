@@ -259,6 +259,20 @@ MMA_SHRINK_RUNS = (
 #: h200_moe_v6_variants.json).
 MMA_SHRINK_AHEAD = True
 
+#: Whether version 6's tensor-core shrink takes every slice's ranks in one CUDA block
+#: where there are two (w13: each pair's row of x read once, not once a slice), or each
+#: slice in blocks of its own, as version 5's does. The first design; to be weighed where
+#: version 6's shrink lost to version 5's (w13, 2048 tokens over 16 adapters: 144 against
+#: 121 µs at 3fad2cc, h200_moe_v6_kernels.json).
+MMA_SHRINK_JOINT = True
+
+#: Whether version 6's tensor-core shrink runs on a compact grid where each of its units is
+#: one block (runs of several blocks always take one), or on version 5's grid of every
+#: slot's bound, its idle CUDA blocks leaving at once. The compact grid's CUDA blocks walk
+#: the slots to find their units, a cost that grows with the slots (as the split shrink's
+#: did: ``COMPACT_SPLIT_SHRINK``). The first design; weighed as ``MMA_SHRINK_JOINT``.
+COMPACT_SINGLE_BLOCK_MMA_SHRINK = True
+
 
 def mma_shrink_runs(
     num_pairs: int,
@@ -276,7 +290,7 @@ def mma_shrink_runs(
     ``blocks`` neighbouring blocks a unit of its compact grid (a power of two), taken in
     passes of up to ``config.m_tiles`` tiles of 16 pairs, so that a chunk of A is read once
     for a run of blocks of one expert, not once a block."""
-    joint = slices > 1
+    joint = slices > 1 and MMA_SHRINK_JOINT
     n_tiles = min(config.n_tiles, -(-(slices * rank if joint else rank) // 8))
     average = pairs_per_block(num_pairs, slots, experts)
     blocks = 1
@@ -649,8 +663,9 @@ def _mma_shrink(
         m_tiles, n_tiles, group, joint = mma_shrink_runs(
             num_pairs, slots, experts, block_size, len(a), rank, config
         )
+        compact = group > 1 or COMPACT_SINGLE_BLOCK_MMA_SHRINK
     else:
-        config, group, joint = MMA_SHRINK, 1, False
+        config, group, joint, compact = MMA_SHRINK, 1, False, False
         n_tiles = min(config.n_tiles, -(-rank // 8))
         m_tiles = min(config.m_tiles, -(-block_size // 16))  # of the 16-pair tiles a block needs
     # 16-byte loads where every row is whole 16-byte pairs of words at multiples of 16
@@ -659,12 +674,12 @@ def _mma_shrink(
     six = (slots_at_once(slots), MMA_SHRINK_AHEAD) if runs else ()
     shrink = launcher_of(
         mma_shrink.build_moe_mma_shrink_kernel(
-            dtype, config.threads, m_tiles, n_tiles, wide, group, joint, runs, *six
+            dtype, config.threads, m_tiles, n_tiles, wide, group, joint, compact, *six
         )
     )
     ranks = len(a) * rank if joint else rank  # the ranks one row of rank groups covers
     rank_groups = -(-ranks // (8 * n_tiles)) * (1 if joint else len(a))
-    if runs:  # a compact grid of units of `group` blocks
+    if compact:  # a compact grid of units of `group` blocks
         grid = (compact_units(num_pairs, metadata, a[0].shape[1], block_size, group), 1)
     else:
         grid = (blocks, slots)

@@ -33,6 +33,10 @@ sm_90, static, registers at r=16):
   expand below that many pairs a block on average, and ``columns_expand``, version 3's
   always; and the split shrink on version 5's grid, not a compact one
   (``ops.moe.COMPACT_SPLIT_SHRINK``): ``split_full_grid``;
+* version 6's tensor-core shrink where its units are single blocks (fewer than 32 pairs a
+  block): ``mma_apart``, each slice of w13 in CUDA blocks of its own (``ops.moe.MMA_SHRINK_JOINT``),
+  and ``mma_full_grid``, version 5's grid, not a compact one
+  (``ops.moe.COMPACT_SINGLE_BLOCK_MMA_SHRINK``);
 * the choice between the shrinks (``ops.moe.MMA_SHRINK_FROM_PAIRS``, shipped 4 pairs a
   (slot, expert) block on average, a point between version 4's measured 1 and 8):
   ``from_pairs_1``, the tensor cores wherever the operands allow, and ``from_pairs_16``.
@@ -82,6 +86,8 @@ VARIANTS = {  # name: (kernel, its shape's fields)
     "outer_from_pairs_16": ("outer_from", 16),
     "columns_expand": ("outer_from", 1 << 30),
     "split_full_grid": ("compact_split", False),
+    "mma_apart": ("joint", False),
+    "mma_full_grid": ("compact_single", False),
 }
 
 #: The cases run unless others are named: (projection, tokens, adapters), w13 and w2 at 16,
@@ -109,6 +115,11 @@ def build(kernel, *config):
             torch.bfloat16, *moe_ops.SPLIT_SHRINK, True, config[0], *walk
         )
     ahead = moe_ops.MMA_SHRINK_AHEAD
+    if kernel in ("joint", "compact_single"):  # 256 tokens: units of one block, w13's slices
+        joint, compact = kernel != "joint", kernel != "compact_single"
+        return moe_ops.mma_shrink.build_moe_mma_shrink_kernel(
+            torch.bfloat16, 128, 1, 4 if joint else 2, True, 1, joint, compact, 1, ahead
+        )
     if kernel == "ahead":  # the shipped shrink, its next chunk loaded ahead or not
         kernel, config, ahead = "shrink", moe_ops.MMA_SHRINK_RUNS, config[0]
     if kernel == "split":
@@ -167,10 +178,11 @@ def main(argv=None) -> None:
     names = {"expand": "OUTER_EXPAND", "shrink": "MMA_SHRINK_RUNS", "split": "SPLIT_SHRINK"}
     names.update(threshold="MMA_SHRINK_FROM_PAIRS", ahead="MMA_SHRINK_AHEAD")
     names.update(outer_from="OUTER_EXPAND_FROM_PAIRS", compact_split="COMPACT_SPLIT_SHRINK")
+    names.update(joint="MMA_SHRINK_JOINT", compact_single="COMPACT_SINGLE_BLOCK_MMA_SHRINK")
     shipped = {kernel: getattr(moe_ops, name) for kernel, name in names.items()}
     shapes = {"expand": moe_ops.OuterExpand, "shrink": moe_ops.MmaShrink}
     shapes.update(split=moe_ops.SplitShrink, threshold=int, ahead=bool)
-    shapes.update(outer_from=int, compact_split=bool)
+    shapes.update(outer_from=int, compact_split=bool, joint=bool, compact_single=bool)
     runs = [("version_5", 5, None), ("version_6", 6, None)]
     runs += [(name, 6, VARIANTS[name]) for name in chosen]
     start, rows = time.time(), []
