@@ -1433,6 +1433,7 @@ def test_version_6s_shrinks_take_every_block_on_a_grid_of_any_size(kernel, units
     every row of a block, and nothing else."""
     B = 4
     monkeypatch.setattr(moe_ops, "compact_units", lambda *args: units)
+    monkeypatch.setattr(moe_ops, "COMPACT_SINGLE_BLOCK_MMA_SHRINK", True)  # units of 1 block
     five, six, _, _, _, blocks = _shrink_buffers(torch.bfloat16, rank=12, K=32, B=B, pairs=9,
                                                  projection="w13", monkeypatch=monkeypatch,
                                                  kernel=kernel)  # fmt: skip

@@ -261,17 +261,22 @@ MMA_SHRINK_AHEAD = True
 
 #: Whether version 6's tensor-core shrink takes every slice's ranks in one CUDA block
 #: where there are two (w13: each pair's row of x read once, not once a slice), or each
-#: slice in blocks of its own, as version 5's does. The first design; to be weighed where
-#: version 6's shrink lost to version 5's (w13, 2048 tokens over 16 adapters: 144 against
-#: 121 µs at 3fad2cc, h200_moe_v6_kernels.json).
+#: slice in blocks of its own, as version 5's does. On an H200 at dbb188e
+#: (``probes/moe_version_6.py --kernels``, docs/benchmarks/h200_moe_v6_shrink_grid.json; 9
+#: cases of 4 to 128 pairs a block) apart it took within 0.6 µs of together on the w13
+#: cases but one (2048 tokens on 4 adapters: 70.5 against 74.0 µs); kept together.
 MMA_SHRINK_JOINT = True
 
 #: Whether version 6's tensor-core shrink runs on a compact grid where each of its units is
 #: one block (runs of several blocks always take one), or on version 5's grid of every
 #: slot's bound, its idle CUDA blocks leaving at once. The compact grid's CUDA blocks walk
 #: the slots to find their units, a cost that grows with the slots (as the split shrink's
-#: did: ``COMPACT_SPLIT_SHRINK``). The first design; weighed as ``MMA_SHRINK_JOINT``.
-COMPACT_SINGLE_BLOCK_MMA_SHRINK = True
+#: did: ``COMPACT_SPLIT_SHRINK``). On the same H200 run, where units are single blocks,
+#: version 5's grid took 131.9 µs against 143.5 (w13) and 34.9 against 47.9 (w2) at 2048
+#: tokens over 16 adapters (8 pairs a block), 14.3 against 14.9 and 16.2 against 16.7 on
+#: w13's one adapter (64 and 256 tokens), 32.4 against 34.9 at 256 over 4, and 0.01-0.3 µs
+#: more on w2's other two such cases.
+COMPACT_SINGLE_BLOCK_MMA_SHRINK = False
 
 
 def mma_shrink_runs(
@@ -653,7 +658,8 @@ def _mma_shrink(
     """Version 4's shrink (and 5's, where the blocks are full): x and A of ``dtype`` as
     int64 words (:func:`tensor_core_words`), K being ``hidden`` elements. With ``runs``
     (version 6) the shape of :func:`mma_shrink_runs` (every slice in one CUDA block, and
-    runs of blocks where the call's pairs fill them) on a compact grid."""
+    runs of blocks where the call's pairs fill them); runs on a compact grid, single blocks
+    on version 5's grid unless :data:`COMPACT_SINGLE_BLOCK_MMA_SHRINK`."""
     buffer, metadata, top_k, block_size, by_pair = call
     rank, num_pairs = buffer.shape[2], buffer.shape[1]
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
