@@ -45,8 +45,10 @@ since it moves the choice most). Ties go to the smaller problem: the least
 Where nothing of the call's own dtype is near, a 16-bit call takes the nearest entry of
 the other 16-bit dtype (:data:`SIBLING_DTYPES`): bf16 and fp16 run the same kernels, move
 the same bytes and make as many products, so the other's pick is a better guess than the
-heuristic (the H200's table is bf16 only: there the fp16 expand of 256 tokens, each on its
-own LoRA, at r=16 took 23.13 µs by the heuristic and 15.43 by the bf16 entry's pick).
+heuristic (the H200's table, bf16 only at ad02648: there the fp16 expand of 256 tokens, each
+on its own LoRA, at r=16 took 23.13 µs by the heuristic and 15.43 by the bf16 entry's pick;
+its fp16 entries since 684ac42 cover the quick grid's r=16 and r=64 one-slice problems and
+r=16's QKV).
 """
 
 from __future__ import annotations
