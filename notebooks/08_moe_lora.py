@@ -280,15 +280,18 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # or fp16 with K and the rank multiples of 4 (other calls run version 3's kernels). Version
 # 5 takes 4's shrink where a call's pairs average 4 or more a (slot, expert) block, else
 # 3's, and 3's expand always (timed kernel by kernel on an H200, 4's shrink lost with one
-# pair a block and 4's expand on every case). Version 5 is the op's default (the wrapper's
-# call above ran it): on the H200 it takes 0.53-0.87x version 3's time where its blocks are
-# full enough for the tensor cores, and version 3's kernels elsewhere. Version 6 waits on
+# pair a block and 4's expand on every case). On the H200 version 5 takes 0.53-0.87x
+# version 3's time where its blocks are full enough for the tensor cores, and version 3's
+# kernels elsewhere. Version 6, the op's default (the wrapper's call above ran it), waits on
 # memory less where blocks are full: its expand takes a chunk of a block's pairs at once,
 # asking for all their old outputs together and forming the sums as outer products, rank
 # by rank (`kernels.moe_expand_outer`); its tensor-core shrink reads each row of x once for
-# both slices of w13 and each chunk of A once for a run of blocks of one expert; and their
-# grids hold only the blocks the call's pairs can fill. On the H200 its expand won from
-# about 16 pairs a block and lost below, so it runs only there (`OUTER_EXPAND_FROM_PAIRS`).
+# both slices of w13, loads a warp's next chunk of K before it multiplies this one, and
+# reads each chunk of A once for a run of blocks of one expert; and the runs and the expand
+# go on grids that hold only the blocks the call's pairs can fill. On the H200 its expand
+# won from about 16 pairs a block and lost below, so it runs only there
+# (`OUTER_EXPAND_FROM_PAIRS`); as a whole version 6 took 0.76-0.96x version 5's time on 9
+# of the benchmark's 30 cases and within 3 % of it on the others.
 # It stores the same bits as version 5 (the sums in the same order):
 
 # %%
@@ -305,14 +308,16 @@ assert torch.equal(stored[5], stored[6])
 print("versions 5 and 6 store the same bf16 bits")
 
 # %% [markdown]
-# Version 6's grids are *compact*. The grids above launch a row's bound of blocks for
-# every slot (`aligned_sizes`), and a CUDA block past its row's blocks in use leaves at
-# once; at Qwen3-30B-A3B's layer, 2048 tokens over 16 adapters, that is 18,304 CUDA blocks
-# of which at most 2,944 find pairs (`kernels.moe_blocks.units_in_use` counts the most a
-# call's pairs can fill). A compact grid launches that many and no more, and CUDA block x
-# takes the blocks in use numbered x, x + G, x + 2G, ... (G the grid's size), counting them
-# slot by slot from the rows' totals. Emulated here on a grid of two, fewer than the blocks
-# in use, so that each CUDA block takes several:
+# Version 6's runs of blocks and its expand take *compact* grids. The grids above launch a
+# row's bound of blocks for every slot (`aligned_sizes`), and a CUDA block past its row's
+# blocks in use leaves at once; at Qwen3-30B-A3B's layer, 2048 tokens over 16 adapters,
+# that is 18,304 CUDA blocks of which at most 2,944 find pairs
+# (`kernels.moe_blocks.units_in_use` counts the most a call's pairs can fill). A compact
+# grid launches that many and no more, and CUDA block x takes the blocks in use numbered x,
+# x + G, x + 2G, ... (G the grid's size), counting them slot by slot from the rows' totals.
+# That walk over the slots has a cost of its own: on the H200 it made the shrinks of single
+# blocks slower than the idle CUDA blocks did, so those keep version 5's grid. Emulated here
+# on a grid of two, fewer than the blocks in use, so that each CUDA block takes several:
 
 # %%
 from punica_numba.kernels.moe_blocks import units_in_use

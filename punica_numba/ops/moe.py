@@ -20,9 +20,10 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    runs of blocks of one expert together (:data:`MMA_SHRINK_RUNS`, :func:`mma_shrink_runs`),
    and, where the pairs fill the blocks (:data:`OUTER_EXPAND_FROM_PAIRS`), the expand
    that takes a chunk of a block's pairs at once as outer products
-   (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`), else 3's; each new kernel on
-   a compact grid (:func:`compact_units`; the split shrink too where
-   :data:`COMPACT_SPLIT_SHRINK`).
+   (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`), else 3's; the expand and
+   the shrink's runs of blocks on a compact grid (:func:`compact_units`; the shrink's
+   single blocks too where :data:`COMPACT_SINGLE_BLOCK_MMA_SHRINK`, the split shrink where
+   :data:`COMPACT_SPLIT_SHRINK`). The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -64,14 +65,17 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
 VERSIONS = (1, 2, 3, 4, 5, 6)
-#: The version a call takes unless it asks for another: 5. On the 30 cases of ``bench
-#: --moe`` on an H200 (docs/benchmarks/h200_moe_v5.json at 1ec6e02, h200_moe_v3.json at
-#: 282eaa9) it took 0.53-0.87x version 3's time where it takes the tensor-core shrink (10
-#: cases: 256 and 2048 tokens on 1-4 adapters, 2048 on 16) and 0.96-1.08x on the other 20,
-#: where it runs version 3's kernels; version 3 took 0.06-0.23x version 1's
-#: (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
+#: The version a call takes unless it asks for another: 6. On the 30 cases of ``bench --moe``
+#: on an H200 (docs/benchmarks/h200_moe_v6_480005d.json, version 6 asked for by name at
+#: 480005d, against h200_moe_v5.json at 1ec6e02) it took 0.76-0.96x version 5's time on 9
+#: (one adapter from 64 tokens, four at 2048, w2 at 256 over four) and within 3 % of it on
+#: the other 21, where it launches the same kernels as version 5 or its tensor-core shrink
+#: on version 5's grid.
+#: Version 5 took 0.53-0.87x version 3's time where it takes the tensor-core shrink and
+#: 0.96-1.08x elsewhere (h200_moe_v3.json at 282eaa9); version 3 took 0.06-0.23x version
+#: 1's (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
 #: measured kernel by kernel; version 2 is not timed on a GPU.
-DEFAULT_VERSION = 5
+DEFAULT_VERSION = 6
 
 #: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
 #: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
@@ -401,9 +405,10 @@ def fused_moe_lora(
     5's choice, with the tensor-core shrink taking every slice in one CUDA block and runs
     of blocks of one expert together, the expand taking a chunk of a block's pairs at once
     as outer products (:mod:`..kernels.moe_expand_outer`) where the pairs average at least
-    :data:`OUTER_EXPAND_FROM_PAIRS` (16) a block, else 3's; its own kernels on compact
-    grids, the split shrink on 5's unless :data:`COMPACT_SPLIT_SHRINK` (the same bits as
-    5's shrinks and 3's expand). The same sums in other orders; :data:`DEFAULT_VERSION` (5)
+    :data:`OUTER_EXPAND_FROM_PAIRS` (16) a block, else 3's; that expand and the shrink's
+    runs of blocks on compact grids, its single blocks and the split shrink on 5's unless
+    :data:`COMPACT_SINGLE_BLOCK_MMA_SHRINK`, :data:`COMPACT_SPLIT_SHRINK` (the same bits as
+    5's shrinks and 3's expand). The same sums in other orders; :data:`DEFAULT_VERSION` (6)
     unless asked.
 
     Raises:
