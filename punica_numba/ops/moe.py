@@ -267,8 +267,9 @@ MMA_SHRINK_AHEAD = True
 #: where there are two (w13: each pair's row of x read once, not once a slice), or each
 #: slice in blocks of its own, as version 5's does. On an H200 at dbb188e
 #: (``probes/moe_version_6.py --kernels``, docs/benchmarks/h200_moe_v6_shrink_grid.json; 9
-#: cases of 4 to 128 pairs a block) apart it took within 0.6 µs of together on the w13
-#: cases but one (2048 tokens on 4 adapters: 70.5 against 74.0 µs); kept together.
+#: cases of 4 to 128 pairs a block) apart took 70.5 µs against 74.0 at 2048 tokens on 4
+#: adapters, and within 0.8 µs of together on the other four w13 cases (less on two). Kept
+#: together until the op is timed as a whole both ways.
 MMA_SHRINK_JOINT = True
 
 #: Whether version 6's tensor-core shrink runs on a compact grid where each of its units is
