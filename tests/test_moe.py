@@ -1223,6 +1223,14 @@ def _shrink_buffers(dtype, *, rank, K, B, pairs, projection, monkeypatch, kernel
     return buffers[0], buffers[1], built, want, listed, blocks
 
 
+def _assert_version_5s_bits(five, six, want, listed) -> None:
+    """Version 6's shrink buffer (``_shrink_buffers``) holds version 5's bits, each the float64
+    product, and the sentinel in every row of no block."""
+    assert torch.equal(six.view(torch.int32), five.view(torch.int32)), "different bits"
+    torch.testing.assert_close(six[:, listed].double(), want[:, listed], rtol=1e-5, atol=1e-5)
+    assert bool((six[:, ~listed] == 7.0).all()), "a pair in no block was written"
+
+
 @pytest.mark.parametrize(
     "projection, dtype, rank, K, B, pairs",
     [
@@ -1256,9 +1264,7 @@ def test_version_6s_tensor_core_shrink_gives_version_5s_bits(
     assert m_tiles == min(moe_ops.MMA_SHRINK_RUNS.m_tiles, -(-blocks * B // 16))
     ranks = 2 * rank if joint else rank
     assert n_tiles == min(moe_ops.MMA_SHRINK_RUNS.n_tiles, -(-ranks // 8))
-    assert torch.equal(six.view(torch.int32), five.view(torch.int32)), "different bits"
-    torch.testing.assert_close(six[:, listed].double(), want[:, listed], rtol=1e-5, atol=1e-5)
-    assert bool((six[:, ~listed] == 7.0).all()), "a pair in no block was written"
+    _assert_version_5s_bits(five, six, want, listed)
 
 
 @pytest.mark.parametrize(
@@ -1278,9 +1284,7 @@ def test_version_6s_tensor_core_shrink_of_single_blocks_takes_either_grid(
                                                         monkeypatch=monkeypatch)  # fmt: skip
     ((_, args),) = built
     assert (args[5], args[6], args[7]) == (1, joint, compact)  # blocks a unit, joint, compact
-    assert torch.equal(six.view(torch.int32), five.view(torch.int32)), "different bits"
-    torch.testing.assert_close(six[:, listed].double(), want[:, listed], rtol=1e-5, atol=1e-5)
-    assert bool((six[:, ~listed] == 7.0).all()), "a pair in no block was written"
+    _assert_version_5s_bits(five, six, want, listed)
 
 
 def test_version_6s_tensor_core_shrink_shape():
