@@ -115,11 +115,15 @@ def build(kernel, *config):
             torch.bfloat16, *moe_ops.SPLIT_SHRINK, True, config[0], *walk
         )
     ahead = moe_ops.MMA_SHRINK_AHEAD
-    if kernel in ("joint", "compact_single"):  # 256 tokens: units of one block, w13's slices
-        joint, compact = kernel != "joint", kernel != "compact_single"
+    if kernel in ("joint", "compact_single"):  # 256 tokens: units of one block
+        slices = 1 if kernel == "joint" else 2  # apart: a block holds one slice's ranks
+        config = moe_ops.MMA_SHRINK_RUNS
+        shape = moe_ops.mma_shrink_runs(256 * 8, 1, 128, 16, slices, 16, config)
+        m_tiles, n_tiles, blocks, joint = shape
         return moe_ops.mma_shrink.build_moe_mma_shrink_kernel(
-            torch.bfloat16, 128, 1, 4 if joint else 2, True, 1, joint, compact, 1, ahead
-        )
+            torch.bfloat16, config.threads, m_tiles, n_tiles, True, blocks, joint,
+            kernel != "compact_single", 1, ahead,
+        )  # fmt: skip
     if kernel == "ahead":  # the shipped shrink, its next chunk loaded ahead or not
         kernel, config, ahead = "shrink", moe_ops.MMA_SHRINK_RUNS, config[0]
     if kernel == "split":
