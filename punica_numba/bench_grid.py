@@ -19,7 +19,9 @@ call, checked against the float64 reference before it is timed):
 Each time comes with its floor (the fewest bytes the op must move: x once, each active
 LoRA's weights once, the output once, read and written where expand adds; the pair's is
 the sum of its two ops', its buffer written once and read once) and the fraction of the
-copy bandwidth, measured in the same process, that this reaches.
+copy bandwidth, measured in the same process, that this reaches. After its table the grid
+counts the runs that meet each of its targets (:mod:`punica_numba.bench_grid_targets`; with
+``--against PATH``, another grid's times too).
 
 **The axes.**
 
@@ -73,6 +75,11 @@ once, and its ``design`` lists the designs it is in:
   or the most weights per rank (Qwen3-4B's mlp_out, BLOOM's qkv), one LoRA at 1 token and
   256 LoRAs at 8192 tokens.
 
+**Twins.** ``--twins`` adds each case's twin in the other dtype (design ``twin``), so that
+every shape is timed in bf16 and in fp16 and the two can be set side by side: the grid then
+has 140 cases (the 71, of which 2 already have their twin, and 69 twins), estimated in 3
+parts.
+
 Two combinations do not exist and are left out: 1 token on 8 or 256 LoRAs (a token has
 one LoRA), and 8 tokens on ``distinct256`` (the same case as ``eight``). A case whose
 estimated peak GPU memory passes :data:`MEMORY_LIMIT` is never chosen (:func:`peak_bytes`).
@@ -104,7 +111,7 @@ case so that a part stopped by its time limit keeps what it measured::
 
     {"commit": ..., "gpu": ..., "copy_bandwidth_tbps": ...,
      "grid": {"format": "punica_numba.bench_grid/1", "part": "1/3",
-              "cases_in_grid": 71, "axes": {...}, "models": [...],
+              "cases_in_grid": 71, "twins": false, "axes": {...}, "models": [...],
               "parts": [{"part": "1/3", "copy_bandwidth_tbps": ..., "cases": ...,
                          "estimate_s": ..., "wall_s": ...}],
               "cases": [{"id": "Llama-3-8B qkv_proj r16 T128 eight bf16",
@@ -141,6 +148,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import bench, reference
+from . import bench_grid_targets as targets
 from ._cuda import SIMULATOR, device_of
 from .mapping import LoRAMapping
 from .wrapper import PunicaWrapperNumba
@@ -157,6 +165,7 @@ __all__ = [
     "peak_bytes",
     "run_grid_case",
     "split",
+    "twin",
 ]
 
 FORMAT = "punica_numba.bench_grid/1"
@@ -486,17 +495,30 @@ def _run_order(case: GridCase) -> tuple:
     )
 
 
-def grid_cases(quick: bool = False) -> list[GridCase]:
+def grid_cases(quick: bool = False, twins: bool = False) -> list[GridCase]:
     """The grid (the module's **The design**), each case once, in run order; ``quick``: three
-    tiny cases of :data:`QUICK_MODEL` for the simulator (every layer kind, both dtypes)."""
+    tiny cases of :data:`QUICK_MODEL` for the simulator (every layer kind, both dtypes);
+    ``twins``: with each case's twin in the other dtype (:func:`twin`)."""
     if quick:
         qkv, mlp_in, mlp_out = QUICK_MODEL
-        return [
+        cases = [
             GridCase(qkv, 4, 1, "identical", "bf16", ("quick",)),
             GridCase(mlp_in, 4, 5, "distinct256", "fp16", ("quick",)),
             GridCase(mlp_out, 4, 9, "eight", "bf16", ("quick",)),
         ]
-    return list(_the_grid())
+    else:
+        cases = list(_the_grid())
+    if twins:
+        found = set(cases)  # GridCase compares without its design
+        cases += [t for t in dict.fromkeys(twin(c) for c in cases) if t not in found]
+        cases.sort(key=_run_order)
+    return cases
+
+
+def twin(case: GridCase) -> GridCase:
+    """The same layer, rank, tokens and LoRA mix in the grid's other dtype."""
+    (other,) = (d for d in GRID_DTYPES if d != case.dtype)
+    return GridCase(case.layer, case.rank, case.T, case.lora_mode, other, ("twin",))
 
 
 @functools.cache
@@ -839,6 +861,11 @@ def merge(results: Sequence[dict]) -> dict:
                 raise ValueError(f"parts of different {key}s: {first[key]!r}, {other[key]!r}")
         if other["grid"]["format"] != first["grid"]["format"]:
             raise ValueError(f"parts of different formats: {other['grid']['format']!r}")
+        if other["grid"]["cases_in_grid"] != first["grid"]["cases_in_grid"]:
+            raise ValueError(
+                f"parts of different grids: of {first['grid']['cases_in_grid']} and "
+                f"{other['grid']['cases_in_grid']} cases"
+            )
     cases, parts = {}, []
     for result in results:
         parts += result["grid"]["parts"]
@@ -856,6 +883,19 @@ def merge(results: Sequence[dict]) -> dict:
     }
 
 
+def _against(parser: argparse.ArgumentParser, path: str | None) -> tuple:
+    """``--against``'s records and its name (its commit), as :func:`.grid_targets` takes
+    them; nothing without it."""
+    if path is None:
+        return ()
+    try:
+        with open(path) as f:
+            other = json.load(f)
+        return other["grid"]["cases"], str(other["commit"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser.error(f"--against {path}: not a grid's JSON ({type(error).__name__}: {error})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m punica_numba bench --grid",
@@ -869,6 +909,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="three tiny cases (the simulator's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--twins", action="store_true", help="every case in both dtypes (its twin added)"
+    )
+    parser.add_argument(
         "--list", action="store_true", help="print the cases, estimates and parts; run nothing"
     )
     parser.add_argument(
@@ -877,7 +920,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge", nargs="+", metavar="PART", help="join part JSONs into --json and --plot"
     )
+    parser.add_argument(
+        "--against",
+        metavar="PATH",
+        help="another grid's JSON (an earlier version's, say): its times join the targets",
+    )
     args = parser.parse_args(argv)
+    against = _against(parser, args.against)
 
     if args.merge:
         results = []
@@ -888,6 +937,7 @@ def main(argv: list[str] | None = None) -> int:
         grid = result["grid"]
         print(grid_table(grid["cases"]))
         print(f"{len(grid['cases'])} of the grid's {grid['cases_in_grid']} cases")
+        print(targets.report(targets.grid_targets(grid["cases"], *against)))
         if args.json:
             _write_json(result, args.json)
         if args.plot:
@@ -896,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The simulator runs only the tiny grid; the plan of the whole one may be listed anywhere.
     quick = args.quick or (SIMULATOR and not args.list)
-    everything = grid_cases(quick=quick)
+    everything = grid_cases(quick=quick, twins=args.twins)
     i, n = args.part or (1, 1)
     cases = split(everything, n)[i - 1]
     part = f"{i}/{n}" if args.part else None
@@ -941,6 +991,7 @@ def main(argv: list[str] | None = None) -> int:
             "format": FORMAT,
             "part": part,
             "cases_in_grid": len(everything),
+            "twins": args.twins,
             "axes": _axes_json(everything),
             "models": _models_json([QUICK_MODEL] if quick else MODELS.values()),
             "parts": list(earlier_parts),  # (a resumed part's earlier runs first)
@@ -962,6 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             _write_json(result, args.json)
     print(grid_table(records))
+    print(targets.report(targets.grid_targets(records, *against)))
     if SIMULATOR:
         print("(simulator: times are host wall-clock and say nothing about GPU speed)")
     if args.plot:

@@ -68,6 +68,25 @@ def test_the_docstring_states_the_grid_size_and_its_parts(cases):
     assert f"{grid.parts_needed(cases)} parts of about" in doc
 
 
+def test_twins_time_every_shape_in_both_dtypes(cases):
+    twinned = grid.grid_cases(twins=True)
+    shapes = {}
+    for c in twinned:
+        point = axes_of(c)
+        shapes.setdefault(tuple(v for k, v in point.items() if k != "dtype"), set()).add(c.dtype)
+    assert all(dtypes == {"bf16", "fp16"} for dtypes in shapes.values())
+    assert len(twinned) == 2 * len(shapes) == len({c.id for c in twinned})
+    assert set(cases) <= set(twinned)  # the grid's own cases, with their designs
+    added = [c for c in twinned if c not in set(cases)]
+    assert all(c.design == ("twin",) for c in added)
+    assert twinned == sorted(twinned, key=grid._run_order)
+    doc = " ".join(grid.__doc__.split())
+    already = len(cases) - len(added)
+    assert f"has {len(twinned)} cases (the {len(cases)}, of which {already} already" in doc
+    assert f"and {len(added)} twins), estimated in {grid.parts_needed(twinned)} parts" in doc
+    assert len(grid.grid_cases(quick=True, twins=True)) == 6
+
+
 def test_every_value_of_every_axis_is_in_the_grid(cases):
     for name, wanted in WANTED.items():
         assert {axes_of(c)[name] for c in cases} == wanted, name
@@ -265,6 +284,10 @@ def test_a_part_lists_its_share_of_the_grid(cases, capsys):
     out = capsys.readouterr().out
     listed = re.findall(r"^ *\d+ +[\d.]+ s  (.+)  \[", out, flags=re.MULTILINE)
     assert listed == [c.id for c in grid.split(cases, 3)[1]]
+    assert bench.main(["--grid", "--list", "--twins", "--part", "3/3"]) == 0
+    out = capsys.readouterr().out
+    listed = re.findall(r"^ *\d+ +[\d.]+ s  (.+)  \[", out, flags=re.MULTILINE)
+    assert listed == [c.id for c in grid.split(grid.grid_cases(twins=True), 3)[2]]
 
 
 def fake_record(case: grid.GridCase, us: float) -> dict:
@@ -308,6 +331,10 @@ def test_merge_joins_parts_and_refuses_a_case_twice(cases, tmp_path):
         grid.merge([one, one])
     with pytest.raises(ValueError, match="commit"):
         grid.merge([one, fake_result(two["grid"]["cases"], commit="def")])
+    bigger = fake_result(two["grid"]["cases"], part="2/2")
+    bigger["grid"]["cases_in_grid"] = 12  # a part of the grid with its twins
+    with pytest.raises(ValueError, match="different grids"):
+        grid.merge([one, bigger])
 
 
 def test_resume_keeps_the_records_it_is_given(tmp_path):
@@ -353,5 +380,6 @@ def test_the_quick_grid_runs_and_writes_json_and_plot(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "gate_up_proj" in printed
+    assert re.search(r"the pair faster than torch's gather \+ bmm +- +- +\d+/3", printed)
     if simulator:
         assert "say nothing about GPU speed" in printed
