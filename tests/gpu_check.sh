@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a change to the kernels or the wrapper must pass on a GPU, in one command:
 #
-#   tests/gpu_check.sh [STEP ...]     # steps: bench ab moe peers tune grid suite sanitize demo
+#   tests/gpu_check.sh [STEP ...]     # steps: bench ab moe peers tune grid grid_tree suite
+#                                     #        sanitize demo
 #                                     # (default: bench demo suite sanitize)
 #
 # * bench     python -m punica_numba bench, alone on the GPU (its times are the point)
@@ -18,7 +19,11 @@
 #             bf16 --part 1/2" for half of Llama-3-8B's layers
 # * grid      python -m punica_numba bench --grid, the parts in $GRID_PARTS (default "1/3 2/3
 #             3/3", about 4 minutes each: split them over calls of a 10-minute limit), one
-#             JSON a part, to join with `bench --grid --merge`
+#             JSON a part, to join with `bench --grid --merge`; $GRID_ARGS are added (e.g.
+#             "--twins": every case in both dtypes, 3 parts of about 5 minutes)
+# * grid_tree the same parts with the kernels of the package in $GRID_TREE (an older
+#             commit's tree, $GRID_TREE_COMMIT: tests/grid_at_tree.py), one JSON a part, for
+#             `bench --grid --merge ... --against`
 # * demo      python -m punica_numba demo with --json and --plot, alone on the GPU
 # * suite     the whole pytest suite under HYPOTHESIS_PROFILE=gpu
 # * sanitize  tests/sanitize.sh, its four tools side by side
@@ -43,6 +48,9 @@
 #   BASE, ROUNDS    ab: the commit to compare with (required), rounds of each side (default 2)
 #   VLLM_SRC        moe: vLLM 0.33.0's source release, extracted (vllm-0.33.0/, with vllm/ in it)
 #   MOE_VERSIONS    moe: the versions to time, e.g. "5 6" (default: every one, 1 to 6)
+#   GRID_PARTS      grid, grid_tree: the parts to run (default "1/3 2/3 3/3")
+#   GRID_ARGS       grid, grid_tree: more options of `bench --grid`, e.g. "--twins"
+#   GRID_TREE, GRID_TREE_COMMIT  grid_tree: the older tree (holding punica_numba/), its commit
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 GIVEN_PYTHONPATH="${PYTHONPATH:-}"
@@ -117,13 +125,28 @@ if want tune; then
         --out "$OUT/configs" >"$OUT/tune.log" 2>&1 || status=1
     note "tune: $(tail -n 1 "$OUT/tune.log")"
 fi
+read -r -a grid_args <<<"${GRID_ARGS:-}"
 if want grid; then
     for part in ${GRID_PARTS:-1/3 2/3 3/3}; do
         name="grid_${part/\//of}"
         "$PYTHON" -m punica_numba bench --grid --part "$part" --commit "$COMMIT" \
-            --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
+            "${grid_args[@]}" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
         note "grid $part: $(tail -n 1 "$OUT/$name.log")"
     done
+fi
+if want grid_tree; then
+    if [ -z "${GRID_TREE:-}" ] || [ -z "${GRID_TREE_COMMIT:-}" ]; then
+        note "grid_tree: set GRID_TREE and GRID_TREE_COMMIT"
+        status=1
+    else
+        for part in ${GRID_PARTS:-1/3 2/3 3/3}; do
+            name="grid_tree_${part/\//of}"
+            "$PYTHON" tests/grid_at_tree.py "$GRID_TREE" --commit "$GRID_TREE_COMMIT" \
+                --harness "$COMMIT" --part "$part" "${grid_args[@]}" --json "$OUT/$name.json" \
+                >"$OUT/$name.log" 2>&1 || status=1
+            note "grid_tree $part: $(tail -n 1 "$OUT/$name.log")"
+        done
+    fi
 fi
 if want demo; then
     "$PYTHON" -m punica_numba demo --no-progress --json "$OUT/demo.json" \
