@@ -36,7 +36,10 @@ sm_90, static, registers at r=16):
 * version 6's tensor-core shrink where its units are single blocks (fewer than 32 pairs a
   block): ``mma_apart``, each slice of w13 in CUDA blocks of its own (``ops.moe.MMA_SHRINK_JOINT``),
   and ``mma_full_grid``, version 5's grid, not a compact one
-  (``ops.moe.COMPACT_SINGLE_BLOCK_MMA_SHRINK``);
+  (``ops.moe.COMPACT_SINGLE_BLOCK_MMA_SHRINK``); since f166693 the shipped shape is version 5's
+  grid, so ``mma_not_ahead`` is version 6's shrink on version 5's grid without the loads
+  ahead, and ``mma_apart_not_ahead`` (two settings at once) is also without the joint slices:
+  the kernel version 6 builds with version 5's choices, to set beside version 5's own;
 * the choice between the shrinks (``ops.moe.MMA_SHRINK_FROM_PAIRS``, shipped 4 pairs a
   (slot, expert) block on average, a point between version 4's measured 1 and 8):
   ``from_pairs_1``, the tensor cores wherever the operands allow, and ``from_pairs_16``.
@@ -57,6 +60,7 @@ Run on a GPU from the repository root: ``python docs/benchmarks/probes/moe_versi
 """
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -88,7 +92,42 @@ VARIANTS = {  # name: (kernel, its shape's fields)
     "split_full_grid": ("compact_split", False),
     "mma_apart": ("joint", False),
     "mma_full_grid": ("compact_single", False),
+    "mma_apart_not_ahead": (("joint", False), ("ahead", False)),
 }
+
+#: Each kernel's knob in ``ops.moe`` and the type of its shape.
+KNOBS = {
+    "expand": ("OUTER_EXPAND", moe_ops.OuterExpand),
+    "shrink": ("MMA_SHRINK_RUNS", moe_ops.MmaShrink),
+    "split": ("SPLIT_SHRINK", moe_ops.SplitShrink),
+    "threshold": ("MMA_SHRINK_FROM_PAIRS", int),
+    "ahead": ("MMA_SHRINK_AHEAD", bool),
+    "outer_from": ("OUTER_EXPAND_FROM_PAIRS", int),
+    "compact_split": ("COMPACT_SPLIT_SHRINK", bool),
+    "joint": ("MMA_SHRINK_JOINT", bool),
+    "compact_single": ("COMPACT_SINGLE_BLOCK_MMA_SHRINK", bool),
+}
+
+
+def settings(variant) -> list[tuple]:
+    """A variant's knob settings: one ``(kernel, *shape)``, or a tuple of them together."""
+    return list(variant) if isinstance(variant[0], tuple) else [variant]
+
+
+@contextlib.contextmanager
+def knobs_set(variant):
+    """``ops.moe``'s knobs as shipped but for the variant's (none for ``None``), put back
+    after."""
+    shipped = {name: getattr(moe_ops, name) for name, _ in KNOBS.values()}
+    try:
+        for kernel, *shape in settings(variant) if variant else ():
+            name, kind = KNOBS[kernel]
+            setattr(moe_ops, name, kind(*shape))
+        yield
+    finally:
+        for name, value in shipped.items():
+            setattr(moe_ops, name, value)
+
 
 #: The cases run unless others are named: (projection, tokens, adapters), w13 and w2 at 16,
 #: 64, 256 and 2048 tokens on 1 and 16 adapters, those where version 5 is furthest from the
@@ -104,7 +143,12 @@ CASES = [
 
 def build(kernel, *config):
     """The kernel a variant launches for Qwen3-30B-A3B's w13 at 2048 tokens on one adapter
-    (768 columns and K = 2048, r=16, bf16, blocks of 16, add_inputs), built."""
+    (768 columns and K = 2048, r=16, bf16, blocks of 16, add_inputs), built; of a variant of
+    several settings, the last one's kernel with the others set."""
+    if isinstance(kernel, tuple):
+        *others, last = (kernel, *config)
+        with knobs_set(tuple(others)):
+            return build(*last)
     if kernel == "threshold":  # the kernel a lower threshold lets run
         return build("shrink", *moe_ops.MMA_SHRINK_RUNS)
     if kernel == "outer_from":  # the expand a threshold lets run where blocks are full
@@ -179,45 +223,29 @@ def main(argv=None) -> None:
     chosen = args.variants.split(",") if args.variants else list(VARIANTS)
     cases = args.cases or [bench_moe.MoECase(*c) for c in CASES]
     bandwidth = bench.copy_bandwidth_tbps()
-    names = {"expand": "OUTER_EXPAND", "shrink": "MMA_SHRINK_RUNS", "split": "SPLIT_SHRINK"}
-    names.update(threshold="MMA_SHRINK_FROM_PAIRS", ahead="MMA_SHRINK_AHEAD")
-    names.update(outer_from="OUTER_EXPAND_FROM_PAIRS", compact_split="COMPACT_SPLIT_SHRINK")
-    names.update(joint="MMA_SHRINK_JOINT", compact_single="COMPACT_SINGLE_BLOCK_MMA_SHRINK")
-    shipped = {kernel: getattr(moe_ops, name) for kernel, name in names.items()}
-    shapes = {"expand": moe_ops.OuterExpand, "shrink": moe_ops.MmaShrink}
-    shapes.update(split=moe_ops.SplitShrink, threshold=int, ahead=bool)
-    shapes.update(outer_from=int, compact_split=bool, joint=bool, compact_single=bool)
     runs = [("version_5", 5, None), ("version_6", 6, None)]
     runs += [(name, 6, VARIANTS[name]) for name in chosen]
     start, rows = time.time(), []
-    try:
-        for case in cases:
-            if time.time() - start > args.limit:
-                break
-            _, pool, check = bench_moe.checked_pool(case)  # one pool for every run of the case
-            row = {"case": case.name}
-            for name, version, variant in runs:
-                for kernel, config in shipped.items():  # the shipped shapes, then one variant's
-                    setattr(moe_ops, names[kernel], config)
-                if variant is not None:
-                    kernel, *config = variant
-                    setattr(moe_ops, names[kernel], shapes[kernel](*config))
+    for case in cases:
+        if time.time() - start > args.limit:
+            break
+        _, pool, check = bench_moe.checked_pool(case)  # one pool for every run of the case
+        row = {"case": case.name}
+        for name, version, variant in runs:
 
-                def make_call(args, case=case, version=version):
-                    return bench_moe._call(case, args, version)
+            def make_call(args, case=case, version=version):
+                return bench_moe._call(case, args, version)
 
+            with knobs_set(variant):  # the shipped shapes but for the variant's
                 error = check(make_call)
                 us = bench.time_calls([make_call(args) for args in pool])
                 row[name] = {"us": round(us, 3), "relative_error": error}
                 if args.kernels:
                     row[name]["kernels"] = kernel_times([make_call(args) for args in pool])
-            rows.append(row)
-            del pool
-            torch.cuda.empty_cache()
-            print(row, file=sys.stderr, flush=True)
-    finally:
-        for kernel, config in shipped.items():
-            setattr(moe_ops, names[kernel], config)
+        rows.append(row)
+        del pool
+        torch.cuda.empty_cache()
+        print(row, file=sys.stderr, flush=True)
     print(
         json.dumps(
             {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_tbps": bandwidth, "cases": rows}
