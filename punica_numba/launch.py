@@ -77,7 +77,9 @@ class LaunchConfig:
     (:mod:`.kernels.expand_mma`, "Ranks past 64"). A tensor-core shrink with
     ``splits`` > 1 also cuts K into that many chunks, a block each along grid.z, the last
     block of each tile and rank group adding the chunks' sums
-    (:mod:`.kernels.shrink_mma_split`).
+    (:mod:`.kernels.shrink_mma_split`). A ``joint`` tensor-core shrink takes the slices'
+    ranks side by side, ``tile_n`` of them a block (:mod:`.kernels.shrink_mma_joint`: a
+    tile's rows of x read once for every slice).
     Only calls whose dtypes and layout the tensor cores take can use them
     (:func:`choose_launch_config`). ``kernel="split"`` is the split-K shrink
     (:mod:`.kernels.shrink_split`): ``tile_m`` tokens of one slot, ``tile_n`` ranks and one
@@ -99,6 +101,7 @@ class LaunchConfig:
     chunk: int = 0  # tiled: ranks staged in shared memory at a time; mma expand: held (0: 64)
     vec: int = 1  # row expand: output columns per thread
     splits: int = 1  # split or tensor-core shrink: the chunks K is cut into, a block each
+    joint: bool = False  # tensor-core shrink: the slices' ranks side by side in a block
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
     to_tokens: int | None = None  # and at most this many (None: any)
@@ -112,6 +115,13 @@ class LaunchConfig:
     to_blocks: int | None = None  # and at most this many tiles x slices x groups of tile_n
     from_work: int = 0  # and where tokens x rank x slices (the products' rows) is at least this
     tuned_only: bool = False  # never the heuristic's pick: the tuner times it, a table may name it
+
+    def __post_init__(self):
+        if self.joint and (self.kernel != "mma" or self.splits != 1 or not self.tile_n):
+            raise ValueError(
+                "joint takes the unsplit tensor-core shrink with a group of tile_n > 0 "
+                f"joint ranks, got {self}"
+            )
 
     def columns_per_block(self, op: str, words: int = 0) -> int:
         """Ranks (shrink) or output columns (expand) one block covers per group. A
@@ -182,6 +192,9 @@ _SIMULATOR_CONFIGS = {
         # ... and past r=64 a block per 64 ranks, as on the GPU (fewer blocks, and so fewer
         # Python threads, than 8 ranks a block).
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=64, from_tokens_per_slot=4, from_rank=65),
+        # The slices' ranks side by side, 16 of them a block (so that a group straddles the
+        # slices of the simulator's small ranks), as the GPU's below: timed by the tuner only.
+        LaunchConfig("mma", threads=64, tile_m=16, tile_n=16, joint=True, tuned_only=True),
     ),
     "expand": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
@@ -419,6 +432,15 @@ _GPU_CONFIGS = {
         # fastest on 5 of the 120 shrinks above (K=28672 r=64 T=32 over 8 LoRAs 17.57 ->
         # 16.10 µs), with no rule of thresholds that holds them apart.
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=16, splits=16, tuned_only=True),
+        # A layer's slices in one block, their ranks side by side (kernels.shrink_mma_joint):
+        # a tile's rows of x read once, not once a slice. The H200's grid has the shrinks of
+        # two and three slices at many tokens at 15-33 % of the copy bandwidth, where those
+        # of one slice reach 73-87 % (h200_grid.json, 23fb2ea). 16 warps of 24 joint ranks
+        # (QKV at r=8 in one group, at r=16 in two) and 8 warps of 48 (QKV at r=16 and
+        # gate_up at r=16 and 24 in one): 122 and 174 registers for sm_90, no spills (ptxas
+        # 13.0, not timed). Timed by the tuner only, until the H200 says where they win.
+        LaunchConfig("mma", threads=512, tile_m=16, tile_n=24, joint=True, tuned_only=True),
+        LaunchConfig("mma", threads=256, tile_m=16, tile_n=48, joint=True, tuned_only=True),
     ),
     "expand": (
         # For a call whose rows of B do not split among lanes (below).
@@ -712,7 +734,8 @@ def config_name(config: LaunchConfig) -> str:
     """A short label, e.g. ``rows_t256_m1_n4``, ``rows_t128_m4_n512_v4`` (4 columns per
     thread), ``tiled_t256_m64_n128_u8x4_c16``, ``mma_t128_m16_n128`` or
     ``mma_t64_m16_n128_p2`` (two column groups per block), ``mma_t32_m16_n64_c32`` (the
-    rank's fragments 32 ranks at a time) or ``split_t128_m4_n4_k8`` (K in eight chunks)."""
+    rank's fragments 32 ranks at a time), ``split_t128_m4_n4_k8`` (K in eight chunks) or
+    ``mma_t256_m16_n48_j`` (48 of the slices' ranks side by side a block)."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
         name += f"_v{config.vec}"
@@ -724,6 +747,8 @@ def config_name(config: LaunchConfig) -> str:
         name += f"_c{config.chunk}"
     if config.kernel == "split" or config.splits > 1:
         name += f"_k{config.splits}"
+    if config.joint:
+        name += "_j"
     return name
 
 

@@ -201,7 +201,8 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
     from .op_cases import Problem, ShrinkCase
 
     built = []  # the last argument of each build: wide
-    for name in ("build_mma_shrink_kernel", "build_split_mma_shrink_kernel"):  # (K split)
+    builds = ("build_mma_shrink_kernel", "build_split_mma_shrink_kernel")  # (K split)
+    for name in (*builds, "build_joint_mma_shrink_kernel"):  # (slices side by side)
         build = getattr(choice, name)
         monkeypatch.setattr(
             choice, name, lambda *a, build=build: built.append(a[-1]) or build(*a)

@@ -15,7 +15,8 @@
   slot (prefill);
 * :mod:`.mma`      one warp's tensor-core product, on the GPU and on the simulator;
 * :mod:`.shrink_mma`, :mod:`.expand_mma` both ops on the tensor cores, for many tokens
-  per slot; :mod:`.shrink_mma_split` the tensor-core shrink with K split over blocks;
+  per slot; :mod:`.shrink_mma_split` the tensor-core shrink with K split over blocks, and
+  :mod:`.shrink_mma_joint` with a layer's slices in one block, their ranks side by side;
 * :mod:`.moe_blocks`, :mod:`.moe_shrink`, :mod:`.moe_expand` MoE LoRA: both ops over blocks
   of (token, expert) pairs, one (slot, expert) a block; :mod:`.moe_shrink_tiled` the
   shrink's second version, in shared-memory tiles; :mod:`.moe_shrink_split` and
@@ -33,6 +34,7 @@ from .expand_mma import build_mma_expand_kernel
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
 from .shrink_mma import build_mma_shrink_kernel
+from .shrink_mma_joint import build_joint_mma_shrink_kernel
 from .shrink_mma_split import build_split_mma_shrink_kernel
 from .shrink_split import build_split_shrink_kernel
 from .shrink_token import MAX_WORDS_PER_THREAD, build_token_shrink_kernel
@@ -42,6 +44,7 @@ __all__ = [
     "MAX_SLICES",
     "MAX_WORDS_PER_THREAD",
     "build_expand_kernel",
+    "build_joint_mma_shrink_kernel",
     "build_lanes_expand_kernel",
     "build_mma_expand_kernel",
     "build_mma_shrink_kernel",

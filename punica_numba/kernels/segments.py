@@ -191,6 +191,17 @@ def tile_and_slice(block, slices):
     return tile, block - 3 * tile
 
 
+@cuda.jit(device=True, inline="always")
+def joint_place(n, rank):
+    """``(s, j)``: of a launch's slices' ranks side by side (``rank`` each), joint rank
+    ``n`` (below ``3 * rank``) is rank ``j`` of slice ``s``."""
+    if n < rank:
+        return 0, n
+    if n < 2 * rank:
+        return 1, n - rank
+    return 2, n - 2 * rank
+
+
 @cuda.jit(device=True)
 def tile_token(sorted_tokens, position, rows, first_token, j):
     """The row of token ``j`` of a tile (as int64). Past the tile's ``rows`` tokens it

@@ -75,13 +75,13 @@ import functools
 from typing import NamedTuple
 
 import torch
-from numba import float32, int64, uint32
+from numba import float32, int64, uint32, uint64
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import loader, storer, word_halves, words_loader
 from .mma import FRAGMENT_WORDS, mma_into
-from .segments import read_tile, tile_and_slice, tile_token
+from .segments import joint_place, read_tile, tile_and_slice, tile_token
 
 __all__ = ["MmaShrinkParts", "build_mma_shrink_kernel", "mma_shrink_parts"]
 
@@ -104,16 +104,51 @@ class MmaShrinkParts(NamedTuple):
     tile_n: int
 
 
+@cuda.jit(device=True, inline="always")
+def _last_rank_of_one_slice(w, n):
+    """``n``, or past one slice's rank (``w``: ``[L, r, K/4]`` words) its last rank (whose
+    products are never stored)."""
+    return min(n, w.shape[1] - 1)
+
+
+@cuda.jit(device=True, inline="always")
+def _row_of_one_slice(w, slot, n):
+    return w[slot, n]
+
+
+@cuda.jit(device=True, inline="always")
+def _last_rank_side_by_side(w, n):
+    """``n``, or past the slices' ranks side by side (``w``: ``(w0, w1, w2, slices)``) the
+    last of them (never stored)."""
+    return min(n, w[3] * w[0].shape[1] - 1)
+
+
+@cuda.jit(device=True, inline="always")
+def _row_side_by_side(w, slot, n):
+    """The row of A of joint rank ``n`` (:func:`.segments.joint_place`)."""
+    s, j = joint_place(n, w[0].shape[1])
+    slot, j = uint64(slot), uint64(j)
+    if s == 0:
+        return w[0][slot, j]
+    if s == 1:
+        return w[1][slot, j]
+    return w[2][slot, j]
+
+
 @functools.cache
 def mma_shrink_parts(
-    dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, wide: bool
+    dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, wide: bool, joint: bool = False
 ) -> MmaShrinkParts:
     """The parts of a tensor-core shrink of x and A of ``dtype``, ``threads // 32`` warps,
-    16-token and 8-rank tiles, 16-byte loads or 8 (``wide``): see the module's notes."""
+    16-token and 8-rank tiles, 16-byte loads or 8 (``wide``): see the module's notes.
+    ``joint``: the walk's ``w`` is ``(w0, w1, w2, slices)`` and its ranks are the slices'
+    side by side (:mod:`.shrink_mma_joint`), else one slice's A."""
     if threads % 32:
         raise ValueError(f"threads must be whole warps, got {threads}")
     add_product = mma_into(dtype)
     two_words = words_loader(wide)
+    clamp = _last_rank_side_by_side if joint else _last_rank_of_one_slice
+    a_row = _row_side_by_side if joint else _row_of_one_slice
     THREADS, WARPS, M_TILES, N_TILES = threads, threads // 32, m_tiles, n_tiles
     TILE_M, TILE_N = 16 * m_tiles, 8 * n_tiles
     ROWS = 2 * M_TILES  # token rows a lane reads: g + 8 * i
@@ -139,9 +174,11 @@ def mma_shrink_parts(
                 v = (u * ROWS + i) * 2
                 xw[v], xw[v + 1] = two_words(x[token[i]], q) if inside else (int64(0), int64(0))
             for nj in range(N_TILES):
-                n = min(n0 + 8 * nj + g, w.shape[1] - 1)
+                n = clamp(w, n0 + 8 * nj + g)
                 v = (u * N_TILES + nj) * 2
-                ww[v], ww[v + 1] = two_words(w[slot, n], q) if inside else (int64(0), int64(0))
+                ww[v], ww[v + 1] = (
+                    two_words(a_row(w, slot, n), q) if inside else (int64(0), int64(0))
+                )
 
     @cuda.jit(device=True)
     def multiply_pass(xw, ww, acc, scratch):

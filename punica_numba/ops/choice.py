@@ -20,8 +20,10 @@ import torch
 from .._checks import Stack
 from ..kernels import (
     COMPILED_WORDS,
+    MAX_SLICES,
     MAX_WORDS_PER_THREAD,
     build_expand_kernel,
+    build_joint_mma_shrink_kernel,
     build_lanes_expand_kernel,
     build_mma_expand_kernel,
     build_mma_shrink_kernel,
@@ -63,7 +65,7 @@ class ShrinkChoice(NamedTuple):
     x: torch.Tensor  # the activations as the kernel reads them (elements or int64 words)
     weights: list  # each slice's A as the kernel reads it
     rank_groups: int  # blocks along the rank axis (grid.y on tensor cores, else grid.z;
-    # split K: rank groups x chunks)
+    # split K: rank groups x chunks; joint: groups of the slices' ranks side by side)
     tensor_cores: bool
     one_slot: bool  # blocks take tokens in their own order (:func:`one_slot`)
 
@@ -100,6 +102,18 @@ def choose_shrink(
             config = choose_launch_config("shrink", num_tokens, active, rank, False, slices, **key)
     if mma is not None:
         x, packed, wide = mma
+        if config.joint:  # the slices' ranks side by side (a launch takes up to MAX_SLICES)
+            ranks = min(slices, MAX_SLICES) * rank
+            kernel = build_joint_mma_shrink_kernel(
+                inputs.dtype,
+                output.dtype,
+                config.threads,
+                config.tile_m // 16,
+                -(-min(ranks, config.tile_n) // 8),  # 8-rank tiles of one group of joint ranks
+                accumulate,
+                wide,
+            )
+            return ShrinkChoice(config, kernel, x, packed, -(-ranks // config.tile_n), True, False)
         # One block per group of tile_n ranks (0: every rank), along grid.y.
         rank_groups = -(-rank // config.tile_n) if config.tile_n else 1
         tiles = (

@@ -148,7 +148,10 @@ def shrink_launch(
             chunk = list(kernel_weights[base : base + MAX_SLICES])
             count = len(chunk)
             chunk += [chunk[0]] * (MAX_SLICES - count)  # unused slots: never read
-            if chosen.tensor_cores:  # a tile's slices side by side along x
+            if config.joint:  # a tile's slices in each block, their ranks side by side
+                grid = (blocks, chosen.rank_groups, 1)
+                args = (x, *chunk, output_tensor, base, count)
+            elif chosen.tensor_cores:  # a tile's slices side by side along x
                 grid = (blocks * count, chosen.rank_groups, config.splits)
                 args = (x, *chunk, output_tensor, base, count, *workspace)
             else:
