@@ -433,9 +433,9 @@ _GPU_CONFIGS = {
         # 16.10 µs), with no rule of thresholds that holds them apart.
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=16, splits=16, tuned_only=True),
         # A layer's slices in one block, their ranks side by side (kernels.shrink_mma_joint):
-        # a tile's rows of x read once, not once a slice. The H200's grid has the shrinks of
-        # two and three slices at many tokens at 15-33 % of the copy bandwidth, where those
-        # of one slice reach 73-87 % (h200_grid.json, 23fb2ea). 16 warps of 24 joint ranks
+        # a tile's rows of x read once, not once a slice. In the H200's grid (h200_grid.json,
+        # 23fb2ea) the shrinks of 8192 tokens whose floor is mostly x reach 77-87 % of the
+        # copy bandwidth on one slice and 30-53 % on three. 16 warps of 24 joint ranks
         # (QKV at r=8 in one group, at r=16 in two) and 8 warps of 48 (QKV at r=16 and
         # gate_up at r=16 and 24 in one): 122 and 174 registers for sm_90, no spills (ptxas
         # 13.0, not timed). Timed by the tuner only, until the H200 says where they win.

@@ -5,14 +5,14 @@ slice.
 :mod:`.shrink_mma` gives each slice blocks of its own (``blockIdx.x = tile * slices +
 slice``): the three blocks of a QKV tile find x's rows in L2 after the first, but each still
 reads all of them. Where a block's K is long and its ranks few, those reads are most of its
-work: at r=16 a block of every rank reads 16 rows of x and 16 rows of A a tile. The H200's
-grid (``docs/benchmarks/h200_grid.json``, 23fb2ea) has the shrinks of many tokens on one
-slice at 73-87 % of the copy bandwidth (Llama-3-8B's down at r=32, T=8192 over 256 LoRAs,
-fp16: 155 µs for a floor of 113) and those of two and three slices at 15-33 % (Llama-3-8B's
-QKV at r=16, T=8192 over 8 LoRAs: 58.5 µs for a floor of 17.5, by 8 warps of one slice's 16
-ranks; at T=2048, 32.3 µs by 16 warps of 8 ranks, x read six times). Here a block's ranks
-are the slices' side by side, joint rank ``n`` being rank ``n - s r`` of slice ``s`` (``S r``
-joint ranks in all):
+work: at r=16 a block of every rank reads 16 rows of x and 16 rows of A a tile. In the H200's
+grid (``docs/benchmarks/h200_grid.json``, 23fb2ea) the shrinks of 8192 tokens whose floor is
+mostly x reach 77-87 % of the copy bandwidth on one slice (Qwen3-4B's and BLOOM's down at
+r=8 over 256 LoRAs, 16 warps of every rank) and 30-53 % on three (BLOOM's QKV at r=8 over 256
+LoRAs, the same blocks, 53 %; Llama-3-8B's at r=16 over 8 LoRAs, 58.5 µs for a floor of 17.5,
+8 warps of a slice's 16 ranks; at 2048 tokens 32.3 µs for 5.0, 16 warps of 8 ranks, x read
+six times). Here a block's ranks are the slices' side by side, joint rank ``n`` being rank
+``n - s r`` of slice ``s`` (``S r`` joint ranks in all):
 
 * block: tile ``blockIdx.x``, and ``8 * N_TILES`` joint ranks from ``blockIdx.y * TILE_N``;
   a group may straddle slices (r=16 QKV in groups of 24: ranks 0-15 of q and 0-7 of k, then
