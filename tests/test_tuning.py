@@ -554,6 +554,69 @@ def test_a_problem_on_which_every_configuration_fails_is_unresolved(smoke, monke
     assert swept == []  # not tried again
 
 
+def _joint_name() -> str:
+    """The simulator's shrink of the slices side by side, timed by the tuner only."""
+    (name,) = [config_name(c) for c in launch_configs("shrink") if c.joint]
+    return name
+
+
+def test_retime_weighs_named_configurations_on_the_tables_problems(smoke, monkeypatch, capsys):
+    """``--retime``: only the entries of the named configurations' op and of the slice
+    counts asked for are timed again, each beside its own configuration, and the faster
+    kept; every other entry is as it was."""
+    assert sweep.main(["--out", str(smoke)]) == 0
+    before = read_table(smoke / SMOKE_FILE)["entries"]
+    name = _joint_name()
+    timed = []
+    real = sweep._measure
+
+    def measure(case, config, *args):
+        timed.append((sweep.case_key(case), config_name(config)))
+        return real(case, config, *args)
+
+    monkeypatch.setattr(sweep, "_measure", measure)
+    assert sweep.main(["--out", str(smoke), "--retime", name, "--slices", "2"]) == 0
+    after = read_table(smoke / SMOKE_FILE)["entries"]
+    (k,) = [k for k, e in enumerate(before) if e["op"] == "shrink" and e["slices"] == 2]
+    key = entry_key(before[k])
+    assert timed == [(key, before[k]["config"]), (key, name)]
+    assert after[:k] + after[k + 1 :] == before[:k] + before[k + 1 :]
+    new = after[k]
+    assert new["retimed_with"] == [name] and name in new["times_us"]
+    retimed = {n: new["times_us"][n] for n in (before[k]["config"], name)}
+    assert new["config"] == min(retimed, key=retimed.get) and new["us"] == retimed[new["config"]]
+    out = capsys.readouterr().out
+    assert f"timing 1 problems of {smoke / SMOKE_FILE} again beside {name}" in out
+    assert f"{int(new['config'] != before[k]['config'])} of 1 problems" in out
+
+
+def test_retime_never_takes_a_configuration_that_fails_its_check(smoke, monkeypatch):
+    assert sweep.main(["--out", str(smoke)]) == 0
+    entry = next(e for e in read_table(smoke / SMOKE_FILE)["entries"] if e["slices"] == 2)
+    name = _joint_name()
+    _wrong_when(name, monkeypatch)
+    new = sweep.retime_entry(entry, [name])
+    assert new["config"] == entry["config"] and name not in new["times_us"]
+    assert "relative error" in new["failed"][name]
+    doc = new_table(SMOKE_GPU, "0.1.0", "abc123")
+    doc["entries"] = [new]
+    validate_table(doc)
+
+
+def test_slices_keep_the_problems_of_those_slice_counts(smoke, capsys):
+    for slices, count in (("2", 1), ("1,2", 3), ("3", 0)):
+        assert sweep.main(["--out", str(smoke), "--slices", slices, "--dry-run"]) == 0
+        assert f"tune: {count} problems for" in capsys.readouterr().out
+
+
+def test_retime_needs_a_table_and_names_of_configurations(smoke, capsys):
+    assert sweep.main(["--out", str(smoke), "--retime", _joint_name()]) == 2
+    assert "no table" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.main(["--out", str(smoke), "--retime", "mma_t1_m2_n3"])
+    assert "not configurations" in capsys.readouterr().err
+
+
 def test_the_tuner_needs_an_output_folder(smoke, capsys):
     with pytest.raises(SystemExit) as stopped:
         sweep.main([])

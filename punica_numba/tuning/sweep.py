@@ -32,6 +32,16 @@ takes its I-th of N contiguous parts (neighbouring problems share their compiled
 simulator it runs a smoke grid of three tiny problems whatever is asked: its times are
 host wall-clock and mean nothing for speed.
 
+``--slices 2,3`` keeps the problems of those slice counts (with ``--retime`` too).
+
+``--retime NAMES`` runs no grid: it takes the table already in ``--out`` (a copy of the
+shipped one, say) and, for each entry of the named configurations' op (and of ``--ranks``,
+``--dtypes``, ``--slices``), times its problem again under the entry's own configuration and
+those named, on one pool, checked as above; the fastest becomes the entry's configuration
+(:func:`retime_entry`). So a configuration added to the launch table is weighed on the
+problems a table holds without timing every other configuration again (on the H200 all of
+them took 1.3 s a problem on the quick grid, 163 s for 128, and 2.6 s on 80 fp16 problems).
+
 ``--report TABLE`` runs nothing: it weighs this package's heuristic against a table made
 before, on any machine (:mod:`.report`).
 """
@@ -50,7 +60,7 @@ import torch
 
 from .. import __version__, bench, bench_grid
 from .._cuda import SIMULATOR, device_of
-from ..launch import choose_launch_config, config_name, force_launch_config, launch_configs
+from ..launch import OPS, choose_launch_config, config_name, force_launch_config, launch_configs
 from ..meta import LoRAKernelMeta
 from .report import report
 from .table import (
@@ -66,7 +76,17 @@ from .table import (
     write_table,
 )
 
-__all__ = ["Layer", "SweepCase", "case_key", "full_grid", "main", "quick_grid", "tune_case"]
+__all__ = [
+    "Layer",
+    "SweepCase",
+    "case_key",
+    "entry_case",
+    "full_grid",
+    "main",
+    "quick_grid",
+    "retime_entry",
+    "tune_case",
+]
 
 #: The most LoRAs a problem's tokens are spread over ("T LoRAs" stops here): the largest
 #: batch of distinct adapters the benchmark measures.
@@ -216,10 +236,9 @@ def _stop_if_the_context_is_lost(case, config) -> None:
         ) from error
 
 
-def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
-    """Check and time every configuration on ``case``; return its table entry (with no
-    ``config`` where none passed: an *unresolved* key)."""
-    start = time.perf_counter()
+def _pool(case: SweepCase, seed: int) -> tuple:
+    """``(pool, meta, slots)``: the problem's argument sets (together twice the L2, as the
+    benchmark's), its metadata and its tokens' slots on the device."""
     device = device_of()
     gen = torch.Generator().manual_seed(seed)
     slots = bench._slots(case, gen).to(device)
@@ -228,8 +247,13 @@ def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
     meta = LoRAKernelMeta.make(case.num_loras, case.T, device)
     meta.prepare_tensors(slots)
     size = bench.pool_size(case.floor_bytes())
-    pool = [bench._argument_set(case, fill, device) for _ in range(size)]
-    configs = launch_configs(case.op)
+    return [bench._argument_set(case, fill, device) for _ in range(size)], meta, slots
+
+
+def _measure_all(case: SweepCase, configs, repeats: int, seed: int) -> tuple:
+    """``(times, failed, skipped, usable)`` of ``configs`` on one pool of ``case``: µs by
+    name, why by name, the names skipped, and the kernels that ran (by kind)."""
+    pool, meta, slots = _pool(case, seed)
     times, failed, skipped, usable = {}, {}, [], {}
     for config in configs:
         name = config_name(config)
@@ -241,7 +265,15 @@ def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
         else:
             times[name] = value
             usable[config.kernel] = True  # (the heuristic's pick is among those timed)
-    del pool
+    return times, failed, skipped, usable
+
+
+def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
+    """Check and time every configuration on ``case``; return its table entry (with no
+    ``config`` where none passed: an *unresolved* key)."""
+    start = time.perf_counter()
+    configs = launch_configs(case.op)
+    times, failed, skipped, usable = _measure_all(case, configs, repeats, seed)
     entry = dict(zip(KEY_FIELDS, case_key(case)), loras=case.num_loras, widths=case.slices)
     order = {config_name(c): i for i, c in enumerate(configs)}
     ranked = sorted(times, key=lambda name: (times[name], order[name]))
@@ -271,6 +303,49 @@ def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
     seconds = round(max(time.perf_counter() - start, 1e-3), 3)
     entry.update(failed=failed, skipped=skipped, tuned_s=seconds)
     return entry
+
+
+def entry_case(entry: dict) -> SweepCase:
+    """The problem an entry was tuned on: its op, dtype, slice widths, K (shrink's hidden;
+    an expand's hidden is not in its key, and it reads none), rank, T and LoRAs."""
+    widths = list(entry["widths"])
+    hidden = entry["K"] if entry["op"] == "shrink" else max(widths)
+    return SweepCase(
+        entry["op"], entry["T"], "given", hidden, entry["rank"], entry["dtype"], widths,
+        entry["loras"],
+    )  # fmt: skip
+
+
+def retime_entry(entry: dict, names: list[str], repeats: int = REPEATS, seed: int = 0) -> dict:
+    """``entry`` after its problem is timed again under its own configuration and those
+    named (of its op), on one pool in this process: the fastest of them is its
+    configuration, the next its runner-up; their times replace those of the same names in
+    ``times_us``, and ``retimed_with`` lists the names. A named configuration that fails its
+    check is recorded under ``failed`` (its earlier time dropped) and never chosen; one the
+    problem cannot use, under ``skipped``. Where the entry's own fails now too, the entry
+    keeps its choice."""
+    by_name = {config_name(c): c for c in launch_configs(entry["op"])}
+    wanted = list(dict.fromkeys([entry["config"], *names]))
+    configs = [by_name[name] for name in wanted if name in by_name]
+    times, failed, skipped, _ = _measure_all(entry_case(entry), configs, repeats, seed)
+    new = dict(entry)
+    stale = set(failed) | set(skipped)  # (an earlier time of one that fails now is dropped)
+    new["times_us"] = {k: v for k, v in entry.get("times_us", {}).items() if k not in stale}
+    new["times_us"].update(times)
+    new["failed"] = {k: v for k, v in entry.get("failed", {}).items() if k not in times}
+    new["failed"].update(failed)
+    new["skipped"] = sorted(set(entry.get("skipped", [])) | set(skipped))
+    new["retimed_with"] = sorted(set(entry.get("retimed_with", [])) | set(names))
+    ranked = sorted(times, key=lambda name: (times[name], wanted.index(name)))
+    if ranked:
+        runner_up = ranked[1] if len(ranked) > 1 else None
+        new.update(
+            config=ranked[0],
+            us=times[ranked[0]],
+            runner_up=runner_up,
+            runner_up_us=times.get(runner_up),
+        )
+    return new
 
 
 def _part(text: str) -> tuple[int, int]:
@@ -305,6 +380,14 @@ def _parser() -> argparse.ArgumentParser:
         "--budget-s", type=float, metavar="S", help="stop before a problem could end past S s"
     )
     parser.add_argument("--ranks", type=_numbers(int), help="only these ranks (e.g. 16,64)")
+    parser.add_argument("--slices", type=_numbers(int), help="only these slice counts (2,3)")
+    parser.add_argument(
+        "--retime",
+        type=_numbers(str),
+        metavar="NAMES",
+        help="run no grid: time these configurations (comma-separated names) on the problems "
+        "of the table in --out, beside each entry's own, and keep the fastest",
+    )
     parser.add_argument("--dtypes", type=_numbers(str), help="only these dtypes (bf16,fp16)")
     parser.add_argument(
         "--hiddens",
@@ -333,10 +416,55 @@ def _grid(args) -> list[SweepCase]:
         if args.hiddens:
             options["hiddens"] = tuple(args.hiddens)
         cases = build(**options)
+    if args.slices:
+        cases = [case for case in cases if len(case.slices) in args.slices]
     if args.part:
         index, count = args.part
         cases = cases[(index - 1) * len(cases) // count : index * len(cases) // count]
     return cases
+
+
+def _retime(args, parser, path: Path) -> int:
+    """``--retime``: the table's entries (of the named configurations' op, and of the
+    ranks, dtypes and slice counts asked for) timed again beside those configurations."""
+    ops = {op for op in OPS for c in launch_configs(op) if config_name(c) in args.retime}
+    unknown = sorted(set(args.retime) - {config_name(c) for op in OPS for c in launch_configs(op)})
+    if unknown:
+        parser.error(f"--retime {unknown}: not configurations of this machine")
+    if not path.exists():
+        print(f"tune --retime: no table at {path} to time again", file=sys.stderr)
+        return 2
+    doc = read_table(path)
+    chosen = [
+        k
+        for k, e in enumerate(doc["entries"])
+        if e["op"] in ops
+        and "widths" in e
+        and "loras" in e
+        and (not args.ranks or e["rank"] in args.ranks)
+        and (not args.dtypes or e["dtype"] in args.dtypes)
+        and (not args.slices or e["slices"] in args.slices)
+    ]
+    print(f"tune: timing {len(chosen)} problems of {path} again beside {', '.join(args.retime)}")
+    from tqdm import tqdm
+
+    started, longest, left, changed = time.monotonic(), 0.0, len(chosen), 0
+    for k in tqdm(chosen, desc="retime", unit="problem", file=sys.stderr):
+        if args.budget_s and time.monotonic() - started + longest > args.budget_s:
+            break
+        begun, old = time.monotonic(), doc["entries"][k]
+        names = [n for n in args.retime if n in {config_name(c) for c in launch_configs(old["op"])}]
+        doc["entries"][k] = new = retime_entry(old, names, repeats=args.repeats)
+        changed += new["config"] != old["config"]
+        write_table(path, doc)
+        longest, left = max(longest, time.monotonic() - begun), left - 1
+        if not SIMULATOR:
+            torch.cuda.empty_cache()
+    done = len(chosen) - left
+    print(f"tune: {changed} of {done} problems timed again took another configuration")
+    if left:
+        print(f"tune: stopped by --budget-s with {left} problems left")
+    return 0
 
 
 def _summary(entries: list[dict]) -> str:
@@ -372,9 +500,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.hiddens or ()) - set(MODEL_HIDDENS))
     if unknown:
         parser.error(f"--hiddens {unknown}: choose from {MODEL_HIDDENS}")
-    cases = _grid(args)
     gpu = gpu_name()
     path = Path(folder) / table_file_name(gpu)
+    if args.retime:
+        return _retime(args, parser, path)
+    cases = _grid(args)
     if args.dry_run:
         print(f"tune: {len(cases)} problems for {path}")
         return 0

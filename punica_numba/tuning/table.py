@@ -115,6 +115,7 @@ OPTIONAL_FIELDS = {
     "failed": dict,  # name -> why (its check failed, or it did not run)
     "skipped": list,  # names the problem cannot use (tensor cores, lanes, to_rank)
     "tuned_s": float,  # wall seconds the tuner spent on this key
+    "retimed_with": list,  # configurations timed again beside the entry's (tune --retime)
 }
 _ENTRY_FIELDS = {
     "config": str,
