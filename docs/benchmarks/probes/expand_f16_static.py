@@ -16,8 +16,6 @@ Prints one JSON line: the commit and ptxas's version, and for each build what
 """
 
 import os
-import sys
-import tempfile
 
 
 def _flags(rank, dtype):
@@ -64,15 +62,9 @@ def _signature():
 
 
 def main(argv=None) -> None:
-    from moe_static import _compiled, _for_the_h200, print_readings
+    from moe_static import read_builds
 
-    names = (argv if argv is not None else sys.argv[1:]) or list(VARIANTS)
-    _for_the_h200()
-    with tempfile.TemporaryDirectory() as folder:
-        builds = {
-            name: _compiled(build(*VARIANTS[name]), _signature(), name, folder) for name in names
-        }
-    print_readings(builds)
+    read_builds(VARIANTS, build, _signature, argv)
 
 
 if __name__ == "__main__":

@@ -304,6 +304,19 @@ def main(argv=None) -> None:
     print_readings(builds, **found)
 
 
+def read_builds(variants, build, signature, argv=None) -> None:
+    """A static probe's ``main``: each build of ``variants`` named in ``argv`` (default: the
+    command line's, else all), built by ``build`` and compiled for ``signature()``'s types,
+    its readings printed (:func:`print_readings`)."""
+    names = (argv if argv is not None else sys.argv[1:]) or list(variants)
+    _for_the_h200()
+    with tempfile.TemporaryDirectory() as folder:
+        builds = {
+            name: _compiled(build(*variants[name]), signature(), name, folder) for name in names
+        }
+    print_readings(builds)
+
+
 def print_readings(builds, **more):
     """One JSON line: the commit, ptxas's version, ``more``, and the builds' readings."""
     ptxas = _output(["ptxas", "--version"])

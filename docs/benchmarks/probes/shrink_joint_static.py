@@ -21,8 +21,6 @@ Run from the repository root: ``python docs/benchmarks/probes/shrink_joint_stati
 """
 
 import os
-import sys
-import tempfile
 
 VARIANTS = {  # name: (slices side by side, threads, 8-rank tiles, x's and A's dtype)
     "slice_t512_m16_n8": (False, 512, 1, "bf16"),
@@ -61,15 +59,9 @@ def _signature():
 
 
 def main(argv=None) -> None:
-    from moe_static import _compiled, _for_the_h200, print_readings
+    from moe_static import read_builds
 
-    names = (argv if argv is not None else sys.argv[1:]) or list(VARIANTS)
-    _for_the_h200()
-    with tempfile.TemporaryDirectory() as folder:
-        builds = {
-            name: _compiled(build(*VARIANTS[name]), _signature(), name, folder) for name in names
-        }
-    print_readings(builds)
+    read_builds(VARIANTS, build, _signature, argv)
 
 
 if __name__ == "__main__":
