@@ -63,6 +63,7 @@ KERNEL_MODULES = {
     "moe_shrink_tiled",
     "shrink",
     "shrink_mma",
+    "shrink_mma_joint",
     "shrink_mma_split",
     "shrink_split",
     "shrink_token",
