@@ -319,7 +319,8 @@ def entry_case(entry: dict) -> SweepCase:
 def retime_entry(entry: dict, names: list[str], repeats: int = REPEATS, seed: int = 0) -> dict:
     """``entry`` after its problem is timed again under its own configuration and those
     named (of its op), on one pool in this process: the fastest of them is its
-    configuration, the next its runner-up; their times replace those of the same names in
+    configuration, the next its runner-up (of those timed again: the other configurations'
+    times are another process's); their times replace those of the same names in
     ``times_us``, and ``retimed_with`` lists the names. A named configuration that fails its
     check is recorded under ``failed`` (its earlier time dropped) and never chosen; one the
     problem cannot use, under ``skipped``. Where the entry's own fails now too, the entry
