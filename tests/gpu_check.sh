@@ -46,6 +46,8 @@
 #                   a limit stopped is taken up where it stopped
 #   SAN_WORKERS     pytest-xdist workers for each sanitizer tool (default 2)
 #   BASE, ROUNDS    ab: the commit to compare with (required), rounds of each side (default 2)
+#   BASE_TREE       ab: BASE's tree, extracted where git is (`git archive BASE punica_numba`),
+#                   for a machine without the repository's history (else a git worktree)
 #   VLLM_SRC        moe: vLLM 0.33.0's source release, extracted (vllm-0.33.0/, with vllm/ in it)
 #   MOE_VERSIONS    moe: the versions to time, e.g. "5 6" (default: every one, 1 to 6)
 #   GRID_PARTS      grid, grid_tree: the parts to run (default "1/3 2/3 3/3")
@@ -75,8 +77,13 @@ if want ab; then
         note "ab: set BASE to the commit to compare with"
         status=1
     else
-        base="$OUT/base_tree"
-        git worktree add --detach "$base" "$BASE" >"$OUT/ab.log" 2>&1 || status=1
+        if [ -n "${BASE_TREE:-}" ]; then  # BASE's tree extracted already (no git here)
+            base="$(cd "$BASE_TREE" && pwd)"
+            : >"$OUT/ab.log"
+        else
+            base="$OUT/base_tree"
+            git worktree add --detach "$base" "$BASE" >"$OUT/ab.log" 2>&1 || status=1
+        fi
         old=() new=()
         for round in $(seq "${ROUNDS:-2}"); do
             sides=(base here)
@@ -96,7 +103,7 @@ if want ab; then
         done
         (IFS=,; "$PYTHON" -m punica_numba bench --compare "${old[*]}" "${new[*]}") \
             >"$OUT/ab.txt" 2>&1 || status=1
-        git worktree remove --force "$base" >>"$OUT/ab.log" 2>&1
+        [ -n "${BASE_TREE:-}" ] || git worktree remove --force "$base" >>"$OUT/ab.log" 2>&1
         note "ab: $(tail -n 1 "$OUT/ab.txt")"
     fi
 fi
