@@ -19,10 +19,11 @@ NVRTC library numba-cuda can load (the ``nvidia-cuda-nvrtc`` wheel's ``lib`` fol
 
 Run from the repository root: ``python docs/benchmarks/probes/moe_static.py [NAME ...]``.
 Prints one JSON line: the commit and ptxas's version, and for each build its PTX's sha256
-(16 digits, the kernels' mangled names set aside: equal digits, the same code), registers,
-spill and stack bytes, shared memory, and its SASS instructions with the counts of its
-loads, stores, products, shuffles and barriers by kind (``sm90_moe_static.json`` beside the
-benchmarks is its output, from before the sha256 was read).
+(16 digits, the kernels' mangled names set aside and the shared arrays numbered in order:
+equal digits, the same code), registers, spill and stack bytes, shared memory, and its SASS
+instructions with the counts of its loads, stores, products, shuffles and barriers by kind
+(``sm90_moe_static.json`` beside the benchmarks is its output, from before the sha256 was
+read).
 
 ``python docs/benchmarks/probes/moe_static.py --bench VERSION`` reads instead every kernel
 ``fused_moe_lora(version=VERSION)`` launches for the 30 cases of ``bench --moe``, found by
@@ -159,7 +160,12 @@ def _compiled(kernel, signature, name, folder):
     kinds = collections.Counter(
         op for op in lines if re.match(r"(LDG|STG|LDS|STS|LDL|STL|FFMA|HMMA|SHFL|BAR)", op)
     )
-    unnamed = re.sub(r"_Z[A-Za-z0-9_]*", "", ptx)  # (the kernels' mangled names set aside)
+    # The kernels' mangled names set aside, and the shared arrays numbered in the order they
+    # appear (Numba numbers them across the process: the builds compiled before count).
+    unnamed, arrays = re.sub(r"_Z[A-Za-z0-9_]*", "", ptx), {}
+    unnamed = re.sub(
+        r"_cudapy_smem_\d+", lambda m: f"smem{arrays.setdefault(m[0], len(arrays))}", unnamed
+    )
     return {
         "ptx_sha256": hashlib.sha256(unnamed.encode()).hexdigest()[:16],
         "registers": number(r"Used (\d+) registers", report),
