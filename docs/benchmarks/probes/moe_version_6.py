@@ -39,7 +39,10 @@ sm_90, static, registers at r=16):
   (``ops.moe.COMPACT_SINGLE_BLOCK_MMA_SHRINK``); since f166693 the shipped shape is version 5's
   grid, so ``mma_not_ahead`` is version 6's shrink on version 5's grid without the loads
   ahead, and ``mma_apart_not_ahead`` (two settings at once) is also without the joint slices:
-  the kernel version 6 builds with version 5's choices, to set beside version 5's own;
+  at w13 2048 / 16 version 6 then calls the builder with version 5's own arguments (read by
+  ``moe_static.bench_builds`` at c368da8), so it times version 5's shrink through version 6's
+  choices, a control on the probe: what version 6's shrink adds there is the joint slices and
+  the loads ahead alone;
 * the choice between the shrinks (``ops.moe.MMA_SHRINK_FROM_PAIRS``, shipped 4 pairs a
   (slot, expert) block on average, a point between version 4's measured 1 and 8):
   ``from_pairs_1``, the tensor cores wherever the operands allow, and ``from_pairs_16``.
