@@ -587,7 +587,30 @@ def test_retime_weighs_named_configurations_on_the_tables_problems(smoke, monkey
     assert new["config"] == min(retimed, key=retimed.get) and new["us"] == retimed[new["config"]]
     out = capsys.readouterr().out
     assert f"timing 1 problems of {smoke / SMOKE_FILE} again beside {name}" in out
-    assert f"{int(new['config'] != before[k]['config'])} of 1 problems" in out
+    took = new["config"] != before[k]["config"]
+    assert f"{int(took)} of 1 problems" in out
+    gain = retimed[before[k]["config"]] / new["us"]
+    assert (f"the old pick took {gain:.3f}x the new one's time" in out) == took
+
+
+def test_retime_says_how_much_faster_the_new_picks_are(smoke, monkeypatch, capsys):
+    """With made-up times (the named configuration 8 µs, the entry's own 10): the entry takes
+    it, and the summary gives the old pick's time over the new one's."""
+    assert sweep.main(["--out", str(smoke)]) == 0
+    name = _joint_name()
+
+    def measured(case, configs, repeats, seed):
+        names = [config_name(c) for c in configs]
+        return dict(zip(names, [10.0, 8.0])), {}, [], {}
+
+    monkeypatch.setattr(sweep, "_measure_all", measured)
+    capsys.readouterr()
+    assert sweep.main(["--out", str(smoke), "--retime", name, "--slices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 1 problems timed again took another configuration" in out
+    assert "the old pick took 1.250x the new one's time (geometric mean; at most 1.250x)" in out
+    (entry,) = [e for e in read_table(smoke / SMOKE_FILE)["entries"] if e["slices"] == 2]
+    assert entry["config"] == name and entry["us"] == 8.0 and entry["runner_up_us"] == 10.0
 
 
 def test_retime_never_takes_a_configuration_that_fails_its_check(smoke, monkeypatch):

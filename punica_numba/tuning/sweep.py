@@ -449,20 +449,27 @@ def _retime(args, parser, path: Path) -> int:
     print(f"tune: timing {len(chosen)} problems of {path} again beside {', '.join(args.retime)}")
     from tqdm import tqdm
 
-    started, longest, left, changed = time.monotonic(), 0.0, len(chosen), 0
+    started, longest, left, gains = time.monotonic(), 0.0, len(chosen), []
     for k in tqdm(chosen, desc="retime", unit="problem", file=sys.stderr):
         if args.budget_s and time.monotonic() - started + longest > args.budget_s:
             break
         begun, old = time.monotonic(), doc["entries"][k]
         names = [n for n in args.retime if n in {config_name(c) for c in launch_configs(old["op"])}]
         doc["entries"][k] = new = retime_entry(old, names, repeats=args.repeats)
-        changed += new["config"] != old["config"]
+        if new["config"] != old["config"]:  # the old pick's time of this run over the new's
+            gains.append(new["times_us"][old["config"]] / new["us"])
         write_table(path, doc)
         longest, left = max(longest, time.monotonic() - begun), left - 1
         if not SIMULATOR:
             torch.cuda.empty_cache()
     done = len(chosen) - left
-    print(f"tune: {changed} of {done} problems timed again took another configuration")
+    print(f"tune: {len(gains)} of {done} problems timed again took another configuration")
+    if gains:
+        mean = math.exp(sum(math.log(g) for g in gains) / len(gains))
+        print(
+            f"tune: there the old pick took {mean:.3f}x the new one's time (geometric mean; "
+            f"at most {max(gains):.3f}x), both timed in this run"
+        )
     if left:
         print(f"tune: stopped by --budget-s with {left} problems left")
     return 0
