@@ -428,8 +428,11 @@ def _grid(args) -> list[SweepCase]:
 def _retime(args, parser, path: Path) -> int:
     """``--retime``: the table's entries (of the named configurations' op, and of the
     ranks, dtypes and slice counts asked for) timed again beside those configurations."""
-    ops = {op for op in OPS for c in launch_configs(op) if config_name(c) in args.retime}
-    unknown = sorted(set(args.retime) - {config_name(c) for op in OPS for c in launch_configs(op)})
+    names_of = {  # each op's configurations among those named
+        op: [n for n in args.retime if n in {config_name(c) for c in launch_configs(op)}]
+        for op in OPS
+    }
+    unknown = sorted(set(args.retime) - {n for names in names_of.values() for n in names})
     if unknown:
         parser.error(f"--retime {unknown}: not configurations of this machine")
     if not path.exists():
@@ -439,7 +442,7 @@ def _retime(args, parser, path: Path) -> int:
     chosen = [
         k
         for k, e in enumerate(doc["entries"])
-        if e["op"] in ops
+        if names_of[e["op"]]
         and "widths" in e
         and "loras" in e
         and (not args.ranks or e["rank"] in args.ranks)
@@ -454,8 +457,7 @@ def _retime(args, parser, path: Path) -> int:
         if args.budget_s and time.monotonic() - started + longest > args.budget_s:
             break
         begun, old = time.monotonic(), doc["entries"][k]
-        names = [n for n in args.retime if n in {config_name(c) for c in launch_configs(old["op"])}]
-        doc["entries"][k] = new = retime_entry(old, names, repeats=args.repeats)
+        doc["entries"][k] = new = retime_entry(old, names_of[old["op"]], repeats=args.repeats)
         if new["config"] != old["config"]:  # the old pick's time of this run over the new's
             gains.append(new["times_us"][old["config"]] / new["us"])
         write_table(path, doc)
