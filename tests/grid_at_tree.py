@@ -84,9 +84,8 @@ def use_tree(tree: Path, commit: str, harness: str | None = None) -> None:
     from punica_numba import bench_grid as grid
 
     load_tree(tree)
-    old = {m: importlib.import_module(f"{NAME}.{m}") for m in ("ops", "meta", "launch")}
-    old["wrapper"] = importlib.import_module(f"{NAME}.wrapper")
-    old["mapping"] = importlib.import_module(f"{NAME}.mapping")
+    modules = ("ops", "meta", "launch", "wrapper", "mapping")
+    old = {m: importlib.import_module(f"{NAME}.{m}") for m in modules}
     bench.prepare_shrink = _counted("prepare_shrink", old["ops"].prepare_shrink)
     bench.prepare_expand = _counted("prepare_expand", old["ops"].prepare_expand)
     bench.LoRAKernelMeta = old["meta"].LoRAKernelMeta
