@@ -1,0 +1,198 @@
+"""Copies from global to shared memory that the copying threads do not wait for.
+
+A plain copy into shared memory is a load into a register and a store from it: the thread
+waits for the load before it can store, and each word in flight holds a register. Ampere
+and Hopper copy without the register (inline PTX, sm_80 on):
+
+* ``cp.async`` (:func:`words_copier`) starts a copy of 16 bytes (or 8) from global memory
+  into shared memory and returns at once;
+* ``cp.async.commit_group`` (:func:`group_committer`) closes the copies a thread started
+  since its last commit into one group;
+* ``cp.async.wait_group n`` (:func:`group_waiter`) waits until at most ``n`` of the thread's
+  groups are still in flight (the newest ``n``).
+
+A kernel that keeps ``S`` stages of shared memory starts the next stages' copies, commits a
+group a stage, and before it reads a stage waits for all but the ``S - 2`` newest groups,
+then ``syncthreads`` (each thread waits only for its own copies; the barrier makes every
+thread's copies seen by all). :mod:`.shrink_mma_staged` does this.
+
+A copy goes from an address (:func:`address_of`) to an address (:func:`shared_address_of`),
+so that a kernel that copies the same rows chunk after chunk works their addresses out once.
+The simulator's arrays have no addresses: there a kernel copies the words itself (at once),
+and committing and waiting do nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import int64, uint32
+
+from .._cuda import SIMULATOR, cuda
+from .dtypes import element_pointer
+
+__all__ = [
+    "address_of",
+    "group_committer",
+    "group_waiter",
+    "shared_address_of",
+    "words_copier",
+]
+
+
+def address_of():
+    """The device function ``address(row, q) -> int64``: the generic address of element
+    ``q`` of the 1-D array ``row``, to be copied from later (GPU only: the simulator's
+    arrays have no addresses a kernel can use)."""
+    if SIMULATOR:
+        raise RuntimeError("the simulator has no device addresses")
+    return _address_on_gpu()
+
+
+@functools.cache
+def _address_on_gpu():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def element_address(typingctx, row, q):
+        def codegen(context, builder, sig, args):
+            pointer = element_pointer(context, builder, sig, args)
+            return builder.ptrtoint(pointer, ir.IntType(64))
+
+        return types.int64(row, q), codegen
+
+    @cuda.jit(device=True)
+    def address(row, q):
+        return element_address(row, q)
+
+    return address
+
+
+@functools.cache
+def _shared_address_on_gpu():
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def shared_address(typingctx, row, q):
+        def codegen(context, builder, sig, args):
+            generic = builder.ptrtoint(element_pointer(context, builder, sig, args), ir.IntType(64))
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.IntType(32), [ir.IntType(64)]),
+                "{ .reg .u64 s; cvta.to.shared.u64 s, $1; cvt.u32.u64 $0, s; }",
+                "=r,l",
+            )
+            return builder.call(asm, [generic])
+
+        return types.uint32(row, q), codegen
+
+    @cuda.jit(device=True)
+    def address(row, q):
+        return shared_address(row, q)
+
+    return address
+
+
+def shared_address_of():
+    """The device function ``address(row, q) -> uint32``: the shared-memory address of
+    element ``q`` of the 1-D shared array ``row``, where :func:`words_copier` copies to
+    (GPU only)."""
+    if SIMULATOR:
+        raise RuntimeError("the simulator has no device addresses")
+    return _shared_address_on_gpu()
+
+
+@functools.cache
+def _copy_on_gpu(wide: bool):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    to_global = "{ .reg .u64 g; cvta.to.global.u64 g, $1; "  # (the same bits, made explicit)
+    if wide:  # one 16-byte copy, bypassing L1 (.cg: the words are read once a block)
+        copies = "cp.async.cg.shared.global [$0], [g], 16; }"
+    else:  # two 8-byte copies (.ca: 8 bytes are not offered in .cg)
+        copies = (
+            "cp.async.ca.shared.global [$0], [g], 8; cp.async.ca.shared.global [$0+8], [g+8], 8; }"
+        )
+
+    @intrinsic
+    def copy_words(typingctx, to, source):
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64)]),
+                to_global + copies,
+                "r,l,~{memory}",
+                side_effect=True,
+            )
+            builder.call(asm, list(args))
+            return context.get_dummy_value()
+
+        return types.void(types.uint32, types.int64), codegen
+
+    @cuda.jit(device=True)
+    def copy_two_words(to, source):
+        copy_words(uint32(to), int64(source))
+
+    return copy_two_words
+
+
+def words_copier(wide: bool):
+    """The device function ``copy(to, source)``: start copying the two int64 words at the
+    global address ``source`` (:func:`address_of`) to the shared address ``to``
+    (:func:`shared_address_of`). ``wide``: the caller's promise that both are multiples of 16
+    bytes (one 16-byte copy); else two of 8 bytes. GPU only (see :func:`address_of`)."""
+    if SIMULATOR:
+        raise RuntimeError("the simulator has no device addresses")
+    return _copy_on_gpu(wide)
+
+
+def _asm_statement(text: str):
+    """A device function ``()`` that runs the PTX statement ``text`` (a memory barrier for
+    the compiler: nothing in memory is assumed unchanged across it)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def statement(typingctx):
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True
+            )
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @cuda.jit(device=True)
+    def run():
+        statement()
+
+    return run
+
+
+@cuda.jit(device=True)
+def _nothing():
+    return
+
+
+@functools.cache
+def group_committer():
+    """The device function ``commit()``: the copies this thread started since its last
+    commit become one group."""
+    return _nothing if SIMULATOR else _asm_statement("cp.async.commit_group;")
+
+
+@functools.cache
+def group_waiter(newest_in_flight: int):
+    """The device function ``wait()``: return once at most ``newest_in_flight`` of this
+    thread's committed groups (its newest) are still being copied."""
+    if newest_in_flight < 0:
+        raise ValueError(f"newest_in_flight must be at least 0, got {newest_in_flight}")
+    if SIMULATOR:
+        return _nothing
+    return _asm_statement(f"cp.async.wait_group {newest_in_flight};")
