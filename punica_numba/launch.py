@@ -79,7 +79,9 @@ class LaunchConfig:
     block of each tile and rank group adding the chunks' sums
     (:mod:`.kernels.shrink_mma_split`). A ``joint`` tensor-core shrink takes the slices'
     ranks side by side, ``tile_n`` of them a block (:mod:`.kernels.shrink_mma_joint`: a
-    tile's rows of x read once for every slice).
+    tile's rows of x read once for every slice). A ``staged`` one copies a tile's rows of x
+    and the block's ``tile_n`` rows of A into shared memory a chunk of K at a time, each
+    warp multiplying ``tile_n / warps`` of the ranks (:mod:`.kernels.shrink_mma_staged`).
     Only calls whose dtypes and layout the tensor cores take can use them
     (:func:`choose_launch_config`). ``kernel="split"`` is the split-K shrink
     (:mod:`.kernels.shrink_split`): ``tile_m`` tokens of one slot, ``tile_n`` ranks and one
@@ -102,6 +104,7 @@ class LaunchConfig:
     vec: int = 1  # row expand: output columns per thread
     splits: int = 1  # split or tensor-core shrink: the chunks K is cut into, a block each
     joint: bool = False  # tensor-core shrink: the slices' ranks side by side in a block
+    staged: bool = False  # tensor-core shrink: x and A staged in shared memory, warps of ranks
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
     to_tokens: int | None = None  # and at most this many (None: any)
@@ -121,6 +124,18 @@ class LaunchConfig:
             raise ValueError(
                 "joint takes the unsplit tensor-core shrink with a group of tile_n > 0 "
                 f"joint ranks, got {self}"
+            )
+        warps = self.threads // 32
+        if self.staged and (
+            self.kernel != "mma"
+            or self.joint
+            or self.tile_m % 16
+            or not self.tile_n
+            or self.tile_n % (8 * warps)
+        ):
+            raise ValueError(
+                "staged takes a tensor-core shrink of one slice a block, tile_m a multiple "
+                f"of 16 and tile_n > 0 a multiple of 8 ranks a warp, got {self}"
             )
 
     def columns_per_block(self, op: str, words: int = 0) -> int:
@@ -144,12 +159,14 @@ class LaunchConfig:
         ``splits`` chunks of K, then adds the chunks' sums in order. The tensor-core
         kernels sum in an order of their own (the shrink's depends on its warps, the
         expand's on nothing but the rank; a tensor-core shrink split into chunks of K adds
-        each chunk's sums, then the chunks in order).
+        each chunk's sums, then the chunks in order; a staged one's outputs are each one
+        warp's, as in a block of 32 threads).
         """
         if self.kernel == "mma":  # the tensor cores' sums: an order of their own
             if op == "expand":
                 return ("mma",)
-            return ("mma", self.threads) if self.splits == 1 else ("mma", self.threads, self.splits)
+            threads = 32 if self.staged else self.threads  # (staged: a warp's sums over K)
+            return ("mma", threads) if self.splits == 1 else ("mma", threads, self.splits)
         if op == "expand":
             return ("lanes",) if self.kernel == "lanes" else ("sequential",)
         if self.kernel == "split":  # the chunks' trees, then the chunks in order
@@ -195,6 +212,9 @@ _SIMULATOR_CONFIGS = {
         # The slices' ranks side by side, 16 of them a block (so that a group straddles the
         # slices of the simulator's small ranks), as the GPU's below: timed by the tuner only.
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=16, joint=True, tuned_only=True),
+        # x and A staged in shared memory, each of two warps 8 of a block's 16 ranks (as the
+        # GPU's below): timed by the tuner only.
+        LaunchConfig("mma", threads=64, tile_m=16, tile_n=16, staged=True, tuned_only=True),
     ),
     "expand": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
@@ -441,6 +461,20 @@ _GPU_CONFIGS = {
         # 13.0, not timed). Timed by the tuner only, until the H200 says where they win.
         LaunchConfig("mma", threads=512, tile_m=16, tile_n=24, joint=True, tuned_only=True),
         LaunchConfig("mma", threads=256, tile_m=16, tile_n=48, joint=True, tuned_only=True),
+        # x and A staged in shared memory, the warps splitting the block's ranks, not K
+        # (kernels.shrink_mma_staged): a block of 32 tokens x 128 ranks reads A once a 32-token
+        # tile and x once 128 ranks. In the grid the shrinks at r=128 with hundreds of tokens
+        # a slot reach 11-24 % of the copy bandwidth in blocks of 16 x 64, whose re-reads
+        # through L2 account for their time (the kernel's notes). Four warps of 32 ranks or of
+        # 16, eight of 16, 16-token tiles of 32-rank warps, and K in 4 runs for calls of few
+        # tiles. Timed by the tuner only, until the H200 says where they win.
+        LaunchConfig("mma", threads=128, tile_m=32, tile_n=128, staged=True, tuned_only=True),
+        LaunchConfig("mma", threads=128, tile_m=32, tile_n=64, staged=True, tuned_only=True),
+        LaunchConfig("mma", threads=256, tile_m=32, tile_n=128, staged=True, tuned_only=True),
+        LaunchConfig("mma", threads=128, tile_m=16, tile_n=128, staged=True, tuned_only=True),
+        LaunchConfig(
+            "mma", threads=128, tile_m=32, tile_n=128, splits=4, staged=True, tuned_only=True
+        ),
     ),
     "expand": (
         # For a call whose rows of B do not split among lanes (below).
@@ -735,7 +769,8 @@ def config_name(config: LaunchConfig) -> str:
     thread), ``tiled_t256_m64_n128_u8x4_c16``, ``mma_t128_m16_n128`` or
     ``mma_t64_m16_n128_p2`` (two column groups per block), ``mma_t32_m16_n64_c32`` (the
     rank's fragments 32 ranks at a time), ``split_t128_m4_n4_k8`` (K in eight chunks) or
-    ``mma_t256_m16_n48_j`` (48 of the slices' ranks side by side a block)."""
+    ``mma_t256_m16_n48_j`` (48 of the slices' ranks side by side a block) or
+    ``mma_t128_m32_n128_s`` (staged in shared memory)."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
         name += f"_v{config.vec}"
@@ -749,6 +784,8 @@ def config_name(config: LaunchConfig) -> str:
         name += f"_k{config.splits}"
     if config.joint:
         name += "_j"
+    if config.staged:
+        name += "_s"
     return name
 
 

@@ -65,6 +65,8 @@ KERNEL_MODULES = {
     "shrink_mma",
     "shrink_mma_joint",
     "shrink_mma_split",
+    "shrink_mma_staged",
+    "shrink_mma_staged_split",
     "shrink_split",
     "shrink_token",
 }

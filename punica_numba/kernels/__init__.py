@@ -17,6 +17,9 @@
 * :mod:`.shrink_mma`, :mod:`.expand_mma` both ops on the tensor cores, for many tokens
   per slot; :mod:`.shrink_mma_split` the tensor-core shrink with K split over blocks, and
   :mod:`.shrink_mma_joint` with a layer's slices in one block, their ranks side by side;
+  :mod:`.shrink_mma_staged` with x and A staged in shared memory and the block's ranks split
+  among its warps (:mod:`.shrink_mma_staged_split` with K split over blocks too), its copies
+  :mod:`.async_copy`'s;
 * :mod:`.moe_blocks`, :mod:`.moe_shrink`, :mod:`.moe_expand` MoE LoRA: both ops over blocks
   of (token, expert) pairs, one (slot, expert) a block; :mod:`.moe_shrink_tiled` the
   shrink's second version, in shared-memory tiles; :mod:`.moe_shrink_split` and
@@ -36,6 +39,8 @@ from .shrink import MAX_SLICES, build_shrink_kernel
 from .shrink_mma import build_mma_shrink_kernel
 from .shrink_mma_joint import build_joint_mma_shrink_kernel
 from .shrink_mma_split import build_split_mma_shrink_kernel
+from .shrink_mma_staged import build_staged_mma_shrink_kernel
+from .shrink_mma_staged_split import build_split_staged_mma_shrink_kernel
 from .shrink_split import build_split_shrink_kernel
 from .shrink_token import MAX_WORDS_PER_THREAD, build_token_shrink_kernel
 
@@ -51,6 +56,8 @@ __all__ = [
     "build_shrink_kernel",
     "build_split_mma_shrink_kernel",
     "build_split_shrink_kernel",
+    "build_split_staged_mma_shrink_kernel",
+    "build_staged_mma_shrink_kernel",
     "build_tiled_expand_kernel",
     "build_token_shrink_kernel",
     "splits",

@@ -1,0 +1,163 @@
+"""The tensor-core shrink with x and A staged in shared memory (``LaunchConfig(staged=True)``,
+:mod:`punica_numba.kernels.shrink_mma_staged` and its split twin): a block's warps split its
+ranks, copying each chunk of K into stages of shared memory ahead of its products. Checked here:
+
+1. against the float64 reference, over drawn ranks (a block's ranks more or fewer than the
+   rank's), slices, tiles of 16 and 32 tokens, hidden sizes (K's last chunk partly past the
+   end, where the copies write zeros), runs of K and dtypes, added into a nonzero buffer or
+   stored; the staged configuration is the one that ran;
+2. the grid: a block per tile and slice, groups of the block's ranks along y, runs along z;
+3. the same bits as one warp of the tensor-core shrink walking the same runs of K (their
+   arithmetic key);
+4. what a configuration may ask, and the stages a block's shared memory holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from punica_numba.kernels.shrink_mma_staged import staged_stages
+from punica_numba.launch import LaunchConfig, config_name
+from punica_numba.ops import launching
+
+from .op_cases import Problem, ShrinkCase, check_shrink
+from .strategies import LARGE
+from .test_joint_shrink import _recording
+from .test_split_shrink import forced, stored_shrink
+
+#: Threads a block and ranks a block: on the simulator two warps (64 Python threads a block)
+#: of 8 or 16 ranks each; on the GPU the configurations' sizes.
+THREADS = 128 if LARGE else 64
+BLOCK_RANKS = (64, 128) if LARGE else (16, 32)
+
+
+def staged_config(tile_m: int, tile_n: int, splits: int = 1, threads: int = THREADS):
+    return LaunchConfig("mma", threads, tile_m, tile_n, splits=splits, staged=True, tuned_only=True)
+
+
+@st.composite
+def staged_cases(draw) -> ShrinkCase:
+    """A shrink the tensor cores take: 16-bit x and A, K a multiple of 8; 1-3 slices; up to
+    40 tokens on 1-3 LoRAs (one to three tiles a slot)."""
+    num_tokens = draw(st.integers(1, 96 if LARGE else 40), label="T")
+    num_loras = draw(st.integers(1, 3), label="L")
+    seed = draw(st.integers(0, 2**31 - 1), label="seed")
+    slots = draw(
+        st.lists(st.integers(-1, num_loras - 1), min_size=num_tokens, max_size=num_tokens),
+        label="slots",
+    )
+    return ShrinkCase(
+        problem=Problem(slots, num_tokens, num_loras, seed),
+        hidden=8 * draw(st.integers(1, 512 if LARGE else 10), label="H / 8"),
+        rank=draw(st.integers(1, 256 if LARGE else 40), label="r"),
+        num_slices=draw(st.integers(1, 3), label="S"),
+        extra_slices=draw(st.integers(0, 1), label="extra buffer slices"),
+        dtype=draw(st.sampled_from((torch.bfloat16, torch.float16)), label="dtype"),
+        out_dtype=draw(st.sampled_from((torch.float32, torch.bfloat16)), label="buffer dtype"),
+        scaling=draw(st.sampled_from((1.0, 0.5, -0.25)), label="scaling"),
+        four_d=draw(st.booleans(), label="4-D weights"),
+    )
+
+
+@given(
+    staged_cases(),
+    st.sampled_from((16, 32)),
+    st.sampled_from(BLOCK_RANKS),
+    st.sampled_from((1, 3)),
+    st.booleans(),
+)
+def test_staged_shrink_matches_reference(case, tile_m, tile_n, splits, accumulate):
+    config = staged_config(tile_m, tile_n, splits)
+    ran = []
+    with forced(config):
+        if accumulate:
+            check_shrink(_recording(ran), case)
+        else:
+            check_shrink(stored_shrink, case, stores=True)
+    if ran and ran[0] is not None:  # (None: no token had a LoRA, nothing was launched)
+        assert ran == [config], ran
+
+
+@pytest.mark.parametrize(
+    "rank, tile_n, splits, groups",
+    [(20, 16, 1, 2), (5, 16, 1, 1), (20, 32, 3, 1), (40, 32, 3, 2)],
+)
+def test_a_block_per_tile_and_slice_its_ranks_along_y_its_runs_along_z(
+    rank, tile_n, splits, groups, monkeypatch
+):
+    """The grid is ``(tiles x slices, groups of the block's ranks, runs of K)``: 20 ranks in
+    blocks of 16 make 2 groups, 5 make 1 (a block of 16 ranks whose warps hold 8 each, the
+    second warp's past the rank), 40 in blocks of 32 make 2."""
+    grids = []
+    real = launching.launcher_of
+
+    def recording(kernel):
+        inner = real(kernel)
+
+        def launch(grid, threads, args):
+            grids.append(grid)
+            inner(grid, threads, args)
+
+        return launch
+
+    monkeypatch.setattr(launching, "launcher_of", recording)
+    problem = Problem(slots=[0] * 20 + [1] * 3, prepared=23, num_loras=2, seed=4)
+    case = ShrinkCase(problem, 48, rank, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+    with forced(staged_config(16, tile_n, splits, 64)):
+        check_shrink(_recording([]), case)
+    (grid,) = grids
+    assert grid[1:] == (groups, splits), grid
+    assert grid[0] >= 3 * 2  # (the tiles: two of slot 0, one of slot 1, each of two slices)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_same_bits_as_one_warp_walking_k(splits):
+    """A staged block's outputs are each one warp's sums over its run of K, in the order of
+    one warp of the tensor-core shrink (the key ``("mma", 32)``, or with ``splits``), so the
+    outputs are equal bit for bit, whatever the staged block's warps and tiles. K = 200: its
+    last chunk of 32 is partly past the end."""
+    problem = Problem(slots=[2, 0, 1, 1, -1, 0, 2] * 5, prepared=35, num_loras=3, seed=8)
+    case = ShrinkCase(problem, 200, 24, 3, 0, torch.bfloat16, torch.float32, 0.5, False)
+    outputs = []
+    one_warp = LaunchConfig("mma", 32, 16, 8, splits=splits, tuned_only=True)
+    configs = (staged_config(32, 16, splits, 64), staged_config(16, 32, splits, 64), one_warp)
+    for config in configs:
+        assert config.arithmetic("shrink") == (("mma", 32) if splits == 1 else ("mma", 32, splits))
+
+        def keep(x, weights, out, *rest):
+            _recording([])(x, weights, out, *rest)
+            outputs.append(out.clone())
+
+        with forced(config):
+            check_shrink(keep, case)
+    assert torch.equal(outputs[0], outputs[2])
+    assert torch.equal(outputs[1], outputs[2])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(kernel="rows", threads=128, tile_m=1, tile_n=4),
+        dict(kernel="mma", threads=128, tile_m=16, tile_n=0, spread=False),
+        dict(kernel="mma", threads=128, tile_m=16, tile_n=48),  # 12 ranks a warp
+        dict(kernel="mma", threads=128, tile_m=8, tile_n=64),
+        dict(kernel="mma", threads=128, tile_m=16, tile_n=64, joint=True),
+    ],
+    ids=["rows", "every-rank", "ranks-of-no-8-rank-tiles", "tile-of-8", "joint"],
+)
+def test_only_a_tensor_core_shrink_of_whole_warp_tiles_is_staged(fields):
+    with pytest.raises(ValueError, match="staged"):
+        LaunchConfig(**fields, staged=True)
+    assert config_name(staged_config(32, 128, 1, 128)) == "mma_t128_m32_n128_s"
+    assert config_name(staged_config(32, 128, 4, 128)) == "mma_t128_m32_n128_k4_s"
+
+
+def test_a_block_keeps_the_most_stages_that_fit_48_kb():
+    """A stage is 64 bytes a row (32 elements of 16 bits), a row a token and a rank."""
+    assert staged_stages(32, 128) == 4  # 10 KB a stage
+    assert staged_stages(32, 256) == 2  # 18 KB
+    with pytest.raises(ValueError, match="shared memory"):
+        staged_stages(128, 512)  # 40 KB a stage
