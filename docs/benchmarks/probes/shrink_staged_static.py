@@ -1,0 +1,83 @@
+"""The staged tensor-core shrink beside the blocks the table takes at high rank, read for the
+H200 without a GPU.
+
+Not a timing: the registers, shared memory and SASS instructions of the staged builds the
+launch table offers the tuner (:mod:`punica_numba.kernels.shrink_mma_staged` and its split
+twin) and of the tensor-core shrink the tuned table takes at r=128 with many tokens a slot
+(``mma_t128_m16_n64``: 16 tokens x 64 ranks, four warps walking K), compiled as
+``moe_static.py`` compiles the MoE kernels (numba-cuda's NVVM to PTX for ``sm_90``, ``ptxas
+-arch=sm_90a -v``, ``cuobjdump -sass``; the same tools are needed).
+
+Each build in ``VARIANTS`` takes bf16 x and A in 16-byte rows and adds into an fp32 buffer:
+``staged_t<threads>_m<tokens>_n<ranks>`` (``_k4``: K in four runs) and ``walk_t128_m16_n64``.
+
+Run from the repository root: ``python docs/benchmarks/probes/shrink_staged_static.py [NAME
+...]``. Prints one JSON line: the commit and ptxas's version, and for each build what
+``moe_static._compiled`` reads.
+"""
+
+import os
+
+# name: (staged, threads, 16-token tiles, 8-rank tiles a warp (staged) or a block, splits)
+VARIANTS = {
+    "walk_t128_m16_n64": (False, 128, 1, 8, 1),
+    "staged_t128_m32_n128": (True, 128, 2, 4, 1),
+    "staged_t128_m32_n64": (True, 128, 2, 2, 1),
+    "staged_t256_m32_n128": (True, 256, 2, 2, 1),
+    "staged_t128_m16_n128": (True, 128, 1, 4, 1),
+    "staged_t128_m32_n128_k4": (True, 128, 2, 4, 4),
+}
+
+
+def build(staged, threads, m_tiles, n_tiles, splits):
+    """The shrink of a variant, built (on whatever machine runs this)."""
+    import torch
+
+    from punica_numba.kernels import (
+        build_mma_shrink_kernel,
+        build_split_staged_mma_shrink_kernel,
+        build_staged_mma_shrink_kernel,
+    )
+
+    tiles = (torch.bfloat16, torch.float32, threads, m_tiles, n_tiles)
+    if not staged:
+        return build_mma_shrink_kernel(*tiles)
+    if splits > 1:
+        return build_split_staged_mma_shrink_kernel(*tiles, splits)
+    return build_staged_mma_shrink_kernel(*tiles)
+
+
+def _signature(split):
+    """The shrink's argument types as the op passes them: x and each slice's A as int64
+    words, the fp32 buffer, the first slice and the slice count, (split: the workspace's
+    partial sums and counters,) the tile table and the sorted tokens (int32), the scaling."""
+    from numba.cuda import types
+
+    def a(dtype, ndim):
+        return types.Array(dtype, ndim, "C")
+
+    words = (a(types.int64, 3),) * 3
+    workspace = (a(types.float32, 1), a(types.int32, 1)) if split else ()
+    return (a(types.int64, 2), *words, a(types.float32, 3), types.int64, types.int64,
+            *workspace, a(types.int32, 2), a(types.int32, 1), types.float32)  # fmt: skip
+
+
+def main(argv=None) -> None:
+    import sys
+    import tempfile
+
+    from moe_static import _compiled, _for_the_h200, print_readings
+
+    names = (argv if argv is not None else sys.argv[1:]) or list(VARIANTS)
+    _for_the_h200()
+    with tempfile.TemporaryDirectory() as folder:
+        builds = {
+            name: _compiled(build(*VARIANTS[name]), _signature(VARIANTS[name][4] > 1), name, folder)
+            for name in names
+        }
+    print_readings(builds)
+
+
+if __name__ == "__main__":
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for the GPU, with or without one
+    main()
