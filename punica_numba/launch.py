@@ -81,7 +81,8 @@ class LaunchConfig:
     ranks side by side, ``tile_n`` of them a block (:mod:`.kernels.shrink_mma_joint`: a
     tile's rows of x read once for every slice). A ``staged`` one copies a tile's rows of x
     and the block's ``tile_n`` rows of A into shared memory a chunk of K at a time, each
-    warp multiplying ``tile_n / warps`` of the ranks (:mod:`.kernels.shrink_mma_staged`).
+    warp multiplying ``tile_n / warps`` of the ranks (:mod:`.kernels.shrink_mma_staged`;
+    ``joint`` too: the slices' ranks side by side).
     Only calls whose dtypes and layout the tensor cores take can use them
     (:func:`choose_launch_config`). ``kernel="split"`` is the split-K shrink
     (:mod:`.kernels.shrink_split`): ``tile_m`` tokens of one slot, ``tile_n`` ranks and one
@@ -127,15 +128,11 @@ class LaunchConfig:
             )
         warps = self.threads // 32
         if self.staged and (
-            self.kernel != "mma"
-            or self.joint
-            or self.tile_m % 16
-            or not self.tile_n
-            or self.tile_n % (8 * warps)
+            self.kernel != "mma" or self.tile_m % 16 or not self.tile_n or self.tile_n % (8 * warps)
         ):
             raise ValueError(
-                "staged takes a tensor-core shrink of one slice a block, tile_m a multiple "
-                f"of 16 and tile_n > 0 a multiple of 8 ranks a warp, got {self}"
+                "staged takes a tensor-core shrink of tile_m a multiple of 16 tokens and "
+                f"tile_n > 0 a multiple of 8 ranks a warp, got {self}"
             )
 
     def columns_per_block(self, op: str, words: int = 0) -> int:
@@ -474,6 +471,18 @@ _GPU_CONFIGS = {
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig(
             "mma", threads=128, tile_m=32, tile_n=128, splits=4, staged=True, tuned_only=True
+        ),
+        # ... and the slices' ranks side by side in them (a tile's rows of x read once for
+        # every slice, each copy's row of A chosen once): QKV at r=16 in three warps of 16,
+        # gate_up at r=32 in four, QKV at r=32 and gate_up at r=64 in four warps of 32.
+        LaunchConfig(
+            "mma", threads=96, tile_m=32, tile_n=48, joint=True, staged=True, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=128, tile_m=32, tile_n=64, joint=True, staged=True, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=128, tile_m=32, tile_n=128, joint=True, staged=True, tuned_only=True
         ),
     ),
     "expand": (

@@ -4,9 +4,11 @@ ranks, copying each chunk of K into stages of shared memory ahead of its product
 
 1. against the float64 reference, over drawn ranks (a block's ranks more or fewer than the
    rank's), slices, tiles of 16 and 32 tokens, hidden sizes (K's last chunk partly past the
-   end, where the copies write zeros), runs of K and dtypes, added into a nonzero buffer or
-   stored; the staged configuration is the one that ran;
+   end, where the copies write zeros), runs of K, the slices' ranks side by side or not, and
+   dtypes, added into a nonzero buffer or stored; the staged configuration is the one that
+   ran;
 2. the grid: a block per tile and slice, groups of the block's ranks along y, runs along z;
+   side by side, a block per tile and group of joint ranks;
 3. the same bits as one warp of the tensor-core shrink walking the same runs of K (their
    arithmetic key);
 4. what a configuration may ask, and the stages a block's shared memory holds.
@@ -34,8 +36,12 @@ THREADS = 128 if LARGE else 64
 BLOCK_RANKS = (64, 128) if LARGE else (16, 32)
 
 
-def staged_config(tile_m: int, tile_n: int, splits: int = 1, threads: int = THREADS):
-    return LaunchConfig("mma", threads, tile_m, tile_n, splits=splits, staged=True, tuned_only=True)
+def staged_config(
+    tile_m: int, tile_n: int, splits: int = 1, threads: int = THREADS, joint: bool = False
+) -> LaunchConfig:
+    return LaunchConfig(
+        "mma", threads, tile_m, tile_n, splits=splits, joint=joint, staged=True, tuned_only=True
+    )
 
 
 @st.composite
@@ -66,11 +72,12 @@ def staged_cases(draw) -> ShrinkCase:
     staged_cases(),
     st.sampled_from((16, 32)),
     st.sampled_from(BLOCK_RANKS),
-    st.sampled_from((1, 3)),
+    st.sampled_from(((1, False), (3, False), (1, True))),  # (runs of K, side by side)
     st.booleans(),
 )
-def test_staged_shrink_matches_reference(case, tile_m, tile_n, splits, accumulate):
-    config = staged_config(tile_m, tile_n, splits)
+def test_staged_shrink_matches_reference(case, tile_m, tile_n, runs, accumulate):
+    splits, joint = runs
+    config = staged_config(tile_m, tile_n, splits, joint=joint)
     ran = []
     with forced(config):
         if accumulate:
@@ -82,15 +89,24 @@ def test_staged_shrink_matches_reference(case, tile_m, tile_n, splits, accumulat
 
 
 @pytest.mark.parametrize(
-    "rank, tile_n, splits, groups",
-    [(20, 16, 1, 2), (5, 16, 1, 1), (20, 32, 3, 1), (40, 32, 3, 2)],
+    "rank, tile_n, splits, joint, groups",
+    [
+        (20, 16, 1, False, 2),
+        (5, 16, 1, False, 1),
+        (20, 32, 3, False, 1),
+        (40, 32, 3, False, 2),
+        (12, 16, 1, True, 2),
+        (5, 16, 1, True, 1),
+    ],
 )
 def test_a_block_per_tile_and_slice_its_ranks_along_y_its_runs_along_z(
-    rank, tile_n, splits, groups, monkeypatch
+    rank, tile_n, splits, joint, groups, monkeypatch
 ):
     """The grid is ``(tiles x slices, groups of the block's ranks, runs of K)``: 20 ranks in
     blocks of 16 make 2 groups, 5 make 1 (a block of 16 ranks whose warps hold 8 each, the
-    second warp's past the rank), 40 in blocks of 32 make 2."""
+    second warp's past the rank), 40 in blocks of 32 make 2. Side by side it is ``(tiles,
+    groups of joint ranks, 1)``: two slices of 12 ranks in blocks of 16 make 2 groups (the
+    first straddling the slices), of 5 ranks 1."""
     grids = []
     real = launching.launcher_of
 
@@ -106,11 +122,12 @@ def test_a_block_per_tile_and_slice_its_ranks_along_y_its_runs_along_z(
     monkeypatch.setattr(launching, "launcher_of", recording)
     problem = Problem(slots=[0] * 20 + [1] * 3, prepared=23, num_loras=2, seed=4)
     case = ShrinkCase(problem, 48, rank, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
-    with forced(staged_config(16, tile_n, splits, 64)):
+    with forced(staged_config(16, tile_n, splits, 64, joint=joint)):
         check_shrink(_recording([]), case)
     (grid,) = grids
     assert grid[1:] == (groups, splits), grid
-    assert grid[0] >= 3 * 2  # (the tiles: two of slot 0, one of slot 1, each of two slices)
+    slices_along_x = 1 if joint else 2
+    assert grid[0] >= 3 * slices_along_x  # (the tiles: two of slot 0, one of slot 1)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -123,7 +140,10 @@ def test_the_same_bits_as_one_warp_walking_k(splits):
     case = ShrinkCase(problem, 200, 24, 3, 0, torch.bfloat16, torch.float32, 0.5, False)
     outputs = []
     one_warp = LaunchConfig("mma", 32, 16, 8, splits=splits, tuned_only=True)
-    configs = (staged_config(32, 16, splits, 64), staged_config(16, 32, splits, 64), one_warp)
+    configs = [staged_config(32, 16, splits, 64), staged_config(16, 32, splits, 64)]
+    if splits == 1:  # the slices' ranks side by side (24 of 72 joint ranks a block)
+        configs.append(staged_config(16, 16, 1, 64, joint=True))
+    configs.append(one_warp)
     for config in configs:
         assert config.arithmetic("shrink") == (("mma", 32) if splits == 1 else ("mma", 32, splits))
 
@@ -133,8 +153,8 @@ def test_the_same_bits_as_one_warp_walking_k(splits):
 
         with forced(config):
             check_shrink(keep, case)
-    assert torch.equal(outputs[0], outputs[2])
-    assert torch.equal(outputs[1], outputs[2])
+    for output in outputs[:-1]:
+        assert torch.equal(output, outputs[-1])
 
 
 @pytest.mark.parametrize(
@@ -144,15 +164,17 @@ def test_the_same_bits_as_one_warp_walking_k(splits):
         dict(kernel="mma", threads=128, tile_m=16, tile_n=0, spread=False),
         dict(kernel="mma", threads=128, tile_m=16, tile_n=48),  # 12 ranks a warp
         dict(kernel="mma", threads=128, tile_m=8, tile_n=64),
-        dict(kernel="mma", threads=128, tile_m=16, tile_n=64, joint=True),
     ],
-    ids=["rows", "every-rank", "ranks-of-no-8-rank-tiles", "tile-of-8", "joint"],
+    ids=["rows", "every-rank", "ranks-of-no-8-rank-tiles", "tile-of-8"],
 )
 def test_only_a_tensor_core_shrink_of_whole_warp_tiles_is_staged(fields):
     with pytest.raises(ValueError, match="staged"):
         LaunchConfig(**fields, staged=True)
+    with pytest.raises(ValueError, match="joint"):  # side by side, K is not split
+        staged_config(32, 128, 4, 128, joint=True)
     assert config_name(staged_config(32, 128, 1, 128)) == "mma_t128_m32_n128_s"
     assert config_name(staged_config(32, 128, 4, 128)) == "mma_t128_m32_n128_k4_s"
+    assert config_name(staged_config(32, 64, 1, 128, joint=True)) == "mma_t128_m32_n64_j_s"
 
 
 def test_a_block_keeps_the_most_stages_that_fit_48_kb():

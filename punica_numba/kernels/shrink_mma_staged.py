@@ -32,6 +32,13 @@ Here the block's warps share the tile's operands instead of each reading its own
 :mod:`.shrink_mma_staged_split` is this kernel with K cut into runs, a block each, built from
 the same parts (:func:`staged_shrink_parts`).
 
+**Slices side by side** (``joint``). As in :mod:`.shrink_mma_joint`, a block may take the
+launch's slices' ranks side by side (joint rank ``n`` is rank ``n - s r`` of slice ``s``): a
+block a tile (``grid = (tiles, groups of joint ranks, 1)``), so that a QKV tile's rows of x are
+read once, not once a slice. Here that costs nothing in the loop: which slice's A a copy reads
+is settled when its address is worked out, once a block; the outputs are placed by the same
+rule. The sums do not change (one warp's over K): the same key and bits.
+
 **The same sums.** An output's sum is its chunks' products in order, each chunk's two steps
 in order, in one warp: what one warp of :mod:`.shrink_mma` adds when it walks all of K (a
 block of 32 threads, whose warps' total is its own), and with ``splits`` what one warp of
@@ -68,7 +75,7 @@ from .async_copy import (
 from .dependent_launch import prologue
 from .dtypes import loader, storer, word_halves, words_loader
 from .mma import FRAGMENT_WORDS, mma_into
-from .segments import read_tile, tile_and_slice, tile_token
+from .segments import joint_place, read_tile, tile_and_slice, tile_token
 
 __all__ = [
     "StagedShrinkParts",
@@ -97,10 +104,10 @@ def staged_stages(tile_m: int, tile_n: int) -> int:
 
 
 @cuda.jit(device=True, inline="always")
-def _row_code(x, w, slot, index, of_x):
-    """The simulator's source of a row: ``index`` for row ``index`` of x, ``-1 - index``
-    for row ``index`` of the slot's A."""
-    return int64(index) if of_x else int64(-1 - index)
+def _row_code(x, w0, w1, w2, slot, s, index, of_x):
+    """The simulator's source of a row: ``index`` for row ``index`` of x, ``-1 - (3 index +
+    s)`` for row ``index`` of slice ``s``'s A of the slot."""
+    return int64(index) if of_x else int64(-1 - (3 * index + s))
 
 
 @cuda.jit(device=True, inline="always")
@@ -109,39 +116,49 @@ def _no_address(staged):
 
 
 @cuda.jit(device=True, inline="always")
-def _copy_by_code(staged, base, to, code, q, x, w, slot):
+def _copy_by_code(staged, base, to, code, q, x, w0, w1, w2, slot):
     """On the simulator: words ``q``, ``q + 1`` of the row ``code`` names, copied now."""
     if code >= 0:
         row = x[code]
     else:
-        row = w[slot, -1 - code]
+        s, index = (-1 - code) % 3, (-1 - code) // 3
+        if s == 0:
+            row = w0[slot, index]
+        elif s == 1:
+            row = w1[slot, index]
+        else:
+            row = w2[slot, index]
     staged[to], staged[to + 1] = row[q], row[q + 1]
 
 
 @functools.cache
 def _copies(wide: bool):
-    """``(row_source, stage_base, copy)``: ``row_source(x, w, slot, index, of_x) -> int64``
-    names row ``index`` of x (``of_x``) or of the slot's A, once; ``stage_base(staged)`` the
-    shared array, once; ``copy(staged, base, to, source, q, x, w, slot)`` starts copying
-    words ``q``, ``q + 1`` of that row to ``staged[to]``, ``[to + 1]``. On the GPU the names
-    are addresses and the copy a ``cp.async`` (:mod:`.async_copy`); on the simulator a code
-    and a plain copy."""
+    """``(row_source, stage_base, copy)``: ``row_source(x, w0, w1, w2, slot, s, index, of_x)
+    -> int64`` names row ``index`` of x (``of_x``) or of slice ``s``'s A of the slot, once;
+    ``stage_base(staged)`` the shared array, once; ``copy(staged, base, to, source, q, x, w0,
+    w1, w2, slot)`` starts copying words ``q``, ``q + 1`` of that row to ``staged[to]``,
+    ``[to + 1]``. On the GPU the names are addresses and the copy a ``cp.async``
+    (:mod:`.async_copy`); on the simulator a code and a plain copy."""
     if SIMULATOR:
         return _row_code, _no_address, _copy_by_code
     address, shared_address, copy_words = address_of(), shared_address_of(), words_copier(wide)
 
     @cuda.jit(device=True, inline="always")
-    def row_address(x, w, slot, index, of_x):
+    def row_address(x, w0, w1, w2, slot, s, index, of_x):
         if of_x:
             return address(x[index], 0)
-        return address(w[slot, index], 0)
+        if s == 0:
+            return address(w0[slot, index], 0)
+        if s == 1:
+            return address(w1[slot, index], 0)
+        return address(w2[slot, index], 0)
 
     @cuda.jit(device=True, inline="always")
     def stage_base(staged):
         return shared_address(staged, 0)
 
     @cuda.jit(device=True, inline="always")
-    def copy_from_address(staged, base, to, source, q, x, w, slot):
+    def copy_from_address(staged, base, to, source, q, x, w0, w1, w2, slot):
         copy_words(base + uint32(8 * to), source + 8 * q)
 
     return row_address, stage_base, copy_from_address
@@ -151,11 +168,13 @@ class StagedShrinkParts(NamedTuple):
     """What the staged shrinks (this one and :mod:`.shrink_mma_staged_split`) share."""
 
     # (x, w0, w1, w2, slices, tiles, sorted_tokens, acc, lane_token, run, runs) ->
-    # (leaves, s_local, w, n0, rows): the block's sums of run ``run`` of ``runs`` of K
+    # (leaves, s_local, n0, rows): the block's sums of run ``run`` of ``runs`` of K
     block_sums: object
     # (mi, nj, i, n0) -> (p, r, n): output i of the lane's product tile (mi, nj) is acc[p],
-    # of the token lane_token[r], rank n
+    # of the token lane_token[r], the block's rank n
     place: object
+    # (n, s_local, rank, slices) -> (s, j, stored): the block's rank n is rank j of slice s
+    rank_of: object
     outputs: int  # fp32 sums a lane holds
     m_tiles: int
     n_tiles: int  # 8-rank tiles of a warp
@@ -165,11 +184,12 @@ class StagedShrinkParts(NamedTuple):
 
 @functools.cache
 def staged_shrink_parts(
-    dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, wide: bool
+    dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, wide: bool, joint: bool = False
 ) -> StagedShrinkParts:
     """The parts of a staged shrink of x and A of ``dtype``, ``threads // 32`` warps,
     ``m_tiles`` 16-token tiles a block and ``n_tiles`` 8-rank tiles a *warp*, 16-byte copies
-    or 8 (``wide``: every row of x and A starts at a multiple of 16 bytes)."""
+    or 8 (``wide``: every row of x and A starts at a multiple of 16 bytes). ``joint``: a
+    block's ranks are the launch's slices' side by side (see "Slices side by side")."""
     if threads % 32 or threads <= 0:
         raise ValueError(f"threads must be whole warps, got {threads}")
     add_product = mma_into(dtype)
@@ -190,24 +210,38 @@ def staged_shrink_parts(
     OUTPUTS = M_TILES * N_TILES * 4
     SCRATCH_WARPS = WARPS if SIMULATOR else 1
     ALIGNMENT = None if SIMULATOR else 16  # (the simulator takes no alignment)
+    JOINT = joint
 
     @cuda.jit(device=True, inline="always")
-    def sources(x, w, slot, sorted_tokens, position, rows, first_token, n0, tid, source):
+    def rank_of(n, s_local, rank, slices):
+        """``(s, j, stored)``: the block's rank ``n`` is rank ``j`` of slice ``s``, stored or
+        past the ranks (its products never stored): one slice's ranks, or (``JOINT``) the
+        slices' side by side."""
+        if JOINT:
+            s, j = joint_place(n, rank)
+            return s, j, n < slices * rank
+        return s_local, n, n < rank
+
+    @cuda.jit(device=True, inline="always")
+    def sources(x, w0, w1, w2, slot, s_local, slices, tile, n0, tid, source):
         """Where each of the thread's copies reads, worked out once: pair ``tid + THREADS i``
         of a stage is words ``2 (tid % 4)``, ``+ 1`` of a chunk of its row, the row
-        ``(tid + THREADS i) // 4`` of the stage: a token's row of x, or a rank's of A (past
-        the rank the last one, whose products are never stored)."""
-        rank = w.shape[1]
+        ``(tid + THREADS i) // 4`` of the stage: a token's row of x (``tile``: the sorted
+        tokens, position, rows and first token), or a rank's of A (past the ranks the last
+        one, whose products are never stored)."""
+        sorted_tokens, position, rows, first_token = tile
+        last = (slices if JOINT else 1) * w0.shape[1] - 1
         for i in range(COPIES):
             row = (tid + THREADS * i) // 4
             if row < TILE_M:
                 token = tile_token(sorted_tokens, position, rows, first_token, row)
-                source[i] = row_source(x, w, slot, token, True)
+                source[i] = row_source(x, w0, w1, w2, slot, 0, token, True)
             else:
-                source[i] = row_source(x, w, slot, min(n0 + row - TILE_M, rank - 1), False)
+                s, j, _ = rank_of(min(n0 + row - TILE_M, last), s_local, w0.shape[1], slices)
+                source[i] = row_source(x, w0, w1, w2, slot, s, j, False)
 
     @cuda.jit(device=True, inline="always")
-    def start_stage(staged, base, stage, chunk, x, w, slot, source, tid):
+    def start_stage(staged, base, stage, chunk, x, w0, w1, w2, slot, source, tid):
         """Start copying chunk ``chunk``'s rows into stage ``stage`` (zeros past K). A pair's
         place in the stage is word ``2 (tid + THREADS i)``: row ``(tid + THREADS i) // 4``,
         words ``2 (tid % 4)``, ``+ 1``, the words the pair is copied from."""
@@ -216,7 +250,8 @@ def staged_shrink_parts(
         if q < x.shape[1]:  # and so is q + 1: K's words are even
             for i in range(COPIES):
                 if tid + THREADS * i < PAIRS:
-                    copy_words(staged, base, first + 2 * THREADS * i, source[i], q, x, w, slot)
+                    to = first + 2 * THREADS * i
+                    copy_words(staged, base, to, source[i], q, x, w0, w1, w2, slot)
         else:
             for i in range(COPIES):
                 if tid + THREADS * i < PAIRS:
@@ -243,7 +278,7 @@ def staged_shrink_parts(
                     add_product(acc, (mi * N_TILES + nj) * 4, a0, a1, a2, a3, b0, b1, scratch)
 
     @cuda.jit(device=True, inline="always")
-    def walk(x, w, slot, source, first_chunk, end_chunk, tid, warp, g, t, acc, scratch):
+    def walk(x, w0, w1, w2, slot, source, first_chunk, end_chunk, tid, warp, g, t, acc, scratch):
         """The block's chunks ``first_chunk .. end_chunk - 1``, through the stages: each
         thread commits a group of copies a chunk (empty past the run), and before a chunk
         is multiplied waits for its own copies of it, then for every thread's."""
@@ -251,14 +286,15 @@ def staged_shrink_parts(
         base = stage_base(staged)
         for s in range(STAGES - 1):
             if first_chunk + s < end_chunk:
-                start_stage(staged, base, s, first_chunk + s, x, w, slot, source, tid)
+                start_stage(staged, base, s, first_chunk + s, x, w0, w1, w2, slot, source, tid)
             commit()
         read, write = 0, STAGES - 1  # the stages multiplied from and copied into next
         for chunk in range(first_chunk, end_chunk):
             wait()  # this thread's copies of ``chunk``
             cuda.syncthreads()  # everyone's; and every warp is done with the last chunk
             if chunk + STAGES - 1 < end_chunk:  # into the stage the last chunk was read from
-                start_stage(staged, base, write, chunk + STAGES - 1, x, w, slot, source, tid)
+                ahead = chunk + STAGES - 1
+                start_stage(staged, base, write, ahead, x, w0, w1, w2, slot, source, tid)
             commit()
             multiply_stage(staged, read, warp, g, t, acc, scratch)
             write = read
@@ -266,17 +302,14 @@ def staged_shrink_parts(
 
     @cuda.jit(device=True, inline="always")
     def block_sums(x, w0, w1, w2, slices, tiles, sorted_tokens, acc, lane_token, run, runs):
-        tile, s_local = tile_and_slice(cuda.blockIdx.x, slices)
-        slot, position, rows, first_token = read_tile(tiles, tile)
-        if s_local == 0:  # by hand, as in shrink_mma
-            w = w0
-        elif s_local == 1:
-            w = w1
+        if JOINT:  # a tile a block, the slices' ranks side by side along y
+            tile, s_local = cuda.blockIdx.x, 0
         else:
-            w = w2
+            tile, s_local = tile_and_slice(cuda.blockIdx.x, slices)
+        slot, position, rows, first_token = read_tile(tiles, tile)
         n0 = cuda.blockIdx.y * TILE_N
-        if slot == -1:
-            return True, s_local, w, n0, rows
+        if slot == -1 or (JOINT and n0 >= slices * w0.shape[1]):
+            return True, s_local, n0, rows
         chunks = (x.shape[1] + CHUNK_WORDS - 1) // CHUNK_WORDS
         per_run = (chunks + runs - 1) // runs
         first_chunk = run * per_run
@@ -287,13 +320,14 @@ def staged_shrink_parts(
         scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
         my_scratch = scratch[warp if SIMULATOR else 0]
         source = cuda.local.array(COPIES, int64)
-        sources(x, w, slot, sorted_tokens, position, rows, first_token, n0, tid, source)
+        tile_rows = (sorted_tokens, position, rows, first_token)
+        sources(x, w0, w1, w2, slot, s_local, slices, tile_rows, n0, tid, source)
         for r in range(LANE_ROWS):
             lane_token[r] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * r)
         for p in range(OUTPUTS):
             acc[p] = float32(0.0)
-        walk(x, w, slot, source, first_chunk, end_chunk, tid, warp, g, t, acc, my_scratch)
-        return False, s_local, w, n0, rows
+        walk(x, w0, w1, w2, slot, source, first_chunk, end_chunk, tid, warp, g, t, acc, my_scratch)
+        return False, s_local, n0, rows
 
     @cuda.jit(device=True, inline="always")
     def place(mi, nj, i, n0):
@@ -303,7 +337,9 @@ def staged_shrink_parts(
         n = n0 + WARP_N * (tid // 32) + 8 * nj + 2 * (tid % 4) + i % 2
         return (mi * N_TILES + nj) * 4 + i, 2 * mi + i // 2, n
 
-    return StagedShrinkParts(block_sums, place, OUTPUTS, M_TILES, N_TILES, LANE_ROWS, TILE_N)
+    return StagedShrinkParts(
+        block_sums, place, rank_of, OUTPUTS, M_TILES, N_TILES, LANE_ROWS, TILE_N
+    )
 
 
 @functools.cache
@@ -313,19 +349,22 @@ def build_staged_mma_shrink_kernel(
     threads: int,
     m_tiles: int,
     n_tiles: int,
+    joint: bool = False,
     accumulate: bool = True,
     wide: bool = True,
 ):
     """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
     warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles per *warp*
     (the block's ranks: ``threads // 32 * 8 * n_tiles``, ``blockIdx.y`` numbering its
-    group), whether the products are added to the output or stored, and whether every row
-    of x and A starts at a multiple of 16 bytes (``wide``: 16-byte copies, else 8).
+    group), whether a block's ranks are the slices' side by side (``joint``: a block a
+    tile, grid ``(tiles, groups of joint ranks, 1)``), whether the products are added to the
+    output or stored, and whether every row of x and A starts at a multiple of 16 bytes
+    (``wide``: 16-byte copies, else 8).
 
     The kernel takes x as ``[T, K/4]`` and A as ``[L, r, K/4]`` int64 words of four
     elements (K a multiple of 8), as :func:`.shrink_mma.build_mma_shrink_kernel`'s."""
-    parts = staged_shrink_parts(dtype, threads, m_tiles, n_tiles, wide)
-    block_sums, place = parts.block_sums, parts.place
+    parts = staged_shrink_parts(dtype, threads, m_tiles, n_tiles, wide, joint)
+    block_sums, place, rank_of = parts.block_sums, parts.place, parts.rank_of
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, OUTPUTS, LANE_ROWS, ACCUMULATE = threads, parts.outputs, parts.lane_rows, accumulate
     M_TILES, N_TILES = parts.m_tiles, parts.n_tiles
@@ -339,21 +378,22 @@ def build_staged_mma_shrink_kernel(
         begin()  # wait for the kernels before this one (dependent_launch)
         acc = cuda.local.array(OUTPUTS, float32)  # acc[(mi * N_TILES + nj) * 4 + i]
         lane_token = cuda.local.array(LANE_ROWS, int64)
-        leaves, s_local, w, n0, rows = block_sums(
+        leaves, s_local, n0, rows = block_sums(
             x, w0, w1, w2, slices, tiles, sorted_tokens, acc, lane_token, 0, 1
         )
         if leaves:
             return
-        rank, g = w.shape[1], cuda.threadIdx.x % 32 // 4
+        rank, g = w0.shape[1], cuda.threadIdx.x % 32 // 4
         for mi in range(M_TILES):  # (nested loops of constant trips unroll: acc stays in
             for nj in range(N_TILES):  # registers)
                 for i in range(4):
                     p, r, n = place(mi, nj, i, n0)
-                    if g + 8 * r < rows and n < rank:
+                    s, j, stored = rank_of(n, s_local, rank, slices)
+                    if g + 8 * r < rows and stored:
                         old = float32(0.0)
                         if ACCUMULATE:
-                            old = load_out(out[slice_base + s_local, lane_token[r], n])
+                            old = load_out(out[slice_base + s, lane_token[r], j])
                         total = old + scaling * acc[p]
-                        out[slice_base + s_local, lane_token[r], n] = store_out(total)
+                        out[slice_base + s, lane_token[r], j] = store_out(total)
 
     return shrink

@@ -62,13 +62,13 @@ def build_split_staged_mma_shrink_kernel(
         begin()
         acc = cuda.local.array(OUTPUTS, float32)
         lane_token = cuda.local.array(LANE_ROWS, int64)
-        leaves, s_local, w, n0, rows = block_sums(
+        leaves, s_local, n0, rows = block_sums(
             x, w0, w1, w2, slices, tiles, sorted_tokens, acc, lane_token, cuda.blockIdx.z, SPLITS
         )
         if leaves:
             return  # every run of this tile leaves, before any barrier or count
         last = cuda.shared.array(1, int32)
-        rank, g = w.shape[1], cuda.threadIdx.x % 32 // 4
+        rank, g = w0.shape[1], cuda.threadIdx.x % 32 // 4
         plane = slices * x.shape[0] * rank  # elements of one run's [S, M, R]
         for mi in range(M_TILES):  # this run's sums into the workspace ...
             for nj in range(N_TILES):

@@ -104,6 +104,20 @@ def choose_shrink(
             config = choose_launch_config("shrink", num_tokens, active, rank, False, slices, **key)
     if mma is not None:
         x, packed, wide = mma
+        if config.staged:  # x and A in shared memory, a block's ranks split among its warps
+            warps = config.threads // 32
+            # A block's ranks: one slice's, or (joint) the launch's slices' side by side.
+            ranks = min(slices, MAX_SLICES) * rank if config.joint else rank
+            per_warp = -(-min(ranks, config.tile_n) // (8 * warps))  # 8-rank tiles of a warp
+            tiles = (inputs.dtype, output.dtype, config.threads, config.tile_m // 16, per_warp)
+            if config.splits > 1:  # K in runs too, a block each along grid.z
+                kernel = build_split_staged_mma_shrink_kernel(
+                    *tiles, config.splits, accumulate, wide
+                )
+            else:
+                kernel = build_staged_mma_shrink_kernel(*tiles, config.joint, accumulate, wide)
+            rank_groups = -(-ranks // (8 * per_warp * warps))
+            return ShrinkChoice(config, kernel, x, packed, rank_groups, True, False)
         if config.joint:  # the slices' ranks side by side (a launch takes up to MAX_SLICES)
             ranks = min(slices, MAX_SLICES) * rank
             kernel = build_joint_mma_shrink_kernel(
@@ -116,18 +130,6 @@ def choose_shrink(
                 wide,
             )
             return ShrinkChoice(config, kernel, x, packed, -(-ranks // config.tile_n), True, False)
-        if config.staged:  # x and A in shared memory, a block's ranks split among its warps
-            warps = config.threads // 32
-            per_warp = -(-min(rank, config.tile_n) // (8 * warps))  # 8-rank tiles of a warp
-            tiles = (inputs.dtype, output.dtype, config.threads, config.tile_m // 16, per_warp)
-            if config.splits > 1:  # K in runs too, a block each along grid.z
-                kernel = build_split_staged_mma_shrink_kernel(
-                    *tiles, config.splits, accumulate, wide
-                )
-            else:
-                kernel = build_staged_mma_shrink_kernel(*tiles, accumulate, wide)
-            rank_groups = -(-rank // (8 * per_warp * warps))
-            return ShrinkChoice(config, kernel, x, packed, rank_groups, True, False)
         # One block per group of tile_n ranks (0: every rank), along grid.y.
         rank_groups = -(-rank // config.tile_n) if config.tile_n else 1
         tiles = (

@@ -9,7 +9,8 @@ twin) and of the tensor-core shrink the tuned table takes at r=128 with many tok
 -arch=sm_90a -v``, ``cuobjdump -sass``; the same tools are needed).
 
 Each build in ``VARIANTS`` takes bf16 x and A in 16-byte rows and adds into an fp32 buffer:
-``staged_t<threads>_m<tokens>_n<ranks>`` (``_k4``: K in four runs) and ``walk_t128_m16_n64``.
+``staged_t<threads>_m<tokens>_n<ranks>`` (``_k4``: K in four runs; ``staged_joint_``: the slices'
+ranks side by side) and ``walk_t128_m16_n64``.
 
 Run from the repository root: ``python docs/benchmarks/probes/shrink_staged_static.py [NAME
 ...]``. Prints one JSON line: the commit and ptxas's version, and for each build what
@@ -18,18 +19,22 @@ Run from the repository root: ``python docs/benchmarks/probes/shrink_staged_stat
 
 import os
 
-# name: (staged, threads, 16-token tiles, 8-rank tiles a warp (staged) or a block, splits)
+# name: (staged, threads, 16-token tiles, 8-rank tiles a warp (staged) or a block, splits,
+# the slices' ranks side by side)
 VARIANTS = {
-    "walk_t128_m16_n64": (False, 128, 1, 8, 1),
-    "staged_t128_m32_n128": (True, 128, 2, 4, 1),
-    "staged_t128_m32_n64": (True, 128, 2, 2, 1),
-    "staged_t256_m32_n128": (True, 256, 2, 2, 1),
-    "staged_t128_m16_n128": (True, 128, 1, 4, 1),
-    "staged_t128_m32_n128_k4": (True, 128, 2, 4, 4),
+    "walk_t128_m16_n64": (False, 128, 1, 8, 1, False),
+    "staged_t128_m32_n128": (True, 128, 2, 4, 1, False),
+    "staged_t128_m32_n64": (True, 128, 2, 2, 1, False),
+    "staged_t256_m32_n128": (True, 256, 2, 2, 1, False),
+    "staged_t128_m16_n128": (True, 128, 1, 4, 1, False),
+    "staged_t128_m32_n128_k4": (True, 128, 2, 4, 4, False),
+    "staged_joint_t96_m32_n48": (True, 96, 2, 2, 1, True),
+    "staged_joint_t128_m32_n64": (True, 128, 2, 2, 1, True),
+    "staged_joint_t128_m32_n128": (True, 128, 2, 4, 1, True),
 }
 
 
-def build(staged, threads, m_tiles, n_tiles, splits):
+def build(staged, threads, m_tiles, n_tiles, splits, joint):
     """The shrink of a variant, built (on whatever machine runs this)."""
     import torch
 
@@ -44,7 +49,7 @@ def build(staged, threads, m_tiles, n_tiles, splits):
         return build_mma_shrink_kernel(*tiles)
     if splits > 1:
         return build_split_staged_mma_shrink_kernel(*tiles, splits)
-    return build_staged_mma_shrink_kernel(*tiles)
+    return build_staged_mma_shrink_kernel(*tiles, joint=joint)
 
 
 def _signature(split):
