@@ -50,10 +50,13 @@ def _recording(ran: list):
 
 
 @st.composite
-def joint_cases(draw) -> ShrinkCase:
-    """A shrink the tensor cores take: 16-bit x and A, K a multiple of 8; up to five
-    slices; 1-20 tokens on 1-3 LoRAs (one or two tiles a slot)."""
-    num_tokens = draw(st.integers(1, 64 if LARGE else 20), label="T")
+def tensor_core_shrink_cases(
+    draw, most_tokens: int, most_words: int, most_rank: int, most_slices: int
+) -> ShrinkCase:
+    """A shrink the tensor cores take: 16-bit x and A, K a multiple of 8 (up to
+    ``most_words`` pairs of 4-element words); 1 to ``most_slices`` slices; 1 to
+    ``most_tokens`` tokens on 1-3 LoRAs; ranks 1 to ``most_rank``."""
+    num_tokens = draw(st.integers(1, most_tokens), label="T")
     num_loras = draw(st.integers(1, 3), label="L")
     seed = draw(st.integers(0, 2**31 - 1), label="seed")
     slots = draw(
@@ -62,15 +65,40 @@ def joint_cases(draw) -> ShrinkCase:
     )
     return ShrinkCase(
         problem=Problem(slots, num_tokens, num_loras, seed),
-        hidden=8 * draw(st.integers(1, 512 if LARGE else 6), label="H / 8"),
-        rank=draw(st.integers(1, 64 if LARGE else 12), label="r"),
-        num_slices=draw(st.integers(1, 5), label="S"),
+        hidden=8 * draw(st.integers(1, most_words), label="H / 8"),
+        rank=draw(st.integers(1, most_rank), label="r"),
+        num_slices=draw(st.integers(1, most_slices), label="S"),
         extra_slices=draw(st.integers(0, 1), label="extra buffer slices"),
         dtype=draw(st.sampled_from((torch.bfloat16, torch.float16)), label="dtype"),
         out_dtype=draw(st.sampled_from((torch.float32, torch.bfloat16)), label="buffer dtype"),
         scaling=draw(st.sampled_from((1.0, 0.5, -0.25)), label="scaling"),
         four_d=draw(st.booleans(), label="4-D weights"),
     )
+
+
+def joint_cases() -> st.SearchStrategy:
+    """Up to five slices (two launches); 1-20 tokens (one or two tiles a slot)."""
+    return tensor_core_shrink_cases(
+        64 if LARGE else 20, 512 if LARGE else 6, 64 if LARGE else 12, 5
+    )
+
+
+def recorded_grids(monkeypatch) -> list:
+    """The grid of every launch made from now on (within the test), in order."""
+    grids = []
+    real = launching.launcher_of
+
+    def recording(kernel):
+        inner = real(kernel)
+
+        def launch(grid, threads, args):
+            grids.append(grid)
+            inner(grid, threads, args)
+
+        return launch
+
+    monkeypatch.setattr(launching, "launcher_of", recording)
+    return grids
 
 
 @given(joint_cases(), st.sampled_from(GROUPS), st.booleans())
@@ -92,19 +120,7 @@ def test_joint_shrink_matches_reference(case, tile_n, accumulate):
 def test_a_block_takes_a_group_of_every_slices_ranks(slices, rank, tile_n, groups, monkeypatch):
     """The grid is ``(tiles, groups of joint ranks, 1)``: 24 joint ranks in groups of 16
     make 2 (the second straddling k and v's ranks), 15 make 1, 24 in groups of 8 make 3."""
-    grids = []
-    real = launching.launcher_of
-
-    def recording(kernel):
-        inner = real(kernel)
-
-        def launch(grid, threads, args):
-            grids.append(grid)
-            inner(grid, threads, args)
-
-        return launch
-
-    monkeypatch.setattr(launching, "launcher_of", recording)
+    grids = recorded_grids(monkeypatch)
     problem = Problem(slots=[0] * 20 + [1] * 3, prepared=23, num_loras=2, seed=4)
     case = ShrinkCase(problem, 16, rank, slices, 0, torch.bfloat16, torch.float32, 0.5, False)
     with forced(joint_config(tile_n, 64)):

@@ -23,11 +23,10 @@ from hypothesis import strategies as st
 
 from punica_numba.kernels.shrink_mma_staged import staged_stages
 from punica_numba.launch import LaunchConfig, config_name
-from punica_numba.ops import launching
 
 from .op_cases import Problem, ShrinkCase, check_shrink
 from .strategies import LARGE
-from .test_joint_shrink import _recording
+from .test_joint_shrink import _recording, recorded_grids, tensor_core_shrink_cases
 from .test_split_shrink import forced, stored_shrink
 
 #: Threads a block and ranks a block: on the simulator two warps (64 Python threads a block)
@@ -44,28 +43,12 @@ def staged_config(
     )
 
 
-@st.composite
-def staged_cases(draw) -> ShrinkCase:
-    """A shrink the tensor cores take: 16-bit x and A, K a multiple of 8; 1-3 slices; up to
-    40 tokens on 1-3 LoRAs (one to three tiles a slot)."""
-    num_tokens = draw(st.integers(1, 96 if LARGE else 40), label="T")
-    num_loras = draw(st.integers(1, 3), label="L")
-    seed = draw(st.integers(0, 2**31 - 1), label="seed")
-    slots = draw(
-        st.lists(st.integers(-1, num_loras - 1), min_size=num_tokens, max_size=num_tokens),
-        label="slots",
-    )
-    return ShrinkCase(
-        problem=Problem(slots, num_tokens, num_loras, seed),
-        hidden=8 * draw(st.integers(1, 512 if LARGE else 10), label="H / 8"),
-        rank=draw(st.integers(1, 256 if LARGE else 40), label="r"),
-        num_slices=draw(st.integers(1, 3), label="S"),
-        extra_slices=draw(st.integers(0, 1), label="extra buffer slices"),
-        dtype=draw(st.sampled_from((torch.bfloat16, torch.float16)), label="dtype"),
-        out_dtype=draw(st.sampled_from((torch.float32, torch.bfloat16)), label="buffer dtype"),
-        scaling=draw(st.sampled_from((1.0, 0.5, -0.25)), label="scaling"),
-        four_d=draw(st.booleans(), label="4-D weights"),
-    )
+def staged_cases() -> st.SearchStrategy:
+    """1-3 slices; up to 40 tokens on 1-3 LoRAs (one to three tiles a slot); ranks up to 40
+    (256 on the GPU)."""
+    if LARGE:
+        return tensor_core_shrink_cases(96, 512, 256, 3)
+    return tensor_core_shrink_cases(40, 10, 40, 3)
 
 
 @given(
@@ -107,19 +90,7 @@ def test_a_block_per_tile_and_slice_its_ranks_along_y_its_runs_along_z(
     second warp's past the rank), 40 in blocks of 32 make 2. Side by side it is ``(tiles,
     groups of joint ranks, 1)``: two slices of 12 ranks in blocks of 16 make 2 groups (the
     first straddling the slices), of 5 ranks 1."""
-    grids = []
-    real = launching.launcher_of
-
-    def recording(kernel):
-        inner = real(kernel)
-
-        def launch(grid, threads, args):
-            grids.append(grid)
-            inner(grid, threads, args)
-
-        return launch
-
-    monkeypatch.setattr(launching, "launcher_of", recording)
+    grids = recorded_grids(monkeypatch)
     problem = Problem(slots=[0] * 20 + [1] * 3, prepared=23, num_loras=2, seed=4)
     case = ShrinkCase(problem, 48, rank, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
     with forced(staged_config(16, tile_n, splits, 64, joint=joint)):
