@@ -101,9 +101,9 @@ def recorded_grids(monkeypatch) -> list:
     return grids
 
 
-@given(joint_cases(), st.sampled_from(GROUPS), st.booleans())
-def test_joint_shrink_matches_reference(case, tile_n, accumulate):
-    config = joint_config(tile_n)
+def check_forced_shrink(config: LaunchConfig, case: ShrinkCase, accumulate: bool) -> None:
+    """``case`` against the reference under ``config``, added into the buffer or stored;
+    ``config`` is the configuration that ran (where anything ran)."""
     ran = []
     with forced(config):
         if accumulate:
@@ -112,6 +112,11 @@ def test_joint_shrink_matches_reference(case, tile_n, accumulate):
             check_shrink(stored_shrink, case, stores=True)
     if ran and ran[0] is not None:  # (None: no token had a LoRA, nothing was launched)
         assert ran == [config], ran
+
+
+@given(joint_cases(), st.sampled_from(GROUPS), st.booleans())
+def test_joint_shrink_matches_reference(case, tile_n, accumulate):
+    check_forced_shrink(joint_config(tile_n), case, accumulate)
 
 
 @pytest.mark.parametrize(

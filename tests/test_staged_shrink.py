@@ -26,8 +26,13 @@ from punica_numba.launch import LaunchConfig, config_name
 
 from .op_cases import Problem, ShrinkCase, check_shrink
 from .strategies import LARGE
-from .test_joint_shrink import _recording, recorded_grids, tensor_core_shrink_cases
-from .test_split_shrink import forced, stored_shrink
+from .test_joint_shrink import (
+    _recording,
+    check_forced_shrink,
+    recorded_grids,
+    tensor_core_shrink_cases,
+)
+from .test_split_shrink import forced
 
 #: Threads a block and ranks a block: on the simulator two warps (64 Python threads a block)
 #: of 8 or 16 ranks each; on the GPU the configurations' sizes.
@@ -60,15 +65,7 @@ def staged_cases() -> st.SearchStrategy:
 )
 def test_staged_shrink_matches_reference(case, tile_m, tile_n, runs, accumulate):
     splits, joint = runs
-    config = staged_config(tile_m, tile_n, splits, joint=joint)
-    ran = []
-    with forced(config):
-        if accumulate:
-            check_shrink(_recording(ran), case)
-        else:
-            check_shrink(stored_shrink, case, stores=True)
-    if ran and ran[0] is not None:  # (None: no token had a LoRA, nothing was launched)
-        assert ran == [config], ran
+    check_forced_shrink(staged_config(tile_m, tile_n, splits, joint=joint), case, accumulate)
 
 
 @pytest.mark.parametrize(
