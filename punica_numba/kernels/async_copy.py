@@ -29,6 +29,7 @@ import functools
 from numba import int64, uint32
 
 from .._cuda import SIMULATOR, cuda
+from .dependent_launch import ptx_device_function
 from .dtypes import element_pointer
 
 __all__ = [
@@ -150,31 +151,6 @@ def words_copier(wide: bool):
     return _copy_on_gpu(wide)
 
 
-def _asm_statement(text: str):
-    """A device function ``()`` that runs the PTX statement ``text`` (a memory barrier for
-    the compiler: nothing in memory is assumed unchanged across it)."""
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def statement(typingctx):
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True
-            )
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    @cuda.jit(device=True)
-    def run():
-        statement()
-
-    return run
-
-
 @cuda.jit(device=True)
 def _nothing():
     return
@@ -184,7 +160,7 @@ def _nothing():
 def group_committer():
     """The device function ``commit()``: the copies this thread started since its last
     commit become one group."""
-    return _nothing if SIMULATOR else _asm_statement("cp.async.commit_group;")
+    return _nothing if SIMULATOR else ptx_device_function("cp.async.commit_group;")
 
 
 @functools.cache
@@ -195,4 +171,4 @@ def group_waiter(newest_in_flight: int):
         raise ValueError(f"newest_in_flight must be at least 0, got {newest_in_flight}")
     if SIMULATOR:
         return _nothing
-    return _asm_statement(f"cp.async.wait_group {newest_in_flight};")
+    return ptx_device_function(f"cp.async.wait_group {newest_in_flight};")

@@ -106,8 +106,8 @@ def ptx_statement(text: str):
     return statement
 
 
-def _one_instruction(text: str):
-    """A device function that runs the one PTX statement ``text``."""
+def ptx_device_function(text: str):
+    """A device function ``()`` that runs the one PTX statement ``text`` (GPU only)."""
     statement = ptx_statement(text)
 
     @cuda.jit(device=True)
@@ -122,11 +122,13 @@ def next_launch():
     next kernel on the stream may be launched once every block of this one has said it
     (used only where it was measured to pay: :mod:`.expand_mma`, "Asking ahead"); nothing
     where :func:`prologue`'s wait is nothing too."""
-    return _one_instruction("griddepcontrol.launch_dependents;") if dependent_launch() else _nothing
+    return (
+        ptx_device_function("griddepcontrol.launch_dependents;") if dependent_launch() else _nothing
+    )
 
 
 def prologue():
     """The device function every kernel calls first, as ``begin()``: the wait where
     :func:`.._cuda.dependent_launch` holds, else nothing. Called when a kernel is built,
     once the device is known."""
-    return _one_instruction("griddepcontrol.wait;") if dependent_launch() else _nothing
+    return ptx_device_function("griddepcontrol.wait;") if dependent_launch() else _nothing
