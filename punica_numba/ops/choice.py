@@ -200,8 +200,11 @@ def choose_expand(
     facts,
     offset_start: int,
     after_own_shrink: bool = False,
+    config: LaunchConfig | None = None,
 ) -> ExpandChoice:
-    """The kernel of a checked expand (``facts`` as in :func:`choose_shrink`).
+    """The kernel of a checked expand (``facts`` as in :func:`choose_shrink`); ``config``,
+    where given, is taken instead of the one :func:`..launch.choose_launch_config` would
+    pick (unless the tensor cores cannot take the call: then the heuristic's FFMA pick).
 
     ``after_own_shrink``: the caller's promise that the launch just ahead of this one on
     the stream is this package's shrink (the wrapper's ``add_lora_linear``), which waits
@@ -230,7 +233,7 @@ def choose_expand(
         K=rank,
         N=max(widths),
     )
-    config = choose(tensor_cores=True)
+    config = config or choose(tensor_cores=True)
     mma = None
     if config.kernel == "mma":
         mma = operands.mma_expand_operands(inputs, weights, w_words, output, columns)
