@@ -24,6 +24,10 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    the shrink's runs of blocks on a compact grid (:func:`compact_units`; the shrink's
    single blocks too where :data:`COMPACT_SINGLE_BLOCK_MMA_SHRINK`, the split shrink where
    :data:`COMPACT_SPLIT_SHRINK`). The default.
+7. 6's shrinks, and the dense op's tensor-core expand (:mod:`.moe_dense`): each (slot,
+   expert) one slot of B viewed ``[L * E, N, r]``, each block of pairs tiles of the dense
+   tile table, the router's weights multiplied into the buffer first; where the tensor
+   cores cannot take the expand, 6's. Not timed on a GPU.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -54,6 +58,7 @@ from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
 from ..moe_meta import check_adapter_enabled
 from .launching import launcher_of
+from .moe_dense import dense_expand, moe_tiles
 from .operands import rows_start_at, words
 
 __all__ = ["fused_moe_lora"]
@@ -64,7 +69,7 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4, 5, 6)
+VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 #: The version a call takes unless it asks for another: 6. On the 30 cases of ``bench --moe``
 #: on an H200 (docs/benchmarks/h200_moe_v6_480005d.json, version 6 asked for by name at
 #: 480005d, against h200_moe_v5.json at 1ec6e02) it took 0.76-0.96x version 5's time on 9
@@ -409,8 +414,9 @@ def fused_moe_lora(
     :data:`OUTER_EXPAND_FROM_PAIRS` (16) a block, else 3's; that expand and the shrink's
     runs of blocks on compact grids, its single blocks and the split shrink on 5's unless
     :data:`COMPACT_SINGLE_BLOCK_MMA_SHRINK`, :data:`COMPACT_SPLIT_SHRINK` (the same bits as
-    5's shrinks and 3's expand). The same sums in other orders; :data:`DEFAULT_VERSION` (6)
-    unless asked.
+    5's shrinks and 3's expand); 7, 6's shrinks and the dense op's tensor-core expand on
+    the blocks' pairs (:mod:`.moe_dense`), the router's weights multiplied into the buffer
+    first. The same sums in other orders; :data:`DEFAULT_VERSION` (6) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
@@ -489,20 +495,28 @@ def fused_moe_lora(
     out = y.view(num_pairs, columns)  # [P, W]
     if version >= 3:
         # The tensor-core shrink: version 4's, and 5's where its blocks are full enough.
-        average = pairs_per_block(num_pairs, L, E)  # (versions 5 and 6 choose by it)
+        average = pairs_per_block(num_pairs, L, E)  # (versions 5 to 7 choose by it)
         mma = version == 4 or (version >= 5 and average >= MMA_SHRINK_FROM_PAIRS)
         tensor_cores = tensor_core_words(x, a, b) if mma else None
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
+        sixth = version in (6, 7)  # (7 takes 6's shrinks)
         if tensor_cores is not None:
-            _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=version == 6)
+            _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=sixth)
         else:
-            _split_shrink(shrink, x, a, compact=version == 6 and COMPACT_SPLIT_SHRINK)
+            _split_shrink(shrink, x, a, compact=sixth and COMPACT_SPLIT_SHRINK)
+        if version == 7:  # the router's weights into the buffer, then the dense op's expand
+            if mul_routed_weight:
+                buffer.mul_(weights.view(1, num_pairs, 1))
+            tiles = moe_tiles(*metadata, block_size, num_pairs, E)
+            if dense_expand(out, buffer, b, tiles, offset, add_inputs, average):
+                return
+            mul_routed_weight = False  # (in the buffer already, for the expand below)
         call = _Expand(
             out, buffer, weights, metadata, block_size, mul_routed_weight, offset, add_inputs
         )
         if version == 4 and tensor_cores is not None:
             _mma_expand(call, tensor_cores[2], x.dtype)
-        elif version == 6 and average >= OUTER_EXPAND_FROM_PAIRS:
+        elif sixth and average >= OUTER_EXPAND_FROM_PAIRS:
             _outer_expand(call, b)
         else:
             _columns_expand(call, b)

@@ -1,0 +1,155 @@
+"""MoE LoRA's expand as the dense op's: each (slot, expert) of the MoE blocks one slot.
+
+Past the shrink, an MoE expand is the dense expand on other rows: every pair ``p`` adds its
+buffer row ``buffer[s, p]`` times its (slot, expert)'s ``B_s[l, e]`` into its own row of y
+(``y.view(P, W)[p]``), where the dense op adds ``buffer[s, t]`` times its slot's B into row
+``t``. So the MoE blocks can be handed to the tensor-core expand of the dense op
+(:mod:`..kernels.expand_mma`), tuned on the H200 for every shape of a layer, instead of a
+kernel of their own:
+
+* a (slot l, expert e) is dense slot ``l * E + e`` of each B viewed ``[L * E, N, r]``;
+* each MoE block of ``block_size`` pairs becomes ``ceil(block_size / 16)`` tiles of up to 16
+  pairs, a row of the dense tile table each (:func:`moe_tiles`): its slot (-1 for a block
+  not in use, an adapter turned off, or a tile with no pair), its pairs in a row of their
+  own (the kernel's tile tokens), padding past them;
+* the router's weight, where the call multiplies by it (``mul_routed_weight``), goes into
+  the buffer first: ``w (x A^T) B^T = (w x A^T) B^T``, one more rounding of the fp32
+  buffer.
+
+The tiles cost a few torch operations on the device a call (no read-back: the op stays
+capturable in a CUDA graph), and the table has a row for every block the metadata can
+hold, most of them idle where the pairs are few.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_stack
+from .._cuda import SIMULATOR
+from ..kernels import MAX_SLICES
+from ..launch import choose_launch_config, launch_configs
+from .choice import choose_expand, column_blocks
+from .launching import launcher_of
+
+__all__ = ["TILE_M", "dense_expand", "moe_tiles"]
+
+#: Pairs a tile of the dense tensor-core expand holds.
+TILE_M = 16
+
+
+def moe_tiles(
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    adapter_enabled: torch.Tensor,
+    block_size: int,
+    num_pairs: int,
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE blocks as the dense op's tile table ``[B, 4]`` and tile tokens ``[B, 16]``
+    (int32; :mod:`..kernels.segments`), ``B = L * NB * ceil(block_size / 16)``.
+
+    Semantics:
+        for slot l, block b of row l, tile j of the block (pairs j*16 .. of it):
+            pairs = the entries of sorted_token_ids[l, b*bs + 16 j : b*bs + min(16 (j+1), bs)]
+                    that are below num_pairs, in their order
+            in use = b*bs < num_tokens_post_padded[l], 0 <= e = expert_ids[l, b] < E,
+                     adapter_enabled[l] != 0, and pairs not empty
+            table row = (l*E + e, 0, len(pairs), pairs[0]) if in use else (-1, 0, 0, 0)
+            tokens row = pairs, then pairs[-1] repeated (zeros for a tile not in use)
+    """
+    slots, padded_len = sorted_token_ids.shape
+    blocks = expert_ids.shape[1]
+    per_block = -(-block_size // TILE_M)
+    device = sorted_token_ids.device
+    ids = torch.full((slots, blocks * block_size), num_pairs, dtype=torch.int64, device=device)
+    length = min(padded_len, blocks * block_size)
+    ids[:, :length] = sorted_token_ids[:, :length]
+    ids = ids.view(slots, blocks, block_size)
+    if per_block * TILE_M != block_size:  # the last tile of a block: padding past its pairs
+        fill = per_block * TILE_M - block_size
+        pad = torch.full((slots, blocks, fill), num_pairs, dtype=torch.int64, device=device)
+        ids = torch.cat([ids, pad], dim=2)
+    ids = ids.view(slots, blocks, per_block, TILE_M)
+    real = (ids >= 0) & (ids < num_pairs)
+    rows = real.sum(-1)  # [L, NB, per_block]
+    # The tile's pairs first (in their order), then the last one again.
+    order = torch.argsort((~real).to(torch.int8), dim=-1, stable=True)
+    pairs = torch.gather(ids, -1, order)
+    last = torch.gather(pairs, -1, (rows - 1).clamp(min=0).unsqueeze(-1))
+    within = torch.arange(TILE_M, device=device) < rows.unsqueeze(-1)
+    pairs = torch.where(within, pairs, last)
+    experts = expert_ids.to(torch.int64)
+    started = torch.arange(blocks, device=device) * block_size
+    enabled = adapter_enabled[:slots].to(device) != 0
+    in_use = (
+        (started < num_tokens_post_padded.to(torch.int64).unsqueeze(1))
+        & (experts >= 0)
+        & (experts < num_experts)
+        & enabled.unsqueeze(1)
+    )  # [L, NB]
+    live = in_use.unsqueeze(-1) & (rows > 0)  # [L, NB, per_block]
+    slot = torch.arange(slots, device=device).view(slots, 1, 1) * num_experts
+    slot = torch.where(live, slot + experts.clamp(min=0).unsqueeze(-1), -1)
+    pairs = torch.where(live.unsqueeze(-1), pairs, 0)
+    rows = torch.where(live, rows, 0)
+    table = torch.stack([slot, torch.zeros_like(slot), rows, pairs[..., 0]], dim=-1)
+    return table.view(-1, 4).to(torch.int32), pairs.view(-1, TILE_M).to(torch.int32)
+
+
+def dense_expand(
+    out: torch.Tensor,
+    buffer: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    tiles: tuple[torch.Tensor, torch.Tensor],
+    offset: int,
+    add_inputs: bool,
+    average_pairs: float,
+) -> bool:
+    """The expand of a checked MoE call by the dense op's tensor-core kernel: ``out`` [P, W]
+    (y's rows of pairs), ``buffer`` [S, P, r] fp32 (the router's weights already in it where
+    the call multiplies by them), ``lora_b[s]`` [L, E, N, r], ``tiles`` from
+    :func:`moe_tiles`; ``average_pairs`` the pairs a (slot, expert) on average, for the
+    choice of configuration (the tuned table's tokens a slot). False, with nothing
+    launched, where the tensor cores cannot take the call (then the caller's own expand
+    runs).
+
+    The configuration is the dense op's for P rows of ``P / average_pairs`` slots where
+    that is a tensor-core one of 16-token tiles, else the first such of the table."""
+    slots, experts, width, rank = lora_b[0].shape
+    stacks = [
+        check_stack("lora_b_stacked", b.view(slots * experts, width, rank), s)
+        for s, b in enumerate(lora_b)
+    ]
+    num_pairs = buffer.shape[1]
+    active = max(1, round(num_pairs / max(average_pairs, 1.0)))
+    key = dict(dtype=stacks[0].dtype, K=rank, N=width)
+    config = choose_launch_config("expand", num_pairs, active, rank, True, len(stacks), **key)
+    if config.kernel != "mma" or config.tile_m != TILE_M:
+        config = next(
+            c
+            for c in launch_configs("expand")
+            if c.kernel == "mma" and c.tile_m == TILE_M and not c.tuned_only
+        )
+    chosen = choose_expand(buffer, stacks, out, None, offset, config=config)
+    if chosen.config.kernel != "mma":
+        return False
+    table, tokens = tiles
+    if SIMULATOR:  # (every CUDA thread a Python thread: no idle tile)
+        keep = table[:, 0] >= 0
+        table, tokens = table[keep].contiguous(), tokens[keep].contiguous()
+    if table.shape[0] == 0:
+        return True
+    launch = launcher_of(chosen.kernel)
+    weights = list(chosen.weights)
+    starts = list(chosen.columns)
+    grid = (table.shape[0], len(weights), column_blocks(chosen.config, width, chosen.per_block))
+    weights += [weights[0]] * (MAX_SLICES - len(weights))  # unused slots: never read
+    starts += [0] * (MAX_SLICES - len(starts))
+    launch(
+        grid,
+        chosen.config.threads,
+        (chosen.x, *weights, chosen.out, 0, *starts, table, tokens, add_inputs),
+    )
+    return True

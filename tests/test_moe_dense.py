@@ -1,0 +1,162 @@
+"""MoE LoRA's version 7: the dense op's tensor-core expand on the MoE blocks
+(:mod:`punica_numba.ops.moe_dense`). Checked here:
+
+1. the blocks as the dense tile table (:func:`~punica_numba.ops.moe_dense.moe_tiles`) against
+   its definition, written as loops, on drawn routings: block sizes below, at and past a
+   tile of 16 (two tiles a block), slots turned off, experts -1, idle blocks;
+2. the op at version 7 against the float64 reference, on calls whose expand the tensor
+   cores take (16-bit B and y, widths and the offset in whole words), with the router's
+   weights (w2) and without (w13), added into y or stored; the dense expand is what ran.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from punica_numba.moe_meta import align_pairs
+from punica_numba.ops import moe as moe_ops
+from punica_numba.ops.moe import fused_moe_lora
+from punica_numba.ops.moe_dense import TILE_M, moe_tiles
+
+from .strategies import DEVICE, LARGE
+from .test_moe import MOE_EXAMPLES, MoECase, check_against_reference
+
+
+def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
+    """:func:`moe_tiles` as its docstring defines it, one tile at a time on the host."""
+    ids, experts, padded = (t.cpu().tolist() for t in blocks)
+    enabled = enabled.cpu().tolist()
+    table, tokens = [], []
+    for l, row in enumerate(ids):
+        for b, e in enumerate(experts[l]):
+            for j in range(-(-block_size // TILE_M)):
+                lo, hi = (
+                    b * block_size + TILE_M * j,
+                    b * block_size + min(TILE_M * (j + 1), block_size),
+                )
+                pairs = [p for p in row[lo:hi] if 0 <= p < num_pairs]
+                use = b * block_size < padded[l] and 0 <= e < num_experts and enabled[l] != 0
+                if use and pairs:
+                    table.append([l * num_experts + e, 0, len(pairs), pairs[0]])
+                    tokens.append(pairs + [pairs[-1]] * (TILE_M - len(pairs)))
+                else:
+                    table.append([-1, 0, 0, 0])
+                    tokens.append([0] * TILE_M)
+    return table, tokens
+
+
+@settings(max_examples=min(settings().max_examples, 30))
+@given(
+    st.integers(1, 3),  # slots
+    st.integers(1, 5),  # experts
+    st.sampled_from((1, 3, 16, 20)),  # block size
+    st.integers(0, 12),  # tokens
+    st.integers(0, 2**31 - 1),  # seed
+)
+def test_the_blocks_as_the_dense_tile_table(slots, experts, block_size, tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    top_k = min(2, experts)
+    topk_ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+    for t in range(tokens):  # distinct experts a token, as a router picks them
+        topk_ids[t] = torch.randperm(experts, generator=gen)[:top_k]
+    topk_ids[torch.rand(tokens, top_k, generator=gen) < 0.1] = -1
+    token_slots = torch.randint(-1, slots, (tokens,), generator=gen)
+    enabled = (torch.rand(slots, generator=gen) < 0.8).to(torch.int32)
+    blocks = align_pairs(
+        topk_ids.to(DEVICE), token_slots.to(DEVICE), experts, block_size, slots, enabled.to(DEVICE)
+    )
+    num_pairs = tokens * top_k
+    table, rows = moe_tiles(*blocks, enabled.to(DEVICE), block_size, num_pairs, experts)
+    want_table, want_rows = tiles_by_loops(blocks, enabled, block_size, num_pairs, experts)
+    assert table.dtype == rows.dtype == torch.int32
+    assert table.cpu().tolist() == want_table
+    assert rows.cpu().tolist() == want_rows
+
+
+@st.composite
+def dense_moe_cases(draw) -> MoECase:
+    """A drawn call (:class:`tests.test_moe.MoECase`) whose expand the tensor cores take:
+    16-bit dtypes, the rank a multiple of 4, widths a multiple of 8 and the offset of 4
+    (y's rows are then read and written in words); on the simulator block sizes below, at
+    and past a tile of 16."""
+    case = MoECase(draw)
+    case.dtype = draw(st.sampled_from((torch.bfloat16, torch.float16)), label="dtype")
+    case.offset = 4 * draw(st.integers(0, 1), label="offset / 4")
+    if not LARGE:
+        case.r = 4 * draw(st.integers(1, 2), label="r / 4")
+        case.N = 8 * draw(st.integers(1, 2), label="N / 8")
+        case.B = draw(st.sampled_from((2, 3, 16, 20)), label="block_size")
+    return case
+
+
+@MOE_EXAMPLES
+@given(case=dense_moe_cases())
+def test_version_7_matches_the_reference(case):
+    ran = []
+    real = moe_ops.dense_expand
+
+    def recording(*args):
+        ran.append(real(*args))
+        return ran[-1]
+
+    d = case.data()
+    width = case.offset + case.S * case.N + 4  # (whole 8-byte words of 16-bit values a row)
+    d["y"] = torch.randn(case.M, case.top_k, width, device=DEVICE).to(case.dtype)
+    blocks = align_pairs(d["topk_ids"], d["slots"], case.E, case.B, case.L, d["enabled"])
+    y, before = d["y"], d["y"].clone()
+    with mock.patch.object(moe_ops, "dense_expand", recording):
+        fused_moe_lora(
+            y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+            block_size=case.B, mul_routed_weight=case.mul, offset=case.offset,
+            add_inputs=case.add_inputs, version=7,
+        )  # fmt: skip
+    check_against_reference(case, y, d, before)
+    assert ran == [True], ran  # the dense op's expand took the call
+
+
+def test_version_7_without_the_tensor_cores_takes_version_6s_expand():
+    """fp32 B and y: the dense tensor-core expand declines, and the call is still right
+    (version 6's expand, the router's weights already in the buffer not taken twice)."""
+    gen = torch.Generator().manual_seed(3)
+    M, top_k, E, L, K, N, r = 5, 2, 3, 2, 8, 8, 4
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    topk_ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]], device=DEVICE)
+    slots = torch.tensor([0, 1, 1, -1, 0], device=DEVICE)
+    enabled = torch.ones(L, dtype=torch.int32, device=DEVICE)
+    x, a, b = randn(M * top_k, K), [randn(L, E, r, K)], [randn(L, E, N, r)]
+    weights = torch.rand(M, top_k, generator=gen).to(DEVICE)
+    y = randn(M, top_k, N)
+    before = y.clone()
+    blocks = align_pairs(topk_ids, slots, E, 2, L, enabled)
+    fused_moe_lora(
+        y, x, a, b, weights, *blocks, enabled, block_size=2, mul_routed_weight=True, version=7
+    )
+    from punica_numba import reference
+
+    want = reference.fused_moe_lora(
+        before, x, a, b, topk_ids, weights, slots, mul_routed_weight=True, adapter_enabled=enabled
+    )
+    torch.testing.assert_close(y, want.to(y.dtype), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_a_block_of_more_than_16_pairs_is_tiles_of_16(block_size):
+    """A block's pairs fill tiles of 16 in order: 20 pairs of one (slot, expert) in blocks of
+    32 make one block, tiles of 16 and 4; in blocks of 16, two blocks of a tile each."""
+    P = 20
+    ids = torch.arange(32, dtype=torch.int32).clamp(max=P).view(1, 32)  # 0..19, then P
+    experts = torch.tensor([[1] if block_size == 32 else [1, 1]], dtype=torch.int32)
+    padded = torch.tensor([32], dtype=torch.int32)
+    on = torch.ones(1, dtype=torch.int32)
+    table, rows = moe_tiles(ids, experts, padded, on, block_size, P, 2)
+    assert table[:, 2].tolist() == [16, 4]
+    assert table[:, 0].tolist() == [1, 1]
+    assert rows[1].tolist() == [16, 17, 18, 19] + [19] * 12
