@@ -352,3 +352,39 @@ assert sorted(taken) == in_use  # every block in use, each once
 assert len(in_use) <= units_in_use(P, L, E, block_size, 1)
 print(f"{len(in_use)} blocks in use, {L * num_blocks} in the full grid, taken by {G} CUDA blocks")
 print("Qwen3-30B-A3B, 2048 tokens over 16 adapters:", units_in_use(2048 * 8, 16, 128, 16, 1))
+
+# %% [markdown]
+# Past the shrink, an MoE expand is the dense expand on other rows: pair `p` adds its
+# buffer row times its (slot, expert)'s B into its own row of `y.view(P, W)`, as token `t`
+# adds its buffer row times its slot's B into row `t`. Version 7 (not yet timed on a GPU)
+# hands the expand to the dense op's tensor-core kernel, tuned for every layer shape:
+# (slot l, expert e) is dense slot `l * E + e` of each B viewed `[L * E, N, r]`, and each
+# block of pairs becomes tiles of the dense tile table, with its pairs as the tile's
+# tokens (`ops.moe_dense.moe_tiles`); w2's router weights go into the buffer first. The
+# blocks above, as tiles (slot `l * E + e`, -, pairs, first pair), those in use:
+
+# %%
+from punica_numba.ops.moe_dense import moe_tiles
+
+table, tile_pairs = moe_tiles(*blocks, adapter_enabled, block_size, P, E)
+print(table[table[:, 0] >= 0].tolist())
+
+# %% [markdown]
+# Its tensor cores take 16-bit B and y whose widths and rank are whole words of four
+# elements (otherwise version 7 runs version 6's expand). A w13 layer of such sizes, against
+# version 6:
+
+# %%
+N7, r7 = 8, 4
+a7 = [torch.randn(L, E, r7, K, device=DEVICE).to(torch.bfloat16) for _ in ("gate", "up")]
+b7 = [torch.randn(L, E, N7, r7, device=DEVICE).to(torch.bfloat16) for _ in ("gate", "up")]
+result = {}
+for version in (6, 7):
+    y = torch.zeros(M, top_k, 2 * N7, device=DEVICE, dtype=torch.bfloat16)
+    fused_moe_lora(
+        y, x13.to(torch.bfloat16), a7, b7, topk_weights, *blocks, adapter_enabled,
+        block_size=block_size, version=version,
+    )  # fmt: skip
+    result[version] = y.float()
+torch.testing.assert_close(result[7], result[6], rtol=2e-2, atol=2e-2)
+print("version 7 gives version 6's outputs, within bf16's rounding")
