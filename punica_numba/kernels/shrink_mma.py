@@ -254,6 +254,7 @@ def build_mma_shrink_kernel(
     n_tiles: int,
     accumulate: bool = True,
     wide: bool = True,
+    x_rows: int = 1,
 ):
     """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
     warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles per block
@@ -262,14 +263,17 @@ def build_mma_shrink_kernel(
     at a multiple of 16 bytes (``wide``: 16-byte loads).
 
     The kernel takes x as ``[T, K/4]`` and A as ``[L, r, K/4]`` int64 words of four
-    elements (K a multiple of 8)."""
+    elements (K a multiple of 8). ``x_rows``: the output rows that share a row of x, row
+    ``t`` of the output reading row ``t // x_rows`` (MoE LoRA's pairs of a token, its
+    ``top_k``: :mod:`..ops.moe_dense`); 1 for the dense op (the same code: a division by
+    one is no instruction)."""
     parts = mma_shrink_parts(dtype, threads, m_tiles, n_tiles, wide)
     walk, tile_to_shared, warps_total = parts.walk, parts.tile_to_shared, parts.warps_total
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, WARPS, ROWS, OUTPUTS = threads, parts.warps, parts.rows, parts.outputs
     TILE_M, TILE_N, PER_THREAD = parts.tile_m, parts.tile_n, parts.per_thread
     SCRATCH_WARPS = parts.scratch_warps
-    ACCUMULATE = accumulate
+    ACCUMULATE, X_ROWS = accumulate, x_rows
 
     begin = prologue()
 
@@ -304,7 +308,7 @@ def build_mma_shrink_kernel(
 
         token = cuda.local.array(ROWS, int64)  # row g + 8 * i of the tile
         for i in range(ROWS):
-            token[i] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * i)
+            token[i] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * i) // X_ROWS
         # The outputs this thread will store, and (accumulate) their old values, now:
         # that trip to memory overlaps the products.
         out_token = cuda.local.array(PER_THREAD, int64)
