@@ -354,14 +354,16 @@ print(f"{len(in_use)} blocks in use, {L * num_blocks} in the full grid, taken by
 print("Qwen3-30B-A3B, 2048 tokens over 16 adapters:", units_in_use(2048 * 8, 16, 128, 16, 1))
 
 # %% [markdown]
-# Past the shrink, an MoE expand is the dense expand on other rows: pair `p` adds its
-# buffer row times its (slot, expert)'s B into its own row of `y.view(P, W)`, as token `t`
-# adds its buffer row times its slot's B into row `t`. Version 7 (not yet timed on a GPU)
-# hands the expand to the dense op's tensor-core kernel, tuned for every layer shape:
-# (slot l, expert e) is dense slot `l * E + e` of each B viewed `[L * E, N, r]`, and each
-# block of pairs becomes tiles of the dense tile table, with its pairs as the tile's
-# tokens (`ops.moe_dense.moe_tiles`); w2's router weights go into the buffer first. The
-# blocks above, as tiles (slot `l * E + e`, -, pairs, first pair), those in use:
+# An MoE expand is the dense expand on other rows: pair `p` adds its buffer row times its
+# (slot, expert)'s B into its own row of `y.view(P, W)`, as token `t` adds its buffer row
+# times its slot's B into row `t`; and its shrink is the dense shrink but that w13's pairs
+# of a token read the token's row of x (row `p // top_k`). Version 7 (not yet timed on a
+# GPU) hands both to the dense op's tensor-core kernels, tuned for every layer shape:
+# (slot l, expert e) is dense slot `l * E + e` of each A and B viewed `[L * E, ...]`, and
+# each block of pairs becomes tiles of the dense tile table, with its pairs as the tile's
+# tokens (`ops.moe_dense.moe_tiles`); w2's router weights go into the buffer before the
+# expand. The blocks above, as tiles (slot `l * E + e`, where its pairs start in the list
+# of every tile's, pairs, first pair), those in use:
 
 # %%
 from punica_numba.ops.moe_dense import moe_tiles
@@ -370,9 +372,9 @@ table, tile_pairs = moe_tiles(*blocks, adapter_enabled, block_size, P, E)
 print(table[table[:, 0] >= 0].tolist())
 
 # %% [markdown]
-# Its tensor cores take 16-bit B and y whose widths and rank are whole words of four
-# elements (otherwise version 7 runs version 6's expand). A w13 layer of such sizes, against
-# version 6:
+# Its tensor cores take 16-bit x, A, B and y, K a multiple of 8 and widths and rank whole
+# words of four elements (otherwise version 7 runs version 6's kernels). A w13 layer of such
+# sizes, against version 6:
 
 # %%
 N7, r7 = 8, 4

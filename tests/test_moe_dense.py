@@ -4,9 +4,11 @@
 1. the blocks as the dense tile table (:func:`~punica_numba.ops.moe_dense.moe_tiles`) against
    its definition, written as loops, on drawn routings: block sizes below, at and past a
    tile of 16 (two tiles a block), slots turned off, experts -1, idle blocks;
-2. the op at version 7 against the float64 reference, on calls whose expand the tensor
-   cores take (16-bit B and y, widths and the offset in whole words), with the router's
-   weights (w2) and without (w13), added into y or stored; the dense expand is what ran.
+2. the op at version 7 against the float64 reference, on calls whose shrink and expand the
+   tensor cores take (16-bit x, A, B and y; K, the rank, the widths and the offset in whole
+   words), with the router's weights (w2: a row of x a pair) and without (w13: a row of x a
+   token, read by its top_k pairs), added into y or stored; the dense op's kernels are what
+   ran.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from punica_numba import reference
 from punica_numba.moe_meta import align_pairs
 from punica_numba.ops import moe as moe_ops
 from punica_numba.ops.moe import fused_moe_lora
@@ -42,7 +45,7 @@ def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
                 pairs = [p for p in row[lo:hi] if 0 <= p < num_pairs]
                 use = b * block_size < padded[l] and 0 <= e < num_experts and enabled[l] != 0
                 if use and pairs:
-                    table.append([l * num_experts + e, 0, len(pairs), pairs[0]])
+                    table.append([l * num_experts + e, TILE_M * len(table), len(pairs), pairs[0]])
                     tokens.append(pairs + [pairs[-1]] * (TILE_M - len(pairs)))
                 else:
                     table.append([-1, 0, 0, 0])
@@ -80,15 +83,16 @@ def test_the_blocks_as_the_dense_tile_table(slots, experts, block_size, tokens, 
 
 @st.composite
 def dense_moe_cases(draw) -> MoECase:
-    """A drawn call (:class:`tests.test_moe.MoECase`) whose expand the tensor cores take:
-    16-bit dtypes, the rank a multiple of 4, widths a multiple of 8 and the offset of 4
-    (y's rows are then read and written in words); on the simulator block sizes below, at
-    and past a tile of 16."""
+    """A drawn call (:class:`tests.test_moe.MoECase`) whose kernels the tensor cores take:
+    16-bit dtypes, K a multiple of 8, the rank of 4, widths of 8 and the offset of 4 (y's
+    rows are then read and written in words); on the simulator block sizes below, at and
+    past a tile of 16."""
     case = MoECase(draw)
     case.dtype = draw(st.sampled_from((torch.bfloat16, torch.float16)), label="dtype")
     case.offset = 4 * draw(st.integers(0, 1), label="offset / 4")
     if not LARGE:
         case.r = 4 * draw(st.integers(1, 2), label="r / 4")
+        case.K = 8 * draw(st.integers(1, 2), label="K / 8")
         case.N = 8 * draw(st.integers(1, 2), label="N / 8")
         case.B = draw(st.sampled_from((2, 3, 16, 20)), label="block_size")
     return case
@@ -98,52 +102,70 @@ def dense_moe_cases(draw) -> MoECase:
 @given(case=dense_moe_cases())
 def test_version_7_matches_the_reference(case):
     ran = []
-    real = moe_ops.dense_expand
 
-    def recording(*args):
-        ran.append(real(*args))
-        return ran[-1]
+    def recorded(real):
+        def recording(*args):
+            ran.append((real.__name__, real(*args)))
+            return ran[-1][1]
+
+        return recording
 
     d = case.data()
     width = case.offset + case.S * case.N + 4  # (whole 8-byte words of 16-bit values a row)
     d["y"] = torch.randn(case.M, case.top_k, width, device=DEVICE).to(case.dtype)
     blocks = align_pairs(d["topk_ids"], d["slots"], case.E, case.B, case.L, d["enabled"])
     y, before = d["y"], d["y"].clone()
-    with mock.patch.object(moe_ops, "dense_expand", recording):
+    shrink, expand = recorded(moe_ops.dense_shrink), recorded(moe_ops.dense_expand)
+    with mock.patch.multiple(moe_ops, dense_shrink=shrink, dense_expand=expand):
         fused_moe_lora(
             y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
             block_size=case.B, mul_routed_weight=case.mul, offset=case.offset,
             add_inputs=case.add_inputs, version=7,
         )  # fmt: skip
     check_against_reference(case, y, d, before)
-    assert ran == [True], ran  # the dense op's expand took the call
+    assert ran == [("dense_shrink", True), ("dense_expand", True)], ran  # the dense op's kernels
 
 
-def test_version_7_without_the_tensor_cores_takes_version_6s_expand():
-    """fp32 B and y: the dense tensor-core expand declines, and the call is still right
-    (version 6's expand, the router's weights already in the buffer not taken twice)."""
+def _small_call(dtype, mul_routed_weight: bool, block_size: int, version: int = 7):
+    """One fixed call (5 tokens, top-2 of 3 experts, 2 slots, K = N = 8, r = 4): y after it
+    and the reference's."""
     gen = torch.Generator().manual_seed(3)
     M, top_k, E, L, K, N, r = 5, 2, 3, 2, 8, 8, 4
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(DEVICE)
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
 
     topk_ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]], device=DEVICE)
     slots = torch.tensor([0, 1, 1, -1, 0], device=DEVICE)
     enabled = torch.ones(L, dtype=torch.int32, device=DEVICE)
-    x, a, b = randn(M * top_k, K), [randn(L, E, r, K)], [randn(L, E, N, r)]
+    x = randn(M * top_k if mul_routed_weight else M, K)
+    a, b = [randn(L, E, r, K)], [randn(L, E, N, r)]
     weights = torch.rand(M, top_k, generator=gen).to(DEVICE)
     y = randn(M, top_k, N)
     before = y.clone()
-    blocks = align_pairs(topk_ids, slots, E, 2, L, enabled)
+    blocks = align_pairs(topk_ids, slots, E, block_size, L, enabled)
     fused_moe_lora(
-        y, x, a, b, weights, *blocks, enabled, block_size=2, mul_routed_weight=True, version=7
-    )
-    from punica_numba import reference
-
+        y, x, a, b, weights, *blocks, enabled, block_size=block_size,
+        mul_routed_weight=mul_routed_weight, version=version,
+    )  # fmt: skip
     want = reference.fused_moe_lora(
-        before, x, a, b, topk_ids, weights, slots, mul_routed_weight=True, adapter_enabled=enabled
-    )
+        before, x, a, b, topk_ids, weights, slots, mul_routed_weight=mul_routed_weight,
+        adapter_enabled=enabled,
+    )  # fmt: skip
+    return y, want
+
+
+@pytest.mark.parametrize("block_size", [2, 16])
+def test_each_pair_of_a_token_reads_the_tokens_row_of_x(block_size):
+    """w13 (no router weights): a row of x a token, read by each of its top-2 pairs."""
+    y, want = _small_call(torch.bfloat16, False, block_size)
+    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_version_7_without_the_tensor_cores_takes_version_6s_expand():
+    """fp32 B and y: the dense tensor-core kernels decline, and the call is still right
+    (version 6's kernels, the router's weights already in the buffer not taken twice)."""
+    y, want = _small_call(torch.float32, True, 2)
     torch.testing.assert_close(y, want.to(y.dtype), rtol=1e-4, atol=1e-4)
 
 

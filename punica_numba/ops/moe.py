@@ -24,10 +24,11 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    the shrink's runs of blocks on a compact grid (:func:`compact_units`; the shrink's
    single blocks too where :data:`COMPACT_SINGLE_BLOCK_MMA_SHRINK`, the split shrink where
    :data:`COMPACT_SPLIT_SHRINK`). The default.
-7. 6's shrinks, and the dense op's tensor-core expand (:mod:`.moe_dense`): each (slot,
-   expert) one slot of B viewed ``[L * E, N, r]``, each block of pairs tiles of the dense
-   tile table, the router's weights multiplied into the buffer first; where the tensor
-   cores cannot take the expand, 6's. Not timed on a GPU.
+7. the dense op's tensor-core shrink and expand (:mod:`.moe_dense`): each (slot, expert)
+   one slot of A and B viewed ``[L * E, ...]``, each block of pairs tiles of the dense
+   tile table, w13's pairs of a token reading its row of x, the router's weights
+   multiplied into the buffer before the expand; where the tensor cores cannot take a
+   kernel, 6's. Not timed on a GPU.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -58,7 +59,7 @@ from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
 from ..moe_meta import check_adapter_enabled
 from .launching import launcher_of
-from .moe_dense import dense_expand, moe_tiles
+from .moe_dense import dense_expand, dense_shrink, moe_tiles
 from .operands import rows_start_at, words
 
 __all__ = ["fused_moe_lora"]
@@ -414,9 +415,10 @@ def fused_moe_lora(
     :data:`OUTER_EXPAND_FROM_PAIRS` (16) a block, else 3's; that expand and the shrink's
     runs of blocks on compact grids, its single blocks and the split shrink on 5's unless
     :data:`COMPACT_SINGLE_BLOCK_MMA_SHRINK`, :data:`COMPACT_SPLIT_SHRINK` (the same bits as
-    5's shrinks and 3's expand); 7, 6's shrinks and the dense op's tensor-core expand on
-    the blocks' pairs (:mod:`.moe_dense`), the router's weights multiplied into the buffer
-    first. The same sums in other orders; :data:`DEFAULT_VERSION` (6) unless asked.
+    5's shrinks and 3's expand); 7, the dense op's tensor-core shrink and expand on the
+    blocks' pairs (:mod:`.moe_dense`), the router's weights multiplied into the buffer
+    before the expand, else 6's kernels. The same sums in other orders;
+    :data:`DEFAULT_VERSION` (6) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
@@ -499,15 +501,17 @@ def fused_moe_lora(
         mma = version == 4 or (version >= 5 and average >= MMA_SHRINK_FROM_PAIRS)
         tensor_cores = tensor_core_words(x, a, b) if mma else None
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
-        sixth = version in (6, 7)  # (7 takes 6's shrinks)
-        if tensor_cores is not None:
+        sixth = version in (6, 7)  # (7 takes 6's shrinks where the dense op's cannot run)
+        tiles = moe_tiles(*metadata, block_size, num_pairs, E) if version == 7 else None
+        x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
+        dense = tiles is not None and dense_shrink(buffer, x, a, tiles, x_rows, average)
+        if not dense and tensor_cores is not None:
             _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=sixth)
-        else:
+        elif not dense:
             _split_shrink(shrink, x, a, compact=sixth and COMPACT_SPLIT_SHRINK)
-        if version == 7:  # the router's weights into the buffer, then the dense op's expand
+        if tiles is not None:  # the router's weights into the buffer, then the dense expand
             if mul_routed_weight:
                 buffer.mul_(weights.view(1, num_pairs, 1))
-            tiles = moe_tiles(*metadata, block_size, num_pairs, E)
             if dense_expand(out, buffer, b, tiles, offset, add_inputs, average):
                 return
             mul_routed_weight = False  # (in the buffer already, for the expand below)

@@ -5,13 +5,16 @@ buffer row ``buffer[s, p]`` times its (slot, expert)'s ``B_s[l, e]`` into its ow
 (``y.view(P, W)[p]``), where the dense op adds ``buffer[s, t]`` times its slot's B into row
 ``t``. So the MoE blocks can be handed to the tensor-core expand of the dense op
 (:mod:`..kernels.expand_mma`), tuned on the H200 for every shape of a layer, instead of a
-kernel of their own:
+kernel of their own; and so can the shrink (:mod:`..kernels.shrink_mma`), where pair ``p``
+reads row ``p // top_k`` of x (w13, a row per token; ``x_rows``) or row ``p`` (w2, a row per
+pair) and stores its sums in row ``p`` of the buffer:
 
 * a (slot l, expert e) is dense slot ``l * E + e`` of each B viewed ``[L * E, N, r]``;
 * each MoE block of ``block_size`` pairs becomes ``ceil(block_size / 16)`` tiles of up to 16
   pairs, a row of the dense tile table each (:func:`moe_tiles`): its slot (-1 for a block
   not in use, an adapter turned off, or a tile with no pair), its pairs in a row of their
-  own (the kernel's tile tokens), padding past them;
+  own (the expand's tile tokens, and, as one list, the shrink's sorted tokens), padding
+  past them; A is viewed ``[L * E, r, K]`` as B is;
 * the router's weight, where the call multiplies by it (``mul_routed_weight``), goes into
   the buffer first: ``w (x A^T) B^T = (w x A^T) B^T``, one more rounding of the fp32
   buffer.
@@ -23,16 +26,18 @@ hold, most of them idle where the pairs are few.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .._checks import check_stack
 from .._cuda import SIMULATOR
-from ..kernels import MAX_SLICES
-from ..launch import choose_launch_config, launch_configs
+from ..kernels import MAX_SLICES, build_mma_shrink_kernel
+from ..launch import LaunchConfig, choose_launch_config, launch_configs
+from . import operands
 from .choice import choose_expand, column_blocks
 from .launching import launcher_of
 
-__all__ = ["TILE_M", "dense_expand", "moe_tiles"]
+__all__ = ["TILE_M", "dense_expand", "dense_shrink", "moe_tiles"]
 
 #: Pairs a tile of the dense tensor-core expand holds.
 TILE_M = 16
@@ -56,8 +61,10 @@ def moe_tiles(
                     that are below num_pairs, in their order
             in use = b*bs < num_tokens_post_padded[l], 0 <= e = expert_ids[l, b] < E,
                      adapter_enabled[l] != 0, and pairs not empty
-            table row = (l*E + e, 0, len(pairs), pairs[0]) if in use else (-1, 0, 0, 0)
-            tokens row = pairs, then pairs[-1] repeated (zeros for a tile not in use)
+            table row i = (l*E + e, 16 i, len(pairs), pairs[0]) if in use else (-1, 0, 0, 0)
+            tokens row i = pairs, then pairs[-1] repeated (zeros for a tile not in use)
+        so a tile's position is where its row starts in the tokens taken as one sorted list
+        (``tokens.view(-1)``: the shrink's ``sorted_tokens``).
     """
     slots, padded_len = sorted_token_ids.shape
     blocks = expert_ids.shape[1]
@@ -94,8 +101,78 @@ def moe_tiles(
     slot = torch.where(live, slot + experts.clamp(min=0).unsqueeze(-1), -1)
     pairs = torch.where(live.unsqueeze(-1), pairs, 0)
     rows = torch.where(live, rows, 0)
-    table = torch.stack([slot, torch.zeros_like(slot), rows, pairs[..., 0]], dim=-1)
+    position = torch.arange(slot.numel(), device=device).view(slot.shape) * TILE_M
+    position = torch.where(live, position, 0)
+    table = torch.stack([slot, position, rows, pairs[..., 0]], dim=-1)
     return table.view(-1, 4).to(torch.int32), pairs.view(-1, TILE_M).to(torch.int32)
+
+
+def _flat(stacked: torch.Tensor, name: str, s: int):
+    """``[L, E, a, b]`` as the dense op's checked stack ``[L * E, a, b]``: slot ``l * E + e``."""
+    slots, experts, rows, cols = stacked.shape
+    return check_stack(name, stacked.view(slots * experts, rows, cols), s)
+
+
+def _active(num_pairs: int, average_pairs: float) -> int:
+    """The dense op's active slots for P rows at ``average_pairs`` a (slot, expert)."""
+    return max(1, round(num_pairs / max(average_pairs, 1.0)))
+
+
+def _shrink_config(num_pairs: int, active: int, rank: int, slices: int, key: dict):
+    """The dense op's tensor-core shrink for these rows, where it is one this module can run
+    (unsplit blocks of 16-token tiles of one slice), else the first such of the table."""
+
+    def runnable(c: LaunchConfig) -> bool:
+        plain = c.splits == 1 and not c.joint and not c.staged
+        return c.kernel == "mma" and c.tile_m == TILE_M and plain and (c.to_rank or rank) >= rank
+
+    config = choose_launch_config("shrink", num_pairs, active, rank, True, slices, **key)
+    if runnable(config):
+        return config
+    return next(
+        c for c in launch_configs("shrink") if runnable(c) and c.tile_n and not c.tuned_only
+    )
+
+
+def dense_shrink(
+    buffer: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    tiles: tuple[torch.Tensor, torch.Tensor],
+    x_rows: int,
+    average_pairs: float,
+) -> bool:
+    """The shrink of a checked MoE call by the dense op's tensor-core kernel: ``buffer`` [S, P,
+    r] fp32 (each pair in a tile's row stored, the others untouched), ``x`` [P / x_rows, K],
+    ``lora_a[s]`` [L, E, r, K], ``tiles`` from :func:`moe_tiles`, ``x_rows`` the pairs that
+    share a row of x (``top_k`` for w13, 1 for w2), ``average_pairs`` as for
+    :func:`dense_expand`. False, with nothing launched, where the tensor cores cannot take
+    the call."""
+    stacks = [_flat(a, "lora_a_stacked", s) for s, a in enumerate(lora_a)]
+    rank, hidden = stacks[0].rows, stacks[0].cols
+    num_pairs = buffer.shape[1]
+    key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
+    config = _shrink_config(num_pairs, _active(num_pairs, average_pairs), rank, len(stacks), key)
+    mma = operands.mma_shrink_operands(x, stacks, config.tile_n)
+    if mma is None:
+        return False
+    x_words, a_words, wide = mma
+    n_tiles = -(-min(rank, config.tile_n or rank) // 8)
+    kernel = build_mma_shrink_kernel(
+        x.dtype, torch.float32, config.threads, 1, n_tiles, False, wide, x_rows=x_rows
+    )
+    table, pairs = tiles
+    sorted_pairs = pairs.view(-1)  # (a tile's position: where its row starts)
+    if SIMULATOR:  # (every CUDA thread a Python thread: no idle tile)
+        table = table[table[:, 0] >= 0].contiguous()
+    if table.shape[0] == 0:
+        return True
+    groups = -(-rank // config.tile_n) if config.tile_n else 1
+    weights = list(a_words) + [a_words[0]] * (MAX_SLICES - len(a_words))  # unused: never read
+    grid = (table.shape[0] * len(a_words), groups, 1)
+    arguments = (x_words, *weights, buffer, 0, len(a_words), table, sorted_pairs, np.float32(1.0))
+    launcher_of(kernel)(grid, config.threads, arguments)
+    return True
 
 
 def dense_expand(
@@ -117,13 +194,10 @@ def dense_expand(
 
     The configuration is the dense op's for P rows of ``P / average_pairs`` slots where
     that is a tensor-core one of 16-token tiles, else the first such of the table."""
-    slots, experts, width, rank = lora_b[0].shape
-    stacks = [
-        check_stack("lora_b_stacked", b.view(slots * experts, width, rank), s)
-        for s, b in enumerate(lora_b)
-    ]
+    stacks = [_flat(b, "lora_b_stacked", s) for s, b in enumerate(lora_b)]
+    width, rank = stacks[0].rows, stacks[0].cols
     num_pairs = buffer.shape[1]
-    active = max(1, round(num_pairs / max(average_pairs, 1.0)))
+    active = _active(num_pairs, average_pairs)
     key = dict(dtype=stacks[0].dtype, K=rank, N=width)
     config = choose_launch_config("expand", num_pairs, active, rank, True, len(stacks), **key)
     if config.kernel != "mma" or config.tile_m != TILE_M:
