@@ -357,8 +357,9 @@ print("Qwen3-30B-A3B, 2048 tokens over 16 adapters:", units_in_use(2048 * 8, 16,
 # An MoE expand is the dense expand on other rows: pair `p` adds its buffer row times its
 # (slot, expert)'s B into its own row of `y.view(P, W)`, as token `t` adds its buffer row
 # times its slot's B into row `t`; and its shrink is the dense shrink but that w13's pairs
-# of a token read the token's row of x (row `p // top_k`). Version 7 (not yet timed on a
-# GPU) hands both to the dense op's tensor-core kernels, tuned for every layer shape:
+# of a token read the token's row of x (row `p // top_k`). Version 7 hands both to the dense
+# op's tensor-core kernels, tuned for every layer shape (on an H100 it was slower than
+# version 6 on every case of the benchmark, by its fixed costs: lab notes, "MoE LoRA version 7"):
 # (slot l, expert e) is dense slot `l * E + e` of each A and B viewed `[L * E, ...]`, and
 # each block of pairs becomes tiles of the dense tile table, with its pairs as the tile's
 # tokens (`ops.moe_dense.moe_tiles`); w2's router weights go into the buffer before the

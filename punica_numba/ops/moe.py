@@ -28,7 +28,8 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    one slot of A and B viewed ``[L * E, ...]``, each block of pairs tiles of the dense
    tile table, w13's pairs of a token reading its row of x, the router's weights
    multiplied into the buffer before the expand; where the tensor cores cannot take a
-   kernel, 6's. Not timed on a GPU.
+   kernel, 6's. On an H100 at 61de306 it took 1.00-8.33x version 6's time on the 30 cases
+   (docs/benchmarks/h100_moe_v7_61de306.json; lab notes, "MoE LoRA version 7").
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
