@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ import torch
 from punica_numba import _cuda, kernels, ops
 from punica_numba.kernels import dependent_launch as prologue_module
 from punica_numba.launch import force_launch_config, launch_configs
-from punica_numba.ops import launching
+from punica_numba.ops import launching, moe_dense
 from punica_numba.ops import moe as moe_ops
 
 from .op_cases import Problem, ShrinkCase, check_expand, check_shrink, serving_expand_case
@@ -282,11 +283,12 @@ def recorded_launchers():
         made.append(real(kernel))
         return made[-1]
 
-    launching.launcher_of = moe_ops.launcher_of = recorded  # (ops.moe imports it by name)
+    # (ops.moe and ops.moe_dense import it by name)
+    launching.launcher_of = moe_ops.launcher_of = moe_dense.launcher_of = recorded
     try:
         yield made
     finally:
-        launching.launcher_of = moe_ops.launcher_of = real
+        launching.launcher_of = moe_ops.launcher_of = moe_dense.launcher_of = real
 
 
 def _one_of_each_kernel() -> None:
@@ -312,6 +314,11 @@ def _one_of_each_kernel() -> None:
     for version in moe_ops.VERSIONS:
         for mul_routed_weight in (False, True):
             _named_result(mul_routed_weight, version=version)
+    # Version 6's outer-product expand takes full blocks only (OUTER_EXPAND_FROM_PAIRS pairs
+    # a block on average); the named call's are not, so here it takes it at any fill.
+    with mock.patch.object(moe_ops, "OUTER_EXPAND_FROM_PAIRS", 0):
+        for mul_routed_weight in (False, True):
+            _named_result(mul_routed_weight, version=6)
     for projection in ("w13", "w2"):  # version 4's own kernels need bf16 rows of words
         case, d, blocks = _one_block_call(
             torch.bfloat16, rank=16, K=32, N=8, B=16, projection=projection, offset=0
