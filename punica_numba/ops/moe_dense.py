@@ -21,7 +21,10 @@ pair) and stores its sums in row ``p`` of the buffer:
 
 The tiles cost a few torch operations on the device a call (no read-back: the op stays
 capturable in a CUDA graph), and the table has a row for every block the metadata can
-hold, most of them idle where the pairs are few.
+hold, most of them idle where the pairs are few. Those fixed costs are the likely reason
+that on an H100 (at 61de306, ``docs/benchmarks/h100_moe_v7_61de306.json``) this took more
+time than version 6's kernels on every case of ``bench --moe``: 54-67 µs more at one
+token, 1.00-1.23x at 2048 on one and four adapters (not measured apart).
 """
 
 from __future__ import annotations
