@@ -29,6 +29,8 @@ token, 1.00-1.23x at 2048 on one and four adapters (not measured apart).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -116,25 +118,29 @@ def _flat(stacked: torch.Tensor, name: str, s: int):
     return check_stack(name, stacked.view(slots * experts, rows, cols), s)
 
 
-def _active(num_pairs: int, average_pairs: float) -> int:
-    """The dense op's active slots for P rows at ``average_pairs`` a (slot, expert)."""
-    return max(1, round(num_pairs / max(average_pairs, 1.0)))
-
-
-def _shrink_config(num_pairs: int, active: int, rank: int, slices: int, key: dict):
-    """The dense op's tensor-core shrink for these rows, where it is one this module can run
-    (unsplit blocks of 16-token tiles of one slice), else the first such of the table."""
-
-    def runnable(c: LaunchConfig) -> bool:
-        plain = c.splits == 1 and not c.joint and not c.staged
-        return c.kernel == "mma" and c.tile_m == TILE_M and plain and (c.to_rank or rank) >= rank
-
-    config = choose_launch_config("shrink", num_pairs, active, rank, True, slices, **key)
-    if runnable(config):
+def _config(op: str, rows: int, average_pairs: float, rank: int, slices: int, key: dict, runs):
+    """The dense op's configuration of ``op`` for ``rows`` rows at ``average_pairs`` a slot
+    (its active slots ``rows / average_pairs``) where this module ``runs`` it, else the first
+    of the table that ``runs`` takes at any rank (``runs(c, any_rank=True)``) and that the
+    heuristic may pick."""
+    active = max(1, round(rows / max(average_pairs, 1.0)))
+    config = choose_launch_config(op, rows, active, rank, True, slices, **key)
+    if runs(config):
         return config
-    return next(
-        c for c in launch_configs("shrink") if runnable(c) and c.tile_n and not c.tuned_only
-    )
+    return next(c for c in launch_configs(op) if runs(c, any_rank=True) and not c.tuned_only)
+
+
+def _shrink_runs(c: LaunchConfig, any_rank: bool = False, rank: int = 0) -> bool:
+    """A tensor-core shrink :func:`dense_shrink` can launch: unsplit blocks of one slice and
+    16-token tiles, at ``rank`` (``any_rank``: a block per group of ranks)."""
+    plain = c.splits == 1 and not c.joint and not c.staged
+    fits = (c.to_rank or rank) >= rank and (bool(c.tile_n) or not any_rank)
+    return c.kernel == "mma" and c.tile_m == TILE_M and plain and fits
+
+
+def _expand_runs(c: LaunchConfig, any_rank: bool = False) -> bool:
+    """A tensor-core expand of 16-token tiles (:func:`dense_expand`), at any rank."""
+    return c.kernel == "mma" and c.tile_m == TILE_M
 
 
 def dense_shrink(
@@ -155,7 +161,8 @@ def dense_shrink(
     rank, hidden = stacks[0].rows, stacks[0].cols
     num_pairs = buffer.shape[1]
     key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
-    config = _shrink_config(num_pairs, _active(num_pairs, average_pairs), rank, len(stacks), key)
+    runs = functools.partial(_shrink_runs, rank=rank)
+    config = _config("shrink", num_pairs, average_pairs, rank, len(stacks), key, runs)
     mma = operands.mma_shrink_operands(x, stacks, config.tile_n)
     if mma is None:
         return False
@@ -200,15 +207,8 @@ def dense_expand(
     stacks = [_flat(b, "lora_b_stacked", s) for s, b in enumerate(lora_b)]
     width, rank = stacks[0].rows, stacks[0].cols
     num_pairs = buffer.shape[1]
-    active = _active(num_pairs, average_pairs)
     key = dict(dtype=stacks[0].dtype, K=rank, N=width)
-    config = choose_launch_config("expand", num_pairs, active, rank, True, len(stacks), **key)
-    if config.kernel != "mma" or config.tile_m != TILE_M:
-        config = next(
-            c
-            for c in launch_configs("expand")
-            if c.kernel == "mma" and c.tile_m == TILE_M and not c.tuned_only
-        )
+    config = _config("expand", num_pairs, average_pairs, rank, len(stacks), key, _expand_runs)
     chosen = choose_expand(buffer, stacks, out, None, offset, config=config)
     if chosen.config.kernel != "mma":
         return False
