@@ -500,12 +500,12 @@ def fused_moe_lora(
         # The tensor-core shrink: version 4's, and 5's where its blocks are full enough.
         average = pairs_per_block(num_pairs, L, E)  # (versions 5 to 7 choose by it)
         mma = version == 4 or (version >= 5 and average >= MMA_SHRINK_FROM_PAIRS)
-        tensor_cores = tensor_core_words(x, a, b) if mma else None
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
         sixth = version in (6, 7)  # (7 takes 6's shrinks where the dense op's cannot run)
         tiles = moe_tiles(*metadata, block_size, num_pairs, E) if version == 7 else None
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
         dense = tiles is not None and dense_shrink(buffer, x, a, tiles, x_rows, average)
+        tensor_cores = tensor_core_words(x, a, b) if mma and not dense else None
         if not dense and tensor_cores is not None:
             _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=sixth)
         elif not dense:
