@@ -53,18 +53,14 @@ def build(staged, threads, m_tiles, n_tiles, splits, joint):
 
 
 def _signature(split):
-    """The shrink's argument types as the op passes them: x and each slice's A as int64
-    words, the fp32 buffer, the first slice and the slice count, (split: the workspace's
-    partial sums and counters,) the tile table and the sorted tokens (int32), the scaling."""
+    """The shrink's argument types as the op passes them (``shrink_joint_static``'s), with the
+    workspace's partial sums and counters after the slice count where K is split."""
     from numba.cuda import types
+    from shrink_joint_static import _signature as unsplit
 
-    def a(dtype, ndim):
-        return types.Array(dtype, ndim, "C")
-
-    words = (a(types.int64, 3),) * 3
-    workspace = (a(types.float32, 1), a(types.int32, 1)) if split else ()
-    return (a(types.int64, 2), *words, a(types.float32, 3), types.int64, types.int64,
-            *workspace, a(types.int32, 2), a(types.int32, 1), types.float32)  # fmt: skip
+    types_ = unsplit()
+    workspace = (types.Array(types.float32, 1, "C"), types.Array(types.int32, 1, "C"))
+    return (*types_[:7], *workspace, *types_[7:]) if split else types_
 
 
 def main(argv=None) -> None:
