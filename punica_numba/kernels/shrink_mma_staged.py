@@ -179,7 +179,6 @@ class StagedShrinkParts(NamedTuple):
     m_tiles: int
     n_tiles: int  # 8-rank tiles of a warp
     lane_rows: int  # token rows of a lane's outputs (g + 8 r)
-    tile_n: int  # ranks a block
 
 
 @functools.cache
@@ -337,9 +336,7 @@ def staged_shrink_parts(
         n = n0 + WARP_N * (tid // 32) + 8 * nj + 2 * (tid % 4) + i % 2
         return (mi * N_TILES + nj) * 4 + i, 2 * mi + i // 2, n
 
-    return StagedShrinkParts(
-        block_sums, place, rank_of, OUTPUTS, M_TILES, N_TILES, LANE_ROWS, TILE_N
-    )
+    return StagedShrinkParts(block_sums, place, rank_of, OUTPUTS, M_TILES, N_TILES, LANE_ROWS)
 
 
 @functools.cache
