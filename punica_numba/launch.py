@@ -472,6 +472,20 @@ _GPU_CONFIGS = {
         LaunchConfig(
             "mma", threads=128, tile_m=32, tile_n=128, splits=4, staged=True, tuned_only=True
         ),
+        # ... and small blocks with K in many runs, for few tokens a slot and a long K (the
+        # down projections): 7 chunks copied ahead of the one multiplied (a small block's 8
+        # stages), where the split shrinks above wait on a pass of loads at a time
+        # (Llama-3-8B's down projection at r=32, T=32 over 8 LoRAs: 9.1 µs for 8.3 MB in
+        # h200_peers.json).
+        LaunchConfig(
+            "mma", threads=64, tile_m=16, tile_n=16, splits=16, staged=True, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=128, tile_m=16, tile_n=32, splits=16, staged=True, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=128, tile_m=16, tile_n=64, splits=8, staged=True, tuned_only=True
+        ),
         # ... and the slices' ranks side by side in them (a tile's rows of x read once for
         # every slice, each copy's row of A chosen once): QKV at r=16 in three warps of 16,
         # gate_up at r=32 in four, QKV at r=32 and gate_up at r=64 in four warps of 32.

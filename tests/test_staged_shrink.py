@@ -149,5 +149,7 @@ def test_a_block_keeps_the_most_stages_that_fit_48_kb():
     """A stage is 64 bytes a row (32 elements of 16 bits), a row a token and a rank."""
     assert staged_stages(32, 128) == 4  # 10 KB a stage
     assert staged_stages(32, 256) == 2  # 18 KB
+    assert staged_stages(32, 64) == 8  # 6 KB: 48 KB in 8 stages
+    assert staged_stages(16, 32) == 8  # 3 KB: no more than 8 stages
     with pytest.raises(ValueError, match="shared memory"):
         staged_stages(128, 512)  # 40 KB a stage

@@ -9,7 +9,7 @@ twin) and of the tensor-core shrink the tuned table takes at r=128 with many tok
 -arch=sm_90a -v``, ``cuobjdump -sass``; the same tools are needed).
 
 Each build in ``VARIANTS`` takes bf16 x and A in 16-byte rows and adds into an fp32 buffer:
-``staged_t<threads>_m<tokens>_n<ranks>`` (``_k4``: K in four runs; ``staged_joint_``: the slices'
+``staged_t<threads>_m<tokens>_n<ranks>`` (``_k<n>``: K in n runs; ``staged_joint_``: the slices'
 ranks side by side) and ``walk_t128_m16_n64``.
 
 Run from the repository root: ``python docs/benchmarks/probes/shrink_staged_static.py [NAME
@@ -28,6 +28,9 @@ VARIANTS = {
     "staged_t256_m32_n128": (True, 256, 2, 2, 1, False),
     "staged_t128_m16_n128": (True, 128, 1, 4, 1, False),
     "staged_t128_m32_n128_k4": (True, 128, 2, 4, 4, False),
+    "staged_t64_m16_n16_k16": (True, 64, 1, 1, 16, False),
+    "staged_t128_m16_n32_k16": (True, 128, 1, 1, 16, False),
+    "staged_t128_m16_n64_k8": (True, 128, 1, 2, 8, False),
     "staged_joint_t96_m32_n48": (True, 96, 2, 2, 1, True),
     "staged_joint_t128_m32_n64": (True, 128, 2, 2, 1, True),
     "staged_joint_t128_m32_n128": (True, 128, 2, 4, 1, True),
