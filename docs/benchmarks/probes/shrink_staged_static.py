@@ -28,6 +28,8 @@ VARIANTS = {
     "staged_t256_m32_n128": (True, 256, 2, 2, 1, False),
     "staged_t128_m16_n128": (True, 128, 1, 4, 1, False),
     "staged_t128_m32_n128_k4": (True, 128, 2, 4, 4, False),
+    "staged_t64_m16_n16": (True, 64, 1, 1, 1, False),
+    "staged_t64_m32_n16": (True, 64, 2, 1, 1, False),
     "staged_t64_m16_n16_k16": (True, 64, 1, 1, 16, False),
     "staged_t128_m16_n32_k16": (True, 128, 1, 1, 16, False),
     "staged_t128_m16_n64_k8": (True, 128, 1, 2, 8, False),
