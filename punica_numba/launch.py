@@ -489,6 +489,9 @@ _GPU_CONFIGS = {
             "mma", threads=128, tile_m=16, tile_n=32, splits=16, staged=True, tuned_only=True
         ),
         LaunchConfig(
+            "mma", threads=128, tile_m=16, tile_n=32, splits=32, staged=True, tuned_only=True
+        ),
+        LaunchConfig(
             "mma", threads=128, tile_m=16, tile_n=64, splits=8, staged=True, tuned_only=True
         ),
         # ... and the slices' ranks side by side in them (a tile's rows of x read once for

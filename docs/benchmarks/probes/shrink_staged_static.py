@@ -32,6 +32,7 @@ VARIANTS = {
     "staged_t64_m32_n16": (True, 64, 2, 1, 1, False),
     "staged_t64_m16_n16_k16": (True, 64, 1, 1, 16, False),
     "staged_t128_m16_n32_k16": (True, 128, 1, 1, 16, False),
+    "staged_t128_m16_n32_k32": (True, 128, 1, 1, 32, False),
     "staged_t128_m16_n64_k8": (True, 128, 1, 2, 8, False),
     "staged_joint_t96_m32_n48": (True, 96, 2, 2, 1, True),
     "staged_joint_t128_m32_n64": (True, 128, 2, 2, 1, True),
