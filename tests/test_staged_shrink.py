@@ -98,6 +98,18 @@ def test_a_block_per_tile_and_slice_its_ranks_along_y_its_runs_along_z(
     assert grid[0] >= 3 * slices_along_x  # (the tiles: two of slot 0, one of slot 1)
 
 
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_a_long_k_goes_round_the_stages_twice(accumulate):
+    """K of twice the stages' chunks and a partial one more, walked by one block (the drawn
+    cases' K fits the stages once): each stage is copied into again only after every warp
+    has multiplied what it held, and the last chunk's copies past K write zeros."""
+    stages = staged_stages(16, 16)
+    hidden = 32 * (2 * stages + 1) + 8
+    problem = Problem(slots=[0, -1, 0, 0], prepared=4, num_loras=1, seed=11)
+    case = ShrinkCase(problem, hidden, 16, 1, 0, torch.bfloat16, torch.float32, 0.5, False)
+    check_forced_shrink(staged_config(16, 16, 1, 64), case, accumulate)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_the_same_bits_as_one_warp_walking_k(splits):
     """A staged block's outputs are each one warp's sums over its run of K, in the order of
