@@ -469,28 +469,16 @@ _GPU_CONFIGS = {
         LaunchConfig("mma", threads=128, tile_m=32, tile_n=64, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=256, tile_m=32, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=128, staged=True, tuned_only=True),
-        # Two warps of 8 ranks: at r <= 16 a tile's x read once, 7 chunks ahead (T=4096 on
-        # one LoRA at r=16 reads 32 MB of x in 15.5 µs in h200_peers.json, 52 % of the copy
-        # bandwidth, in blocks of 16 tokens whose 8 warps split K).
-        LaunchConfig("mma", threads=64, tile_m=16, tile_n=16, staged=True, tuned_only=True),
-        LaunchConfig("mma", threads=64, tile_m=32, tile_n=16, staged=True, tuned_only=True),
         LaunchConfig(
             "mma", threads=128, tile_m=32, tile_n=128, splits=4, staged=True, tuned_only=True
         ),
-        # ... and small blocks with K in many runs, for few tokens a slot and a long K (the
-        # down projections): 7 chunks copied ahead of the one multiplied (a small block's 8
-        # stages), where the split shrinks above wait on a pass of loads at a time
-        # (Llama-3-8B's down projection at r=32, T=32 over 8 LoRAs: 9.1 µs for 8.3 MB in
-        # h200_peers.json).
-        LaunchConfig(
-            "mma", threads=64, tile_m=16, tile_n=16, splits=16, staged=True, tuned_only=True
-        ),
-        LaunchConfig(
-            "mma", threads=128, tile_m=16, tile_n=32, splits=16, staged=True, tuned_only=True
-        ),
-        LaunchConfig(
-            "mma", threads=128, tile_m=16, tile_n=32, splits=32, staged=True, tuned_only=True
-        ),
+        # ... and a small block with K in 8 runs, 7 chunks copied ahead of the one multiplied
+        # (a small block's 8 stages): on an H100 the fastest at r=128, K=14336, 512 tokens on
+        # one LoRA (37.1 -> 35.8 µs), and on none of the other 127 it was timed on. Blocks of
+        # 16 x 16 and 16 x 32 in 16 and 32 runs, for the down projections' few tokens a slot,
+        # and two warps of 8 ranks for r <= 16 won nowhere there (h100_retime_staged_255c04c
+        # .json: the split blocks took 6.6 µs or more where the table's rows took 1.7) and
+        # were removed.
         LaunchConfig(
             "mma", threads=128, tile_m=16, tile_n=64, splits=8, staged=True, tuned_only=True
         ),
