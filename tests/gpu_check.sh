@@ -40,7 +40,9 @@
 #   SUITE_WORKERS   pytest-xdist workers for the suite (default 4; 0: one process)
 #   SUITE_TESTS     the suite's pytest targets (default: tests). The whole gpu profile took
 #                   over 10 minutes on an H200 with 8 workers (at 5d81db4): run it in parts
-#   SUITE_LIMIT     seconds after which the suite is stopped (its log still comes back)
+#   SUITE_LIMIT     seconds after which the suite is interrupted (SIGINT: pytest then writes
+#                   the failures so far, tracebacks and summary, into its log; killed 20 s
+#                   later if it has not ended)
 #   SUITE_DONE      the suite.log of an earlier run of the same commit: the tests it reports
 #                   passed or skipped are left out (tests/suite_parts.py), so that a run
 #                   a limit stopped is taken up where it stopped
@@ -168,7 +170,7 @@ if want suite; then
     done_before=()  # the tests an earlier log of this commit reports done (tests/suite_parts.py)
     [ -n "${SUITE_DONE:-}" ] && mapfile -t done_before < <("$PYTHON" tests/suite_parts.py "$SUITE_DONE")
     limit=()
-    [ -n "${SUITE_LIMIT:-}" ] && limit=(timeout "$SUITE_LIMIT")
+    [ -n "${SUITE_LIMIT:-}" ] && limit=(timeout --signal=INT --kill-after=20 "$SUITE_LIMIT")
     HYPOTHESIS_PROFILE=gpu "${limit[@]}" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider \
         "${workers[@]}" "${targets[@]}" "${done_before[@]}" >"$OUT/suite.log" 2>&1 &
     pids+=($!)
