@@ -58,7 +58,7 @@ def staged_cases() -> st.SearchStrategy:
 
 @given(
     staged_cases(),
-    st.sampled_from((16, 32)),
+    st.sampled_from((16, 32, 64)),
     st.sampled_from(BLOCK_RANKS),
     st.sampled_from(((1, False), (3, False), (1, True))),  # (runs of K, side by side)
     st.booleans(),
