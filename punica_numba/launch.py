@@ -472,14 +472,13 @@ _GPU_CONFIGS = {
         LaunchConfig(
             "mma", threads=128, tile_m=32, tile_n=128, splits=4, staged=True, tuned_only=True
         ),
-        # ... tiles of 64 and 128 tokens for thousands of tokens a slot, reading A a half and
-        # a quarter as often again: four warps of 32 ranks (136 registers for sm_90) or of 16
-        # (96), eight of 16 (79; 124 at 128 tokens, 3 stages), no spills (ptxas 13.0,
-        # probes/shrink_staged_static.py) ...
+        # ... tiles of 64 tokens for thousands of tokens a slot, reading A half as often
+        # again: four warps of 32 ranks (136 registers for sm_90) or of 16 (96), eight of 16
+        # (79), no spills (ptxas 13.0, probes/shrink_staged_static.py). (Each tile size is a
+        # table the metadata fills at every step, so none larger.) ...
         LaunchConfig("mma", threads=128, tile_m=64, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=64, tile_n=64, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=256, tile_m=64, tile_n=128, staged=True, tuned_only=True),
-        LaunchConfig("mma", threads=256, tile_m=128, tile_n=128, staged=True, tuned_only=True),
         # ... and a small block with K in 8 runs, 7 chunks copied ahead of the one multiplied
         # (a small block's 8 stages): on an H100 the fastest at r=128, K=14336, 512 tokens on
         # one LoRA (37.1 -> 35.8 µs), and on none of the other 127 it was timed on. Blocks of

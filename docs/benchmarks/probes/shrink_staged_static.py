@@ -32,7 +32,6 @@ VARIANTS = {
     "staged_t128_m64_n128": (True, 128, 4, 4, 1, False),
     "staged_t256_m64_n128": (True, 256, 4, 2, 1, False),
     "staged_t128_m64_n64": (True, 128, 4, 2, 1, False),
-    "staged_t256_m128_n128": (True, 256, 8, 2, 1, False),
     "staged_joint_t96_m32_n48": (True, 96, 2, 2, 1, True),
     "staged_joint_t128_m32_n64": (True, 128, 2, 2, 1, True),
     "staged_joint_t128_m32_n128": (True, 128, 2, 4, 1, True),
