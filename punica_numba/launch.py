@@ -173,8 +173,9 @@ class LaunchConfig:
     def reads_tile_tokens(self, op: str) -> bool:
         """Whether the kernel reads each tile's tokens from a row of their own
         (:func:`.kernels.segments.tile_tokens`): only the tensor-core expand does; the
-        others read the sorted tokens, or (a tile of one token) the table's."""
-        return op == "expand" and self.kernel == "mma"
+        others (the staged expand among them) read the sorted tokens, or (a tile of one
+        token) the table's."""
+        return op == "expand" and self.kernel == "mma" and not self.staged
 
 
 #: The simulator runs every thread as a Python thread: small blocks, and loops inside
@@ -228,6 +229,9 @@ _SIMULATOR_CONFIGS = {
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=32, passes=2, from_tokens_per_slot=4),
         # The rank in chunks of 32 (as two of the GPU's, below): timed by the tuner only.
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=32, chunk=32, tuned_only=True),
+        # The buffer and B staged in shared memory, two warps of 16 columns (as the GPU's
+        # below; 16 tokens, a tile size the simulator has): timed by the tuner only.
+        LaunchConfig("mma", threads=64, tile_m=16, tile_n=32, staged=True, tuned_only=True),
     ),
 }
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
@@ -641,6 +645,17 @@ _GPU_CONFIGS = {
         # them; forced, they run).
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, chunk=32, tuned_only=True),
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=128, passes=2, chunk=32, tuned_only=True),
+        # The buffer and B staged in shared memory, copied chunks ahead of the products, in
+        # tiles of 32 or 64 tokens (kernels.expand_mma_staged): for ranks past 64 with many
+        # tokens a slot, where the blocks above wait on their loads of B a rank step at a
+        # time (14-24 % of the copy bandwidth at r=128 and 256 in the grid). Warps of 16
+        # tokens x 64 columns (or 128), 2-5 stages. Timed by the tuner only, until the H200
+        # says where they win.
+        LaunchConfig("mma", threads=64, tile_m=32, tile_n=64, staged=True, tuned_only=True),
+        LaunchConfig("mma", threads=128, tile_m=64, tile_n=64, staged=True, tuned_only=True),
+        LaunchConfig("mma", threads=128, tile_m=32, tile_n=128, staged=True, tuned_only=True),
+        LaunchConfig("mma", threads=256, tile_m=64, tile_n=128, staged=True, tuned_only=True),
+        LaunchConfig("mma", threads=128, tile_m=64, tile_n=128, staged=True, tuned_only=True),
     ),
 }
 
@@ -699,6 +714,7 @@ def choose_launch_config(
     K: int | None = None,
     N: int | None = None,
     machine: str | None = None,
+    staged_expand: bool = True,
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count, the rank and
     the number of slices (host-side facts only): the last tensor-core one whose
@@ -725,14 +741,18 @@ def choose_launch_config(
 
     ``machine`` ("gpu" or "simulator"; default: this one) picks whose configurations the
     heuristic chooses among (:func:`launch_configs`); with it, no tuned table is read.
+    ``staged_expand``: whether the call's operands allow a staged tensor-core expand (an
+    fp32 buffer and B in aligned 16-byte pieces: :mod:`.kernels.expand_mma_staged`); a
+    forced or tuned one is not taken where they do not.
     """
     configs = launch_configs(op, machine)
     forced = _forced.get(op)
-    if forced is not None and _can_take(forced, tensor_cores, lane_split, rank):
+    staged = staged_expand or op != "expand"
+    if forced is not None and _can_take(forced, tensor_cores, lane_split, rank, staged):
         return forced
     if machine is None and dtype is not None and K is not None and N is not None:
         tuned = tuned_config(op, dtype, slices, K, N, rank, num_tokens, active_slots)
-        if tuned is not None and _can_take(tuned, tensor_cores, lane_split, rank):
+        if tuned is not None and _can_take(tuned, tensor_cores, lane_split, rank, staged):
             return tuned
     usable = {"mma": tensor_cores, "lanes": lane_split}
     per_slot = num_tokens / active_slots if active_slots else 1.0
@@ -773,11 +793,16 @@ def _tiles(config: LaunchConfig, num_tokens: int, slots: int) -> int:
     return slots * -(-num_tokens // (max(slots, 1) * config.tile_m))
 
 
-def _can_take(config: LaunchConfig, tensor_cores: bool, lane_split: bool, rank: int) -> bool:
+def _can_take(
+    config: LaunchConfig, tensor_cores: bool, lane_split: bool, rank: int, staged: bool = True
+) -> bool:
     """Whether a call can run ``config`` at all (a forced or tuned one; the heuristic's
     thresholds aside): the tensor cores only when ``tensor_cores``, the lane-split expand
-    only when ``lane_split``, and no configuration past its ``to_rank``."""
+    only when ``lane_split``, a staged configuration only when ``staged``, and no
+    configuration past its ``to_rank``."""
     if config.kernel == "mma" and not tensor_cores:
+        return False
+    if config.staged and not staged:
         return False
     if config.kernel == "lanes" and not lane_split:
         return False

@@ -53,6 +53,7 @@ KERNEL_MODULES = {
     "expand",
     "expand_lanes",
     "expand_mma",
+    "expand_mma_staged",
     "expand_tiled",
     "moe_expand",
     "moe_expand_columns",
@@ -302,10 +303,11 @@ def _one_of_each_kernel() -> None:
         with force_launch_config("shrink", config):
             check_shrink(ops.lora_shrink, case)
     for config in launch_configs("expand"):
+        rank = 32 if config.staged else 16  # (a staged expand takes whole chunks of 32)
         with force_launch_config("expand", config):
-            check_expand(ops.lora_expand, serving_expand_case(problem, 16, [512, 128]))
+            check_expand(ops.lora_expand, serving_expand_case(problem, rank, [512, 128]))
             if config.kernel == "mma":  # one slice: the builds that ask ahead
-                check_expand(ops.lora_expand, serving_expand_case(problem, 16, [512]))
+                check_expand(ops.lora_expand, serving_expand_case(problem, rank, [512]))
     one = Problem(slots=[0], prepared=1, num_loras=1, seed=6)
     check_shrink(
         ops.lora_shrink,

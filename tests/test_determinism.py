@@ -165,7 +165,8 @@ def test_tensor_core_expand_bits_do_not_depend_on_its_passes(dtype, monkeypatch)
     expand of this machine's table; each is right. Slices of 72, 24 and 8 columns: several
     groups for the widest, one for the narrowest. B and the output bf16 or fp16: every
     configuration takes both."""
-    table = [c for c in launch_configs("expand") if c.kernel == "mma"]
+    # (the staged expand takes ranks of whole chunks of 32 only: test_staged_expand.py)
+    table = [c for c in launch_configs("expand") if c.kernel == "mma" and not c.staged]
     first = table[0]
     twins = [dataclasses.replace(first, passes=p, from_tokens_per_slot=1e9) for p in (1, 3)]
     _add_configs(monkeypatch, "expand", *twins)

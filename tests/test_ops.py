@@ -41,6 +41,13 @@ def _tensor_core_configs():
     return [c for c in launch_configs("expand") if c.kernel == "mma"]
 
 
+def _register_tensor_core_configs():
+    """The tensor-core expands that read their operands into registers
+    (:mod:`punica_numba.kernels.expand_mma`): not the staged ones, whose builds and what they
+    take are another kernel's (test_staged_expand.py)."""
+    return [c for c in _tensor_core_configs() if not c.staged]
+
+
 @in_shards()
 @given(expand_cases(tensor_cores=True), st.data())
 def test_tensor_core_expand_matches_reference(shard, case, data):
@@ -224,9 +231,7 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
-)
+@pytest.mark.parametrize("config", _register_tensor_core_configs(), ids=config_name)
 def test_tensor_core_expand_writes_16_or_8_byte_words(config, dtype, monkeypatch):
     """The tensor-core expand reads and writes its output 16 bytes at a time where the
     output's rows start at multiples of 16 bytes and the slices at multiples of 8 columns
@@ -266,9 +271,7 @@ def test_tensor_core_expand_writes_16_or_8_byte_words(config, dtype, monkeypatch
     assert torch.equal(outputs[0][0], outputs[1][0])
 
 
-@pytest.mark.parametrize(
-    "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
-)
+@pytest.mark.parametrize("config", _register_tensor_core_configs(), ids=config_name)
 def test_tensor_core_expand_without_clamps_gives_the_same_bits(config, monkeypatch):
     """Where every slice's width is a multiple of a warp's columns, the tensor-core expand
     is built without clamping B's rows and the output words to the slice's end, or checking
@@ -328,9 +331,7 @@ def _expand_problem(slots, num_loras, rank, widths, seed, meta_tokens=None, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
-)
+@pytest.mark.parametrize("config", _register_tensor_core_configs(), ids=config_name)
 def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, dtype, monkeypatch):
     """At r=32 the tensor-core expand reads the buffer and B 16 bytes at a time where their
     rows start at multiples of 16 bytes (``wide_x``, ``wide_b``), and where the grid has a
@@ -365,9 +366,7 @@ def test_tensor_core_expand_loads_and_passes_give_the_same_bits(config, dtype, m
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
-@pytest.mark.parametrize(
-    "config", [c for c in launch_configs("expand") if c.kernel == "mma"], ids=config_name
-)
+@pytest.mark.parametrize("config", _register_tensor_core_configs(), ids=config_name)
 def test_tensor_core_expand_on_metadata_made_elsewhere(config):
     """vLLM's six metadata tensors made without ``LoRAKernelMeta`` (copies: no host-side
     facts) have no tile table or tile tokens kept for them; the launch makes both on the

@@ -19,7 +19,8 @@
   :mod:`.shrink_mma_joint` with a layer's slices in one block, their ranks side by side;
   :mod:`.shrink_mma_staged` with x and A staged in shared memory and the block's ranks split
   among its warps (:mod:`.shrink_mma_staged_split` with K split over blocks too), its copies
-  :mod:`.async_copy`'s;
+  :mod:`.async_copy`'s; :mod:`.expand_mma_staged` the expand's large tiles, the buffer and
+  B staged the same way;
 * :mod:`.moe_blocks`, :mod:`.moe_shrink`, :mod:`.moe_expand` MoE LoRA: both ops over blocks
   of (token, expert) pairs, one (slot, expert) a block; :mod:`.moe_shrink_tiled` the
   shrink's second version, in shared-memory tiles; :mod:`.moe_shrink_split` and
@@ -34,6 +35,7 @@
 from .expand import COMPILED_WORDS, build_expand_kernel
 from .expand_lanes import build_lanes_expand_kernel, splits
 from .expand_mma import build_mma_expand_kernel
+from .expand_mma_staged import build_staged_mma_expand_kernel, staged_expand_warps
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
 from .shrink_mma import build_mma_shrink_kernel
@@ -57,8 +59,10 @@ __all__ = [
     "build_split_mma_shrink_kernel",
     "build_split_shrink_kernel",
     "build_split_staged_mma_shrink_kernel",
+    "build_staged_mma_expand_kernel",
     "build_staged_mma_shrink_kernel",
     "build_tiled_expand_kernel",
     "build_token_shrink_kernel",
     "splits",
+    "staged_expand_warps",
 ]

@@ -31,10 +31,12 @@ from ..kernels import (
     build_split_mma_shrink_kernel,
     build_split_shrink_kernel,
     build_split_staged_mma_shrink_kernel,
+    build_staged_mma_expand_kernel,
     build_staged_mma_shrink_kernel,
     build_tiled_expand_kernel,
     build_token_shrink_kernel,
     splits,
+    staged_expand_warps,
 )
 from ..kernels.dtypes import packing
 from ..launch import LaunchConfig, choose_launch_config, launch_configs
@@ -239,8 +241,25 @@ def choose_expand(
         mma = operands.mma_expand_operands(inputs, weights, w_words, output, columns)
         if mma is None:  # the tensor cores cannot take this call
             config = choose()
+        elif config.staged and not (mma[4] and mma[5]):  # nor staged: see its kernel
+            config = choose(tensor_cores=True, staged_expand=False)
+            mma = mma if config.kernel == "mma" else None
     alone = one_slot("expand", config, weights[0].num_loras, facts)
     per_block = config.columns_per_block("expand", words)
+    if mma is not None and config.staged:  # a large tile, its operands in shared memory
+        x, b_words, out, wide, _, _ = mma
+        n_tiles = staged_expand_warps(config.threads, config.tile_m, config.tile_n)[3]
+        kernel = build_staged_mma_expand_kernel(
+            config.threads,
+            config.tile_m,
+            config.tile_n,
+            rank // 16,
+            wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
+            dtype,
+        )
+        return ExpandChoice(
+            config, kernel, x, b_words, out, [c // 4 for c in columns], per_block, False
+        )
     if mma is not None:
         x, b_words, out, wide, wide_x, wide_b = mma
         n_tiles = config.tile_n // (8 * config.threads // 32)  # 8-column tiles per warp
