@@ -468,7 +468,8 @@ _GPU_CONFIGS = {
         # a slot reach 11-24 % of the copy bandwidth in blocks of 16 x 64, whose re-reads
         # through L2 account for their time (the kernel's notes). Four warps of 32 ranks or of
         # 16, eight of 16, 16-token tiles of 32-rank warps, and K in 4 runs for calls of few
-        # tiles. Timed by the tuner only, until the H200 says where they win.
+        # tiles. Timed by the tuner only: the H200's table takes them for 18 of its 143
+        # shrinks at r=64 and 128, all of 2048+ tokens (1.05-1.92x; lab notes, a685072).
         LaunchConfig("mma", threads=128, tile_m=32, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=32, tile_n=64, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=256, tile_m=32, tile_n=128, staged=True, tuned_only=True),
@@ -649,8 +650,9 @@ _GPU_CONFIGS = {
         # tiles of 32 or 64 tokens (kernels.expand_mma_staged): for ranks past 64 with many
         # tokens a slot, where the blocks above wait on their loads of B a rank step at a
         # time (14-24 % of the copy bandwidth at r=128 and 256 in the grid). Warps of 16
-        # tokens x 64 columns (or 128), 2-5 stages. Timed by the tuner only, until the H200
-        # says where they win.
+        # tokens x 64 columns (or 128), 2-5 stages. Timed by the tuner only: the H200's table
+        # takes 64 x 128 in eight warps for 6 of its 89 expands at r=64 and 128 (r=128, 512
+        # and 2048 tokens on one LoRA, 1.06-1.16x) and the others lose (lab notes, de8fe2e).
         LaunchConfig("mma", threads=64, tile_m=32, tile_n=64, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=64, tile_n=64, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=32, tile_n=128, staged=True, tuned_only=True),

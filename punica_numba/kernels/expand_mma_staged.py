@@ -51,8 +51,12 @@ and ``TILE_N`` rows of B of 64 bytes; the most stages, up to 8, that fit 47 KB
 
 **Traffic.** A block reads ``TILE_M * r`` buffer elements and ``TILE_N * r`` of B for
 ``TILE_M * TILE_N`` outputs: with 64 x 64, B a quarter as often as :mod:`.expand_mma`'s
-16-token tiles and the buffer no more often than its blocks of 64 columns. Counts, not
-measurements: no GPU has timed this kernel yet.
+16-token tiles and the buffer no more often than its blocks of 64 columns. On the H200
+(``h200_retime_staged_a685072.json``, lab notes) it was the fastest on 6 of the tuned table's 89
+expands at r=64 and 128 (r=128, 512 and 2048 tokens on one LoRA: 1.06-1.16x) and slower on the
+others (the table's picks took 0.54x its best time, in geometric mean): with 2-3 stages over a
+rank of four chunks and two blocks an SM, most of a block's copy time is not hidden. Not yet
+measured: where the time goes (a profile), more stages in dynamic shared memory.
 """
 
 from __future__ import annotations

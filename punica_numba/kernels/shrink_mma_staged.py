@@ -49,8 +49,11 @@ block of 32 threads, whose warps' total is its own), and with ``splits`` what on
 :mod:`.shrink_mma`'s, but its tile can be larger, the warps splitting its ranks rather than
 its K: 32 tokens x 128 ranks with four warps of 32 ranks (32 outputs a lane, as a warp of
 :mod:`.shrink_mma`'s 16 tokens x 64 ranks) reads A half as often and x half as often as
-blocks of 16 x 64. The 70B down projection above would move about 2.4 GB through L2. Counts,
-not measurements: the H200 has not timed this kernel.
+blocks of 16 x 64. The 70B down projection above would move about 2.4 GB through L2. On the
+H200 (``h200_retime_staged_a685072.json``) staged blocks were the fastest on 18 of the tuned
+table's 143 shrinks at r=64 and 128, all of 2048 tokens or more, 1.05-1.92x faster than its
+picks before (QKV at r=128, 8192 tokens on one LoRA: 254.4 -> 132.5 µs); the table takes them
+there.
 
 Shared memory: ``STAGES x (TILE_M + TILE_N) x 64`` bytes (40 KB for 32 x 128 in 4 stages), the
 most stages of at most 8 that fit 48 KB: small blocks keep more chunks in flight (16 tokens x 64
