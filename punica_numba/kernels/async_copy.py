@@ -37,8 +37,26 @@ __all__ = [
     "group_committer",
     "group_waiter",
     "shared_address_of",
+    "stages_that_fit",
     "words_copier",
 ]
+
+#: The most shared memory a block may declare statically (bytes), and the most stages a
+#: staged kernel keeps.
+STATIC_SHARED_BYTES, MOST_STAGES = 48 * 1024, 8
+
+
+def stages_that_fit(stage_bytes: int, what: str) -> int:
+    """The stages of ``stage_bytes`` each that a staged kernel's block keeps: the most, up to
+    :data:`MOST_STAGES`, that fit :data:`STATIC_SHARED_BYTES`; a ``ValueError`` naming
+    ``what`` (the block) where two do not."""
+    stages = min(MOST_STAGES, STATIC_SHARED_BYTES // stage_bytes)
+    if stages < 2:
+        raise ValueError(
+            f"{what} needs {2 * stage_bytes} bytes of shared memory for two stages; at most "
+            f"{STATIC_SHARED_BYTES} are declared"
+        )
+    return stages
 
 
 def address_of():

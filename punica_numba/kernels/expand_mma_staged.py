@@ -46,7 +46,7 @@ bytes and no chunk reaches past the rank. Other calls take another configuration
 
 **Shared memory.** A stage is ``TILE_M`` buffer rows of 144 bytes (128 and 16 of padding,
 so that the 8 lanes of a quarter warp, two rows x four 16-byte pieces, meet every bank once)
-and ``TILE_N`` rows of B of 64 bytes; the most stages, up to 8, that fit 47 KB
+and ``TILE_N`` rows of B of 64 bytes; the most stages, up to 8, that fit 48 KB
 (:func:`staged_expand_stages`).
 
 **Traffic.** A block reads ``TILE_M * r`` buffer elements and ``TILE_N * r`` of B for
@@ -72,6 +72,7 @@ from .async_copy import (
     group_committer,
     group_waiter,
     shared_address_of,
+    stages_that_fit,
     words_copier,
 )
 from .dependent_launch import prologue
@@ -104,25 +105,16 @@ __all__ = ["build_staged_mma_expand_kernel", "staged_expand_stages", "staged_exp
 
 #: Rank steps of 16 a chunk holds (32 ranks).
 CHUNK_STEPS = 2
-#: float32 elements of a staged buffer row (32) and its padding (four), and int64 words of a
+#: float32 elements of a staged buffer row (32 and four of padding), and int64 words of a
 #: staged row of B (32 elements of 16 bits).
-X_ROW, X_PADDED_ROW, B_ROW = 32, 36, 8
-#: The shared memory a block's stages may take (bytes; the rest of the 48 KB a block may
-#: declare statically is left to the simulator's scratch), and the most stages.
-STAGED_BYTES, MOST_STAGES = 47 * 1024, 8
+X_PADDED_ROW, B_ROW = 36, 8
 
 
 def staged_expand_stages(tile_m: int, tile_n: int) -> int:
     """The stages of shared memory a block of ``tile_m`` tokens and ``tile_n`` columns keeps:
-    the most, up to 8, that fit 47 KB (a ``ValueError`` below 2)."""
+    the most, up to 8, that fit 48 KB (a ``ValueError`` below 2)."""
     stage_bytes = tile_m * X_PADDED_ROW * 4 + tile_n * B_ROW * 8
-    stages = min(MOST_STAGES, STAGED_BYTES // stage_bytes)
-    if stages < 2:
-        raise ValueError(
-            f"a staged expand of {tile_m} tokens x {tile_n} columns needs {2 * stage_bytes} "
-            f"bytes of shared memory for two stages; at most {STAGED_BYTES} are declared"
-        )
-    return stages
+    return stages_that_fit(stage_bytes, f"a staged expand of {tile_m} tokens x {tile_n} columns")
 
 
 def staged_expand_warps(threads: int, tile_m: int, tile_n: int) -> tuple[int, int, int, int]:

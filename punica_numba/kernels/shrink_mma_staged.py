@@ -76,6 +76,7 @@ from .async_copy import (
     group_committer,
     group_waiter,
     shared_address_of,
+    stages_that_fit,
     words_copier,
 )
 from .dependent_launch import prologue
@@ -92,21 +93,13 @@ __all__ = [
 
 #: Int64 words of a chunk's row: 32 elements of 16 bits.
 CHUNK_WORDS = 8
-#: The most shared memory a block may declare statically (bytes), and the most stages.
-STATIC_SHARED_BYTES, MOST_STAGES = 48 * 1024, 8
 
 
 def staged_stages(tile_m: int, tile_n: int) -> int:
     """The stages of shared memory a block of ``tile_m`` tokens and ``tile_n`` ranks keeps:
     the most, up to 8, whose rows fit 48 KB (a ``ValueError`` below 2)."""
     stage_bytes = (tile_m + tile_n) * CHUNK_WORDS * 8
-    stages = min(MOST_STAGES, STATIC_SHARED_BYTES // stage_bytes)
-    if stages < 2:
-        raise ValueError(
-            f"a staged shrink of {tile_m} tokens x {tile_n} ranks needs {2 * stage_bytes} bytes "
-            f"of shared memory for two stages; at most {STATIC_SHARED_BYTES} are declared"
-        )
-    return stages
+    return stages_that_fit(stage_bytes, f"a staged shrink of {tile_m} tokens x {tile_n} ranks")
 
 
 @cuda.jit(device=True, inline="always")
