@@ -241,49 +241,46 @@ def choose_expand(
         mma = operands.mma_expand_operands(inputs, weights, w_words, output, columns)
         if mma is None:  # the tensor cores cannot take this call
             config = choose()
-        elif config.staged and not (mma[4] and mma[5]):  # nor staged: see its kernel
+        elif config.staged and not all(mma[4:6]):  # (wide_x, wide_b: the staged kernel's)
             config = choose(tensor_cores=True, staged_expand=False)
             mma = mma if config.kernel == "mma" else None
     alone = one_slot("expand", config, weights[0].num_loras, facts)
     per_block = config.columns_per_block("expand", words)
-    if mma is not None and config.staged:  # a large tile, its operands in shared memory
-        x, b_words, out, wide, _, _ = mma
-        n_tiles = staged_expand_warps(config.threads, config.tile_m, config.tile_n)[3]
-        kernel = build_staged_mma_expand_kernel(
-            config.threads,
-            config.tile_m,
-            config.tile_n,
-            rank // 16,
-            wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
-            dtype,
-        )
-        return ExpandChoice(
-            config, kernel, x, b_words, out, [c // 4 for c in columns], per_block, False
-        )
     if mma is not None:
         x, b_words, out, wide, wide_x, wide_b = mma
-        n_tiles = config.tile_n // (8 * config.threads // 32)  # 8-column tiles per warp
-        single_pass = one_pass(config, max(widths), per_block)
-        asking = asks_ahead(widths, single_pass, alone, num_tokens)
-        kernel = build_mma_expand_kernel(
-            inputs.dtype,
-            config.threads,
-            config.tile_m // 16,
-            n_tiles,
-            -(-rank // 16),
-            rank % 16 == 0,
-            wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
-            all(width % (8 * n_tiles) == 0 for width in widths),  # whole column groups
-            wide_x,  # the buffer in 16-byte loads
-            wide_b,  # B in 16-byte loads
-            single_pass,
-            alone,
-            asking,
-            asking and after_own_shrink,  # B before the wait
-            dtype,  # of B and the output: bf16, or fp16 (two f16 products a tile)
-            *((config.chunk // 16,) if config.chunk else ()),  # rank steps held at once
-        )
-        # (the kernel places slices by 4-column words)
+        if config.staged:  # a large tile, its operands in shared memory
+            n_tiles = staged_expand_warps(config.threads, config.tile_m, config.tile_n)[3]
+            kernel = build_staged_mma_expand_kernel(
+                config.threads,
+                config.tile_m,
+                config.tile_n,
+                rank // 16,
+                wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
+                dtype,
+            )
+        else:
+            n_tiles = config.tile_n // (8 * config.threads // 32)  # 8-column tiles per warp
+            single_pass = one_pass(config, max(widths), per_block)
+            asking = asks_ahead(widths, single_pass, alone, num_tokens)
+            kernel = build_mma_expand_kernel(
+                inputs.dtype,
+                config.threads,
+                config.tile_m // 16,
+                n_tiles,
+                -(-rank // 16),
+                rank % 16 == 0,
+                wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
+                all(width % (8 * n_tiles) == 0 for width in widths),  # whole column groups
+                wide_x,  # the buffer in 16-byte loads
+                wide_b,  # B in 16-byte loads
+                single_pass,
+                alone,
+                asking,
+                asking and after_own_shrink,  # B before the wait
+                dtype,  # of B and the output: bf16, or fp16 (two f16 products a tile)
+                *((config.chunk // 16,) if config.chunk else ()),  # rank steps held at once
+            )
+        # (the tensor-core kernels place slices by 4-column words)
         return ExpandChoice(
             config, kernel, x, b_words, out, [c // 4 for c in columns], per_block, alone
         )
@@ -347,14 +344,15 @@ def one_slot(op: str, config: LaunchConfig, num_loras: int, facts) -> bool:
     """Whether blocks of ``config`` take their tokens in their own order and load the
     weights before they know the tokens' slots: where the weight stacks hold one slot
     (``kernels.shrink``, "One slot"), for the row shrink and the lane-split expand with
-    a token a block and for the tensor-core expand (``kernels.expand_mma``, "One slot"),
+    a token a block and for the tensor-core expand but the staged one (``kernels.expand_mma``,
+    "One slot"),
     and only on ``LoRAKernelMeta``'s metadata (``facts``), whose ``token_lora_mapping``
     the kernel then reads: it agrees with the segments by construction, and holds -1
     past the prepared tokens."""
     if facts is None or num_loras != 1:
         return False
     if op == "expand" and config.kernel == "mma":
-        return True
+        return not config.staged  # (the staged expand's blocks take the table's tiles)
     kernel = {"shrink": "rows", "expand": "lanes"}[op]
     return config.kernel == kernel and config.tile_m == 1
 
