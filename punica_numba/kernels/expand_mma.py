@@ -466,7 +466,7 @@ from .mma import (
 )
 from .segments import read_tile, slice_of
 
-__all__ = ["build_mma_expand_kernel", "output_column", "rank_chunks"]
+__all__ = ["build_mma_expand_kernel", "output_column", "output_word_maker", "rank_chunks"]
 
 #: Output columns per word of output (four bf16 or fp16 in 8 bytes).
 WORD_COLUMNS = 4
@@ -491,6 +491,38 @@ def output_column(tile, column, run):
     warp's product tile ``tile``, where ``run`` tiles (2: 8-byte words of output, 4:
     16-byte ones) leave each lane neighbouring columns: see the module's notes."""
     return 8 * run * (tile // run) + 2 * run * (column // 2) + 2 * (tile % run) + column % 2
+
+
+@functools.cache
+def output_word_maker(n_tiles: int, half: bool, scaled: bool):
+    """The device function ``new_word(acc, old, back, mi, half, i, v)`` of a lane whose warp
+    has ``n_tiles`` 8-column tiles: word v of its token row i (row ``half`` of m-tile ``mi``),
+    tiles 2v and 2v + 1 of the products in ``acc`` (``scaled``: scaled back by the row's
+    ``back[i]``, exactly) plus the old word ``old``, rounded to four bf16 (``half``: fp16)
+    two at a time ("Whole words")."""
+    N_TILES, SCALED = n_tiles, scaled
+    round_pair = f16_pair if half else bf16_pair  # two fp32 outputs -> one 32-bit pair
+    pair_values = f16_pair_values if half else bf16_pair_values  # and back (old outputs)
+
+    @cuda.jit(device=True, inline="always")
+    def new_word(acc, old, back, mi, half, i, v):
+        p0 = (mi * N_TILES + 2 * v) * 4 + 2 * half
+        p1 = p0 + 4  # tile 2v + 1
+        old_low, old_high = word_halves(old)
+        o0, o1 = pair_values(old_low)
+        o2, o3 = pair_values(old_high)
+        if SCALED:  # the products of the scaled row, times the inverse power of two
+            f = back[i]
+            return bf16_word(
+                round_pair(scaled_back(acc[p0], f) + o0, scaled_back(acc[p0 + 1], f) + o1),
+                round_pair(scaled_back(acc[p1], f) + o2, scaled_back(acc[p1 + 1], f) + o3),
+            )
+        return bf16_word(  # (the packing of four 16-bit elements, whichever their dtype)
+            round_pair(acc[p0] + o0, acc[p0 + 1] + o1),
+            round_pair(acc[p1] + o2, acc[p1 + 1] + o3),
+        )
+
+    return new_word
 
 
 def rank_chunks(k_steps: int, chunk_steps: int = CHUNK_STEPS) -> tuple[int, int]:
@@ -599,8 +631,6 @@ def build_mma_expand_kernel(
     # and fp16 B too ("three bf16 products").
     VALUES = x_dtype != torch.bfloat16  # the buffer read as fp32 values, not bf16 bits
     SPLIT = VALUES and not (F16 and not SCALED)  # two terms, lo and hi
-    round_pair = f16_pair if HALF else bf16_pair  # two fp32 outputs -> one 32-bit pair
-    pair_values = f16_pair_values if HALF else bf16_pair_values  # and back (old outputs)
     if wide_x and not (x_dtype == torch.float32 and whole):
         raise ValueError("16-byte loads of the buffer take an fp32 buffer and a whole rank")
     WIDE_X = wide_x
@@ -654,6 +684,7 @@ def build_mma_expand_kernel(
     HELD = BUFFER_FIRST or (SCALED and not CHUNKED)
     BUFFER_WORDS = K_STEPS * M_TILES * 8 if HELD else 1  # 2 rows x 4 a step and m-tile
     SCALES = ROWS if SCALED else 1  # the lane's rows' scales, and the inverses
+    new_word = output_word_maker(N_TILES, HALF, SCALED)  # ("Whole words")
     WHOLE_GROUPS = whole_groups  # no column of a group that starts in the slice lies past it
     ONE_SLOT = one_slot
     TILE_M = 16 * M_TILES
@@ -670,27 +701,6 @@ def build_mma_expand_kernel(
     def word_of(b_rows, n, q):
         """Word q of row n of B (zero past the rank)."""
         return b_rows[n, q] if WHOLE_STEPS or q < b_rows.shape[1] else int64(0)
-
-    @cuda.jit(device=True, inline="always")
-    def new_word(acc, old, back, mi, half, i, v):
-        """Word v of token row i (row ``half`` of m-tile ``mi``): tiles 2v and 2v + 1 of
-        the products (SCALED: scaled back by the row's ``back[i]``, exactly) plus the old
-        word, rounded to four bf16 (or fp16) two at a time."""
-        p0 = (mi * N_TILES + 2 * v) * 4 + 2 * half
-        p1 = p0 + 4  # tile 2v + 1
-        old_low, old_high = word_halves(old[i * WORDS + v])
-        o0, o1 = pair_values(old_low)
-        o2, o3 = pair_values(old_high)
-        if SCALED:  # the products of the scaled row, times the inverse power of two
-            f = back[i]
-            return bf16_word(
-                round_pair(scaled_back(acc[p0], f) + o0, scaled_back(acc[p0 + 1], f) + o1),
-                round_pair(scaled_back(acc[p1], f) + o2, scaled_back(acc[p1 + 1], f) + o3),
-            )
-        return bf16_word(  # (the packing of four 16-bit elements, whichever their dtype)
-            round_pair(acc[p0] + o0, acc[p0 + 1] + o1),
-            round_pair(acc[p1] + o2, acc[p1 + 1] + o3),
-        )
 
     @cuda.jit(device=True, inline="always")
     def b_words(b_rows, n0, lane_n, last_n, nj, kk, t):
@@ -1066,9 +1076,11 @@ def build_mma_expand_kernel(
                     for v in range(0, WORDS, PAIR):
                         word = first_word + uint64(4 * v)
                         if WHOLE_GROUPS or word <= last_start:
-                            first = new_word(acc, old, back, mi, half, i, v)
+                            old_word = old[i * WORDS + v]
+                            first = new_word(acc, old_word, back, mi, half, i, v)
                             if PAIR == 2:
-                                second = new_word(acc, old, back, mi, half, i, v + 1)
+                                old_word = old[i * WORDS + v + 1]
+                                second = new_word(acc, old_word, back, mi, half, i, v + 1)
                                 store_pair(row, word, first, second)
                             else:
                                 row[word] = first

@@ -77,17 +77,12 @@ from .async_copy import (
 )
 from .dependent_launch import prologue
 from .dtypes import (
-    bf16_pair,
-    bf16_pair_values,
-    bf16_word,
-    f16_pair,
-    f16_pair_values,
     four_float32_loader,
     word_halves,
     words_loader,
     words_storer,
 )
-from .expand_mma import output_column
+from .expand_mma import output_column, output_word_maker
 from .mma import (
     FRAGMENT_WORDS,
     MMA_DTYPES,
@@ -95,7 +90,6 @@ from .mma import (
     f16_row_scale,
     largest_of_lane_group,
     mma_into,
-    scaled_back,
     split_pair,
     split_to_f16,
 )
@@ -232,8 +226,7 @@ def build_staged_mma_expand_kernel(
     if wide and N_TILES % 4:
         raise ValueError(f"16-byte words take 4 tiles each: a warp has {N_TILES}")
     SCALED = dtype == torch.float16  # each buffer row scaled into fp16's range, split in fp16
-    round_pair = f16_pair if SCALED else bf16_pair  # two fp32 outputs -> one 32-bit pair
-    pair_values = f16_pair_values if SCALED else bf16_pair_values  # and back (old outputs)
+    new_word = output_word_maker(N_TILES, SCALED, SCALED)  # (fp16: its rows scaled)
     add_product = mma_into(dtype)
     load_four = four_float32_loader(True)
     two_words = words_loader(True)  # (a stage's rows of B are 64 bytes, at a multiple of 16)
@@ -334,27 +327,6 @@ def build_staged_mma_expand_kernel(
                     for term in range(2):  # lo first, then hi
                         q = 8 * mi + 4 * term
                         add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, my_scratch)
-
-    @cuda.jit(device=True, inline="always")
-    def new_word(acc, old, back, mi, half, i, v):
-        """Word v of the lane's token row i: tiles 2v and 2v + 1 of its m-tile's products
-        (SCALED: scaled back by the row's inverse, exactly) plus the old word, rounded two
-        at a time."""
-        p0 = (mi * N_TILES + 2 * v) * 4 + 2 * half
-        p1 = p0 + 4
-        old_low, old_high = word_halves(old)
-        o0, o1 = pair_values(old_low)
-        o2, o3 = pair_values(old_high)
-        if SCALED:
-            f = back[i]
-            return bf16_word(
-                round_pair(scaled_back(acc[p0], f) + o0, scaled_back(acc[p0 + 1], f) + o1),
-                round_pair(scaled_back(acc[p1], f) + o2, scaled_back(acc[p1 + 1], f) + o3),
-            )
-        return bf16_word(
-            round_pair(acc[p0] + o0, acc[p0 + 1] + o1),
-            round_pair(acc[p1] + o2, acc[p1 + 1] + o3),
-        )
 
     begin = prologue()
 
