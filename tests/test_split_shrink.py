@@ -57,12 +57,12 @@ def _split_configs() -> list[LaunchConfig]:
 
 
 @contextlib.contextmanager
-def forced(config: LaunchConfig):
-    """Within it, every shrink runs ``config`` (added to this machine's table for the
-    while, so that ``force_launch_config`` takes it)."""
+def forced(config: LaunchConfig, op: str = "shrink"):
+    """Within it, every call of ``op`` runs ``config`` where the call allows it (added to this
+    machine's table for the while, so that ``force_launch_config`` takes it)."""
     table = _table()
-    shrinks = table["shrink"] if config in table["shrink"] else (*table["shrink"], config)
-    with mock.patch.dict(table, {"shrink": shrinks}), force_launch_config("shrink", config):
+    configs = table[op] if config in table[op] else (*table[op], config)
+    with mock.patch.dict(table, {op: configs}), force_launch_config(op, config):
         yield
 
 

@@ -16,24 +16,23 @@ Checked here:
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from punica_numba import launch, ops
+from punica_numba import ops
 from punica_numba.kernels import staged_expand_warps
 from punica_numba.kernels.expand_mma_staged import staged_expand_stages
-from punica_numba.launch import LaunchConfig, config_name, force_launch_config
+from punica_numba.launch import LaunchConfig, config_name
 
 from .op_cases import ExpandCase, Problem, check_expand, rows_at_8_bytes
 from .strategies import LARGE
+from .test_split_shrink import forced
 
 #: Blocks drawn: on the simulator two warps (64 Python threads a block) of 16 tokens x 16
-#: columns, or of 16 x 32 along the tokens; on the GPU the table's sizes.
+#: columns side by side, or along the tokens of 16 x 32 or 16 x 64; on the GPU the table's
+#: sizes.
 BLOCKS = (
     ((128, 64, 64), (128, 32, 128), (64, 32, 64), (256, 64, 128), (128, 64, 128))
     if LARGE
@@ -48,23 +47,13 @@ def staged_config(threads: int, tile_m: int, tile_n: int) -> LaunchConfig:
     return LaunchConfig("mma", threads, tile_m, tile_n, staged=True, tuned_only=True)
 
 
-@contextlib.contextmanager
-def forced(config: LaunchConfig):
-    """Within it, every expand runs ``config`` where the call allows it (added to this
-    machine's table for the while, so that ``force_launch_config`` takes it)."""
-    table = launch._SIMULATOR_CONFIGS if launch.SIMULATOR else launch._GPU_CONFIGS
-    expands = table["expand"] if config in table["expand"] else (*table["expand"], config)
-    with mock.patch.dict(table, {"expand": expands}), force_launch_config("expand", config):
-        yield
-
-
 def run_under(config: LaunchConfig, case: ExpandCase) -> tuple:
     """``case`` checked against the reference under ``config``: the configuration that ran
     (None: nothing to launch) and the output."""
     ran = []
 
     def expand(x, weights, out, *args, **kwargs):
-        with forced(config):
+        with forced(config, "expand"):
             launch_now = ops.prepare_expand(x, weights, out, *args, **kwargs)
         launch_now()
         ran.append((getattr(launch_now, "config", None), out.clone()))
@@ -171,7 +160,7 @@ def test_metadata_made_elsewhere_gives_the_same_bits():
 
         def expand(x, weights, out, *meta, foreign=foreign, **kwargs):
             meta = [t.clone() for t in meta] if foreign else meta
-            with forced(config):
+            with forced(config, "expand"):
                 launch_now = ops.prepare_expand(x, weights, out, *meta, **kwargs)
             launch_now()
             assert launch_now.config == config, launch_now.config
@@ -189,7 +178,7 @@ def test_b_in_rows_at_8_bytes_goes_elsewhere():
 
     def expand(x, weights, *args, **kwargs):
         weights = [rows_at_8_bytes(w) for w in weights]
-        with forced(config):
+        with forced(config, "expand"):
             launch_now = ops.prepare_expand(x, weights, *args, **kwargs)
         launch_now()
         ran.append(launch_now.config)
