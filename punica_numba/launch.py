@@ -484,6 +484,16 @@ _GPU_CONFIGS = {
         LaunchConfig("mma", threads=128, tile_m=64, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=64, tile_n=64, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=256, tile_m=64, tile_n=128, staged=True, tuned_only=True),
+        # ... tiles of 64 tokens at r <= 32 in one warp of 16 ranks, two of 8 or two of 16:
+        # where the table's blocks at r=16 with thousands of tokens a slot wait on their
+        # loads (an H100's profile at 79f3af9, 4096 tokens on one LoRA: 12 cycles of a
+        # warp's 14 between issues waiting on memory, 258 blocks of 8 warps, two an SM),
+        # a small block keeps 7 chunks of its 40-48 KB of stages in flight and reads A once
+        # a 64-token tile (120, 72 and 122 registers, no spills; one warp of 32 ranks kept
+        # its copies' sources in local memory, and is not offered) ...
+        LaunchConfig("mma", threads=32, tile_m=64, tile_n=16, staged=True, tuned_only=True),
+        LaunchConfig("mma", threads=64, tile_m=64, tile_n=16, staged=True, tuned_only=True),
+        LaunchConfig("mma", threads=64, tile_m=64, tile_n=32, staged=True, tuned_only=True),
         # ... and a small block with K in 8 runs, 7 chunks copied ahead of the one multiplied
         # (a small block's 8 stages): on an H100 the fastest at r=128, K=14336, 512 tokens on
         # one LoRA (37.1 -> 35.8 µs), and on none of the other 127 it was timed on. Blocks of

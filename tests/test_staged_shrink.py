@@ -98,6 +98,19 @@ def test_a_block_per_tile_and_slice_its_ranks_along_y_its_runs_along_z(
     assert grid[0] >= 3 * slices_along_x  # (the tiles: two of slot 0, one of slot 1)
 
 
+@pytest.mark.parametrize(
+    "threads, rank, accumulate", [(32, 16, True), (32, 11, False), (64, 16, True)]
+)
+def test_a_small_block_of_64_tokens(threads, rank, accumulate):
+    """Blocks of 64 tokens x 16 ranks in one warp (the lane's four 16-token tiles, ten copies
+    a stage) or in two of 8, as the GPU's launch table offers for small ranks: 80 tokens on
+    two LoRAs make a full tile, a short one and a tile of one token; r=11 leaves the block's
+    last ranks past the rank."""
+    problem = Problem(slots=[0, 1] * 3 + [0] * 70 + [-1] * 4, prepared=80, num_loras=2, seed=6)
+    case = ShrinkCase(problem, 104, rank, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+    check_forced_shrink(staged_config(64, 16, 1, threads), case, accumulate)
+
+
 @pytest.mark.parametrize("accumulate", [True, False])
 def test_a_long_k_goes_round_the_stages_twice(accumulate):
     """K of twice the stages' chunks and a partial one more, walked by one block (the drawn
@@ -121,6 +134,7 @@ def test_the_same_bits_as_one_warp_walking_k(splits):
     outputs = []
     one_warp = LaunchConfig("mma", 32, 16, 8, splits=splits, tuned_only=True)
     configs = [staged_config(32, 16, splits, 64), staged_config(16, 32, splits, 64)]
+    configs.append(staged_config(64, 16, splits, 32))  # (one warp of 16 ranks, 64 tokens)
     if splits == 1:  # the slices' ranks side by side (24 of 72 joint ranks a block)
         configs.append(staged_config(16, 16, 1, 64, joint=True))
     configs.append(one_warp)
@@ -163,5 +177,7 @@ def test_a_block_keeps_the_most_stages_that_fit_48_kb():
     assert staged_stages(32, 256) == 2  # 18 KB
     assert staged_stages(32, 64) == 8  # 6 KB: 48 KB in 8 stages
     assert staged_stages(16, 32) == 8  # 3 KB: no more than 8 stages
+    assert staged_stages(64, 16) == 8  # 5 KB: 40 KB, the small-rank blocks of 64 tokens
+    assert staged_stages(64, 32) == 8  # 6 KB: 48 KB
     with pytest.raises(ValueError, match="shared memory"):
         staged_stages(128, 512)  # 40 KB a stage
