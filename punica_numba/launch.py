@@ -494,6 +494,17 @@ _GPU_CONFIGS = {
         LaunchConfig("mma", threads=32, tile_m=64, tile_n=16, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=64, tile_m=64, tile_n=16, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=64, tile_m=64, tile_n=32, staged=True, tuned_only=True),
+        # (On an H100 at 5c915be, beside the H200 table's picks on its 159 shrinks at r=16 and
+        # 32, these won 6, by 1.18x in geometric mean, up to 1.43x: r=32 with 8192 tokens on
+        # 2-3 slices; at r=16 with 4096 tokens on one LoRA they took 42 µs against 14.8, a
+        # block per 64-token tile making 64 blocks, each walking K alone.) The same blocks
+        # with K in 4 runs, for more blocks where the tiles are few ...
+        LaunchConfig(
+            "mma", threads=32, tile_m=64, tile_n=16, splits=4, staged=True, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=64, tile_m=64, tile_n=32, splits=4, staged=True, tuned_only=True
+        ),
         # ... and a small block with K in 8 runs, 7 chunks copied ahead of the one multiplied
         # (a small block's 8 stages): on an H100 the fastest at r=128, K=14336, 512 tokens on
         # one LoRA (37.1 -> 35.8 µs), and on none of the other 127 it was timed on. Blocks of

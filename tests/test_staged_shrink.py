@@ -99,16 +99,18 @@ def test_a_block_per_tile_and_slice_its_ranks_along_y_its_runs_along_z(
 
 
 @pytest.mark.parametrize(
-    "threads, rank, accumulate", [(32, 16, True), (32, 11, False), (64, 16, True)]
+    "threads, rank, accumulate, splits",
+    [(32, 16, True, 1), (32, 11, False, 1), (64, 16, True, 1), (32, 16, False, 3)],
 )
-def test_a_small_block_of_64_tokens(threads, rank, accumulate):
+def test_a_small_block_of_64_tokens(threads, rank, accumulate, splits):
     """Blocks of 64 tokens x 16 ranks in one warp (the lane's four 16-token tiles, ten copies
     a stage) or in two of 8, as the GPU's launch table offers for small ranks: 80 tokens on
     two LoRAs make a full tile, a short one and a tile of one token; r=11 leaves the block's
-    last ranks past the rank."""
+    last ranks past the rank. K = 136 is 5 chunks, the last partly past K; in 3 runs, of 2, 2
+    and 1 chunks."""
     problem = Problem(slots=[0, 1] * 3 + [0] * 70 + [-1] * 4, prepared=80, num_loras=2, seed=6)
-    case = ShrinkCase(problem, 104, rank, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
-    check_forced_shrink(staged_config(64, 16, 1, threads), case, accumulate)
+    case = ShrinkCase(problem, 136, rank, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+    check_forced_shrink(staged_config(64, 16, splits, threads), case, accumulate)
 
 
 @pytest.mark.parametrize("accumulate", [True, False])

@@ -35,6 +35,8 @@ VARIANTS = {
     "staged_t32_m64_n16": (True, 32, 4, 2, 1, False),
     "staged_t64_m64_n16": (True, 64, 4, 1, 1, False),
     "staged_t64_m64_n32": (True, 64, 4, 2, 1, False),
+    "staged_t32_m64_n16_k4": (True, 32, 4, 2, 4, False),
+    "staged_t64_m64_n32_k4": (True, 64, 4, 2, 4, False),
     "staged_joint_t96_m32_n48": (True, 96, 2, 2, 1, True),
     "staged_joint_t128_m32_n64": (True, 128, 2, 2, 1, True),
     "staged_joint_t128_m32_n128": (True, 128, 2, 4, 1, True),
