@@ -484,27 +484,15 @@ _GPU_CONFIGS = {
         LaunchConfig("mma", threads=128, tile_m=64, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=64, tile_n=64, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=256, tile_m=64, tile_n=128, staged=True, tuned_only=True),
-        # ... tiles of 64 tokens at r <= 32 in one warp of 16 ranks, two of 8 or two of 16:
-        # where the table's blocks at r=16 with thousands of tokens a slot wait on their
-        # loads (an H100's profile at 79f3af9, 4096 tokens on one LoRA: 12 cycles of a
-        # warp's 14 between issues waiting on memory, 258 blocks of 8 warps, two an SM),
-        # a small block keeps 7 chunks of its 40-48 KB of stages in flight and reads A once
-        # a 64-token tile (120, 72 and 122 registers, no spills; one warp of 32 ranks kept
-        # its copies' sources in local memory, and is not offered) ...
-        LaunchConfig("mma", threads=32, tile_m=64, tile_n=16, staged=True, tuned_only=True),
-        LaunchConfig("mma", threads=64, tile_m=64, tile_n=16, staged=True, tuned_only=True),
+        # ... tiles of 64 tokens at r <= 32 in two warps of 16 ranks: on an H100 at bdffb97
+        # (h100_retime_small_rank_staged_bdffb97.json, beside the H200 table's picks on its
+        # 159 shrinks at r=16 and 32) the fastest on 4, r=32 with 8192 tokens (QKV on one
+        # LoRA 86.9 -> 60.2 µs, gate_up 64.7 -> 50.8); 122 registers, no spills. One warp of
+        # 16 ranks, two of 8, and both sizes with K in 4 runs won none and were removed: at
+        # r=16 a block's chunk took ~330 ns whatever its warps (42 µs for 128 chunks with 16
+        # or 64 blocks, 4096 tokens on one LoRA: 14.8 for the table's pick); K in 4 runs
+        # took 28.6 there ...
         LaunchConfig("mma", threads=64, tile_m=64, tile_n=32, staged=True, tuned_only=True),
-        # (On an H100 at 5c915be, beside the H200 table's picks on its 159 shrinks at r=16 and
-        # 32, these won 6, by 1.18x in geometric mean, up to 1.43x: r=32 with 8192 tokens on
-        # 2-3 slices; at r=16 with 4096 tokens on one LoRA they took 42 µs against 14.8, a
-        # block per 64-token tile making 64 blocks, each walking K alone.) The same blocks
-        # with K in 4 runs, for more blocks where the tiles are few ...
-        LaunchConfig(
-            "mma", threads=32, tile_m=64, tile_n=16, splits=4, staged=True, tuned_only=True
-        ),
-        LaunchConfig(
-            "mma", threads=64, tile_m=64, tile_n=32, splits=4, staged=True, tuned_only=True
-        ),
         # ... and a small block with K in 8 runs, 7 chunks copied ahead of the one multiplied
         # (a small block's 8 stages): on an H100 the fastest at r=128, K=14336, 512 tokens on
         # one LoRA (37.1 -> 35.8 µs), and on none of the other 127 it was timed on. Blocks of

@@ -104,7 +104,7 @@ def test_a_block_per_tile_and_slice_its_ranks_along_y_its_runs_along_z(
 )
 def test_a_small_block_of_64_tokens(threads, rank, accumulate, splits):
     """Blocks of 64 tokens x 16 ranks in one warp (the lane's four 16-token tiles, ten copies
-    a stage) or in two of 8, as the GPU's launch table offers for small ranks: 80 tokens on
+    a stage) or in two of 8 (the GPU's launch table offers two warps of 16): 80 tokens on
     two LoRAs make a full tile, a short one and a tile of one token; r=11 leaves the block's
     last ranks past the rank. K = 136 is 5 chunks, the last partly past K; in 3 runs, of 2, 2
     and 1 chunks."""
