@@ -106,6 +106,7 @@ class LaunchConfig:
     splits: int = 1  # split or tensor-core shrink: the chunks K is cut into, a block each
     joint: bool = False  # tensor-core shrink: the slices' ranks side by side in a block
     staged: bool = False  # tensor-core shrink: x and A staged in shared memory, warps of ranks
+    ahead: int = 1  # tensor-core shrink walking K in its warps: passes of loads on their way
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
     to_tokens: int | None = None  # and at most this many (None: any)
@@ -125,6 +126,13 @@ class LaunchConfig:
             raise ValueError(
                 "joint takes the unsplit tensor-core shrink with a group of tile_n > 0 "
                 f"joint ranks, got {self}"
+            )
+        if self.ahead not in (1, 2) or (
+            self.ahead == 2 and (self.kernel != "mma" or self.staged or self.joint)
+        ):
+            raise ValueError(
+                "ahead takes 1, or 2 passes for a tensor-core shrink that is neither staged "
+                f"nor joint, got {self}"
             )
         warps = self.threads // 32
         if self.staged and (
@@ -453,6 +461,33 @@ _GPU_CONFIGS = {
         # fastest on 5 of the 120 shrinks above (K=28672 r=64 T=32 over 8 LoRAs 17.57 ->
         # 16.10 µs), with no rule of thresholds that holds them apart.
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=16, splits=16, tuned_only=True),
+        # Two passes of loads on their way (kernels.shrink_mma, "Passes ahead"), twins of the
+        # table's picks where an H100's profile had the warps waiting on memory (79f3af9: the
+        # one-LoRA prefill at r=16, the down projection at r=32 over 8 LoRAs): 72 -> 128
+        # registers for 8 warps of 16 tokens, 124 -> 136 for 4 of 32, 60 -> 86 for 16 warps
+        # in 4 runs of K, no spills (probes/shrink_ahead_static.py). Timed by the tuner only.
+        LaunchConfig(
+            "mma",
+            threads=256,
+            tile_m=16,
+            tile_n=0,
+            spread=False,
+            to_rank=32,
+            ahead=2,
+            tuned_only=True,
+        ),
+        LaunchConfig("mma", threads=256, tile_m=16, tile_n=16, ahead=2, tuned_only=True),
+        LaunchConfig(
+            "mma",
+            threads=128,
+            tile_m=32,
+            tile_n=0,
+            spread=False,
+            to_rank=32,
+            ahead=2,
+            tuned_only=True,
+        ),
+        LaunchConfig("mma", threads=512, tile_m=16, tile_n=8, splits=4, ahead=2, tuned_only=True),
         # A layer's slices in one block, their ranks side by side (kernels.shrink_mma_joint):
         # a tile's rows of x read once, not once a slice. In the H200's grid (h200_grid.json,
         # 23fb2ea) the shrinks of 8192 tokens whose floor is mostly x reach 77-87 % of the
@@ -832,7 +867,8 @@ def config_name(config: LaunchConfig) -> str:
     ``mma_t64_m16_n128_p2`` (two column groups per block), ``mma_t32_m16_n64_c32`` (the
     rank's fragments 32 ranks at a time), ``split_t128_m4_n4_k8`` (K in eight chunks) or
     ``mma_t256_m16_n48_j`` (48 of the slices' ranks side by side a block) or
-    ``mma_t128_m32_n128_s`` (staged in shared memory)."""
+    ``mma_t128_m32_n128_s`` (staged in shared memory) or ``mma_t256_m16_n0_a2`` (two passes
+    of loads ahead)."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
         name += f"_v{config.vec}"
@@ -848,6 +884,8 @@ def config_name(config: LaunchConfig) -> str:
         name += "_j"
     if config.staged:
         name += "_s"
+    if config.ahead > 1:
+        name += f"_a{config.ahead}"
     return name
 
 

@@ -61,6 +61,16 @@ products of those columns are never stored) and its outputs past the rank are ne
 read nor written. The sums of a rank group are those of blocks of every rank: the same
 bits (the key ``("mma", threads)``).
 
+**Passes ahead** (``ahead``). With one pass on its way while a warp multiplies the other,
+a warp has at most one pass's loads in flight: at r=16 with 16-token tiles 1 KB of x (2
+chunks x 2 rows x 16 bytes x 32 lanes) and as much of A. An H100's profile of the table's
+one-LoRA prefill at r=16 (``docs/benchmarks/h100_ncu_79f3af9.json``: 4096 tokens, 8 warps a
+block, two blocks an SM) had a warp waiting on memory 12 of its ~14 cycles between issues,
+with DRAM far from its limit. ``ahead=2`` keeps three passes' words and loads two ahead of
+the one multiplied: twice the bytes in flight for a third more registers. The chunks, their
+order and each warp's sums are those of ``ahead=1`` (past the end both multiply passes of
+zeros, which leave a sum as it is: the same bits, the same key).
+
 **Split K.** :mod:`.shrink_mma_split` is this kernel with K cut into runs, a block each,
 built from the same parts (:func:`mma_shrink_parts`).
 
@@ -137,14 +147,23 @@ def _row_side_by_side(w, slot, n):
 
 @functools.cache
 def mma_shrink_parts(
-    dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, wide: bool, joint: bool = False
+    dtype: torch.dtype,
+    threads: int,
+    m_tiles: int,
+    n_tiles: int,
+    wide: bool,
+    joint: bool = False,
+    ahead: int = 1,
 ) -> MmaShrinkParts:
     """The parts of a tensor-core shrink of x and A of ``dtype``, ``threads // 32`` warps,
     16-token and 8-rank tiles, 16-byte loads or 8 (``wide``): see the module's notes.
     ``joint``: the walk's ``w`` is ``(w0, w1, w2, slices)`` and its ranks are the slices'
-    side by side (:mod:`.shrink_mma_joint`), else one slice's A."""
+    side by side (:mod:`.shrink_mma_joint`), else one slice's A. ``ahead``: the passes whose
+    loads are on their way while a warp multiplies one, 1 or 2 ("Passes ahead")."""
     if threads % 32:
         raise ValueError(f"threads must be whole warps, got {threads}")
+    if ahead not in (1, 2):
+        raise ValueError(f"ahead takes 1 or 2 passes, got {ahead}")
     add_product = mma_into(dtype)
     two_words = words_loader(wide)
     clamp = _last_rank_side_by_side if joint else _last_rank_of_one_slice
@@ -161,6 +180,8 @@ def mma_shrink_parts(
     OUTPUTS = M_TILES * N_TILES * 4
     PER_THREAD = -(-TILE_M * TILE_N // THREADS)  # outputs each thread stores
     SCRATCH_WARPS = WARPS if SIMULATOR else 1
+    AHEAD = ahead
+    THIRD_X, THIRD_W = (X_WORDS, W_WORDS) if AHEAD == 2 else (1, 1)  # a third pass's words
 
     @cuda.jit(device=True)
     def load_pass(x, w, slot, token, n0, g, t, chunk, xw, ww, end):
@@ -207,11 +228,28 @@ def mma_shrink_parts(
         x_odd = cuda.local.array(X_WORDS, int64)
         w_odd = cuda.local.array(W_WORDS, int64)
         load_pass(x, w, slot, token, n0, g, t, first_chunk + warp, x_even, w_even, end)
-        for first in range(first_chunk, end_chunk, 2 * STRIDE):
-            load_pass(x, w, slot, token, n0, g, t, first + STRIDE + warp, x_odd, w_odd, end)
-            multiply_pass(x_even, w_even, acc, my_scratch)
-            load_pass(x, w, slot, token, n0, g, t, first + 2 * STRIDE + warp, x_even, w_even, end)
-            multiply_pass(x_odd, w_odd, acc, my_scratch)
+        if AHEAD == 1:
+            for first in range(first_chunk, end_chunk, 2 * STRIDE):
+                load_pass(x, w, slot, token, n0, g, t, first + STRIDE + warp, x_odd, w_odd, end)
+                multiply_pass(x_even, w_even, acc, my_scratch)
+                load_pass(
+                    x, w, slot, token, n0, g, t, first + 2 * STRIDE + warp, x_even, w_even, end
+                )
+                multiply_pass(x_odd, w_odd, acc, my_scratch)
+        else:  # ("Passes ahead") three passes' words in turn, two on their way
+            x_third = cuda.local.array(THIRD_X, int64)
+            w_third = cuda.local.array(THIRD_W, int64)
+            load_pass(x, w, slot, token, n0, g, t, first_chunk + STRIDE + warp, x_odd, w_odd, end)
+            for first in range(first_chunk, end_chunk, 3 * STRIDE):
+                chunk = first + 2 * STRIDE + warp
+                load_pass(x, w, slot, token, n0, g, t, chunk, x_third, w_third, end)
+                multiply_pass(x_even, w_even, acc, my_scratch)
+                chunk = first + 3 * STRIDE + warp
+                load_pass(x, w, slot, token, n0, g, t, chunk, x_even, w_even, end)
+                multiply_pass(x_odd, w_odd, acc, my_scratch)
+                chunk = first + 4 * STRIDE + warp
+                load_pass(x, w, slot, token, n0, g, t, chunk, x_odd, w_odd, end)
+                multiply_pass(x_third, w_third, acc, my_scratch)
 
     @cuda.jit(device=True, inline="always")
     def tile_to_shared(acc, partials, warp, g, t):
@@ -255,6 +293,7 @@ def build_mma_shrink_kernel(
     accumulate: bool = True,
     wide: bool = True,
     x_rows: int = 1,
+    ahead: int = 1,
 ):
     """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
     warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles per block
@@ -266,8 +305,8 @@ def build_mma_shrink_kernel(
     elements (K a multiple of 8). ``x_rows``: the output rows that share a row of x, row
     ``t`` of the output reading row ``t // x_rows`` (MoE LoRA's pairs of a token, its
     ``top_k``: :mod:`..ops.moe_dense`); 1 for the dense op (the same code: a division by
-    one is no instruction)."""
-    parts = mma_shrink_parts(dtype, threads, m_tiles, n_tiles, wide)
+    one is no instruction). ``ahead``: the passes of loads on their way ("Passes ahead")."""
+    parts = mma_shrink_parts(dtype, threads, m_tiles, n_tiles, wide, ahead=ahead)
     walk, tile_to_shared, warps_total = parts.walk, parts.tile_to_shared, parts.warps_total
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, WARPS, ROWS, OUTPUTS = threads, parts.warps, parts.rows, parts.outputs

@@ -52,13 +52,14 @@ def build_split_mma_shrink_kernel(
     splits: int,
     accumulate: bool = True,
     wide: bool = True,
+    ahead: int = 1,
 ):
     """:func:`.shrink_mma.build_mma_shrink_kernel`'s specialisation, and the runs K is cut
     into (``splits``, a block each along grid.z). The kernel takes the workspace of
     :func:`.shrink_split.split_workspace` after the slice count."""
     if splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
-    parts = mma_shrink_parts(dtype, threads, m_tiles, n_tiles, wide)
+    parts = mma_shrink_parts(dtype, threads, m_tiles, n_tiles, wide, ahead=ahead)
     walk, tile_to_shared, warps_total = parts.walk, parts.tile_to_shared, parts.warps_total
     arrived_last, add_chunks = last_block_adds(splits, out_dtype, accumulate)
     THREADS, WARPS, ROWS, OUTPUTS = threads, parts.warps, parts.rows, parts.outputs

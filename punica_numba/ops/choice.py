@@ -142,9 +142,11 @@ def choose_shrink(
             -(-min(rank, config.tile_n or rank) // 8),  # 8-rank tiles of one rank group
         )
         if config.splits > 1:  # K in runs too, a block each along grid.z
-            kernel = build_split_mma_shrink_kernel(*tiles, config.splits, accumulate, wide)
+            kernel = build_split_mma_shrink_kernel(
+                *tiles, config.splits, accumulate, wide, ahead=config.ahead
+            )
         else:
-            kernel = build_mma_shrink_kernel(*tiles, accumulate, wide)
+            kernel = build_mma_shrink_kernel(*tiles, accumulate, wide, ahead=config.ahead)
         return ShrinkChoice(config, kernel, x, packed, rank_groups, True, False)
     groups = -(-rank // config.tile_n)
     if config.kernel == "split" and groups * config.splits > MAX_GRID_YZ:

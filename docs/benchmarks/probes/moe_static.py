@@ -314,16 +314,18 @@ def main(argv=None) -> None:
     print_readings(builds, **found)
 
 
-def read_builds(variants, build, signature, argv=None) -> None:
+def read_builds(variants, build, signature, argv=None, per_variant=False) -> None:
     """A static probe's ``main``: each build of ``variants`` named in ``argv`` (default: the
-    command line's, else all), built by ``build`` and compiled for ``signature()``'s types,
-    its readings printed (:func:`print_readings`)."""
+    command line's, else all), built by ``build`` and compiled for ``signature()``'s types
+    (``per_variant``: ``signature(*arguments)``, the variant's own), its readings printed
+    (:func:`print_readings`)."""
     names = (argv if argv is not None else sys.argv[1:]) or list(variants)
     _for_the_h200()
     with tempfile.TemporaryDirectory() as folder:
-        builds = {
-            name: _compiled(build(*variants[name]), signature(), name, folder) for name in names
-        }
+        builds = {}
+        for name in names:
+            types = signature(*variants[name]) if per_variant else signature()
+            builds[name] = _compiled(build(*variants[name]), types, name, folder)
     print_readings(builds)
 
 

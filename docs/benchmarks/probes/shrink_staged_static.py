@@ -69,19 +69,9 @@ def _signature(split):
 
 
 def main(argv=None) -> None:
-    import sys
-    import tempfile
+    from moe_static import read_builds
 
-    from moe_static import _compiled, _for_the_h200, print_readings
-
-    names = (argv if argv is not None else sys.argv[1:]) or list(VARIANTS)
-    _for_the_h200()
-    with tempfile.TemporaryDirectory() as folder:
-        builds = {
-            name: _compiled(build(*VARIANTS[name]), _signature(VARIANTS[name][4] > 1), name, folder)
-            for name in names
-        }
-    print_readings(builds)
+    read_builds(VARIANTS, build, lambda *variant: _signature(variant[4] > 1), argv, True)
 
 
 if __name__ == "__main__":
