@@ -462,10 +462,15 @@ _GPU_CONFIGS = {
         # 16.10 µs), with no rule of thresholds that holds them apart.
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=16, splits=16, tuned_only=True),
         # Two passes of loads on their way (kernels.shrink_mma, "Passes ahead"), twins of the
-        # table's picks where an H100's profile had the warps waiting on memory (79f3af9: the
-        # one-LoRA prefill at r=16, the down projection at r=32 over 8 LoRAs): 72 -> 128
-        # registers for 8 warps of 16 tokens, 124 -> 136 for 4 of 32, 60 -> 86 for 16 warps
-        # in 4 runs of K, no spills (probes/shrink_ahead_static.py). Timed by the tuner only.
+        # table's picks where an H100's profile had the warps waiting on memory (79f3af9, the
+        # one-LoRA prefill at r=16): 72 -> 128 registers for 8 warps of 16 tokens, 124 -> 136
+        # for 4 of 32, no spills (probes/shrink_ahead_static.py, sm90_shrink_ahead_static.json). On an H100 at 7ffe03b
+        # (h100_retime_ahead_7ffe03b.json, 92 of the H200 table's shrinks at r=16 and 32) these
+        # were the fastest on 6, 1.02-1.13x its pick (the down projection at r=32, 8192 tokens
+        # on one LoRA 134.0 -> 118.4 µs); where their one-pass twin is the pick, 1.01x and 1.00x
+        # its time in geometric mean; at the prefill 17.5 µs against 14.8. Timed by the tuner
+        # only. (8 warps of 16-rank groups and 16 warps in 4 runs of K, 1.08x and 1.07x their
+        # twins' time there, were removed.)
         LaunchConfig(
             "mma",
             threads=256,
@@ -476,7 +481,6 @@ _GPU_CONFIGS = {
             ahead=2,
             tuned_only=True,
         ),
-        LaunchConfig("mma", threads=256, tile_m=16, tile_n=16, ahead=2, tuned_only=True),
         LaunchConfig(
             "mma",
             threads=128,
@@ -487,7 +491,6 @@ _GPU_CONFIGS = {
             ahead=2,
             tuned_only=True,
         ),
-        LaunchConfig("mma", threads=512, tile_m=16, tile_n=8, splits=4, ahead=2, tuned_only=True),
         # A layer's slices in one block, their ranks side by side (kernels.shrink_mma_joint):
         # a tile's rows of x read once, not once a slice. In the H200's grid (h200_grid.json,
         # 23fb2ea) the shrinks of 8192 tokens whose floor is mostly x reach 77-87 % of the
@@ -521,12 +524,12 @@ _GPU_CONFIGS = {
         LaunchConfig("mma", threads=256, tile_m=64, tile_n=128, staged=True, tuned_only=True),
         # ... tiles of 64 tokens at r <= 32 in two warps of 16 ranks: on an H100 at bdffb97
         # (h100_retime_small_rank_staged_bdffb97.json, beside the H200 table's picks on its
-        # 159 shrinks at r=16 and 32) the fastest on 4, r=32 with 8192 tokens (QKV on one
-        # LoRA 86.9 -> 60.2 µs, gate_up 64.7 -> 50.8); 122 registers, no spills. One warp of
-        # 16 ranks, two of 8, and both sizes with K in 4 runs won none and were removed: at
-        # r=16 a block's chunk took ~330 ns whatever its warps (42 µs for 128 chunks with 16
-        # or 64 blocks, 4096 tokens on one LoRA: 14.8 for the table's pick); K in 4 runs
-        # took 28.6 there ...
+        # 159 shrinks at r=16 and 32) the fastest on 6, all r=32 with 8192 tokens, 1.05-1.44x
+        # (QKV on one LoRA 86.9 -> 60.2 µs, gate_up on one 64.7 -> 50.8); 122 registers, no
+        # spills. One warp of 16 ranks, two of 8, and both sizes with K in 4 runs won none and
+        # were removed: at r=16 a block's chunk took ~330 ns whatever its warps (40-47 µs for
+        # 128 chunks with 16 or 64 blocks, 1024 or 4096 tokens on one LoRA: 7.1 and 14.8 for
+        # the table's picks); K in 4 runs took 22.0 and 28.6 there ...
         LaunchConfig("mma", threads=64, tile_m=64, tile_n=32, staged=True, tuned_only=True),
         # ... and a small block with K in 8 runs, 7 chunks copied ahead of the one multiplied
         # (a small block's 8 stages): on an H100 the fastest at r=128, K=14336, 512 tokens on

@@ -25,7 +25,6 @@ VARIANTS = {
     for name, shape in {
         "t256_m16_n0_r16": (256, 1, 2, 1),
         "t128_m32_n0_r16": (128, 2, 2, 1),
-        "t512_m16_n8_r32_k4": (512, 1, 1, 4),
     }.items()
     for ahead in (1, 2)
 }
