@@ -1,4 +1,5 @@
-"""One forced launch configuration, launched three times, for a profiler to read.
+"""One forced launch configuration, launched three times, for a profiler to read (a GPU only:
+unlike ``probes/``, nothing here is built without one).
 
 Not a timing: Nsight Compute (``ncu``) times and counts the launches it is told to
 (``h100_ncu_79f3af9.json`` skipped the first two matching launches and read the third). Run
@@ -6,7 +7,7 @@ from the repository root on a GPU::
 
     ncu --section SpeedOfLight --section WarpStateStats --page raw --csv \\
         -k regex:'expand|shrink' -s 2 -c 1 \\
-        python docs/benchmarks/probes/profile_one.py OP CONFIG SLICES WIDTH RANK T LORAS [fp16]
+        python docs/benchmarks/profiles/profile_one.py OP CONFIG SLICES WIDTH RANK T LORAS [fp16]
 
 ``OP`` is ``shrink`` or ``expand``; ``CONFIG`` a name of :func:`punica_numba.launch.
 launch_configs` (``mma_t256_m16_n0``); ``WIDTH`` the shrink's K or the expand's slice width;
