@@ -464,7 +464,7 @@ _GPU_CONFIGS = {
         # Two passes of loads on their way (kernels.shrink_mma, "Passes ahead"), twins of the
         # table's picks where an H100's profile had the warps waiting on memory (79f3af9, the
         # one-LoRA prefill at r=16): 72 -> 128 registers for 8 warps of 16 tokens, 124 -> 136
-        # for 4 of 32, no spills (probes/shrink_ahead_static.py, sm90_shrink_ahead_static.json). On an H100 at 7ffe03b
+        # for 4 of 32, no spills (probes/shrink_ahead_static.py). On an H100 at 7ffe03b
         # (h100_retime_ahead_7ffe03b.json, 92 of the H200 table's shrinks at r=16 and 32) these
         # were the fastest on 6, 1.02-1.13x its pick (the down projection at r=32, 8192 tokens
         # on one LoRA 134.0 -> 118.4 µs); where their one-pass twin is the pick, 1.01x and 1.00x

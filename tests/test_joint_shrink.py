@@ -101,6 +101,20 @@ def recorded_grids(monkeypatch) -> list:
     return grids
 
 
+def outputs_under(configs, case: ShrinkCase) -> list:
+    """The buffer ``case``'s shrink leaves under each of ``configs`` (forced), in order."""
+    outputs = []
+
+    def keep(x, weights, out, *rest):
+        _recording([])(x, weights, out, *rest)
+        outputs.append(out.clone())
+
+    for config in configs:
+        with forced(config):
+            check_shrink(keep, case)
+    return outputs
+
+
 def check_forced_shrink(config: LaunchConfig, case: ShrinkCase, accumulate: bool) -> None:
     """``case`` against the reference under ``config``, added into the buffer or stored;
     ``config`` is the configuration that ran (where anything ran)."""
@@ -140,18 +154,10 @@ def test_the_same_bits_as_one_slice_a_block():
     same (the key ``("mma", threads)``), so the outputs are equal bit for bit."""
     problem = Problem(slots=[2, 0, 1, 1, -1, 0, 2] * 4, prepared=28, num_loras=3, seed=8)
     case = ShrinkCase(problem, 40, 7, 3, 0, torch.bfloat16, torch.float32, 0.5, False)
-    outputs = []
-    one_slice = LaunchConfig("mma", 64, 16, 8, tuned_only=True)
-    for config in (joint_config(16, 64), one_slice):
-        assert config.arithmetic("shrink") == ("mma", 64)
-
-        def keep(x, weights, out, *rest):
-            _recording([])(x, weights, out, *rest)
-            outputs.append(out.clone())
-
-        with forced(config):
-            check_shrink(keep, case)
-    assert torch.equal(outputs[0], outputs[1])
+    configs = (joint_config(16, 64), LaunchConfig("mma", 64, 16, 8, tuned_only=True))
+    assert all(config.arithmetic("shrink") == ("mma", 64) for config in configs)
+    joint, one_slice = outputs_under(configs, case)
+    assert torch.equal(joint, one_slice)
 
 
 @pytest.mark.parametrize(

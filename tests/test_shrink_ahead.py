@@ -19,10 +19,9 @@ from hypothesis import strategies as st
 
 from punica_numba.launch import LaunchConfig, config_name
 
-from .op_cases import Problem, ShrinkCase, check_shrink
+from .op_cases import Problem, ShrinkCase
 from .strategies import LARGE
-from .test_joint_shrink import _recording, check_forced_shrink, tensor_core_shrink_cases
-from .test_split_shrink import forced
+from .test_joint_shrink import check_forced_shrink, outputs_under, tensor_core_shrink_cases
 
 #: Threads a block: two warps on the simulator (64 Python threads a block).
 THREADS = 256 if LARGE else 64
@@ -61,17 +60,9 @@ def test_the_same_bits_as_one_pass_ahead(splits):
     the walk of two passes ahead multiplies passes of zeros at its end."""
     problem = Problem(slots=[1, 0, 2, -1, 0, 1] * 6, prepared=36, num_loras=3, seed=3)
     case = ShrinkCase(problem, 456, 16, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
-    outputs = []
-    for ahead in (1, 2):
-        config = dataclasses.replace(ahead_config(16, 8, splits), ahead=ahead)
-
-        def keep(x, weights, out, *rest):
-            _recording([])(x, weights, out, *rest)
-            outputs.append(out.clone())
-
-        with forced(config):
-            check_shrink(keep, case)
-    assert torch.equal(outputs[0], outputs[1])
+    two = ahead_config(16, 8, splits)
+    one, two = outputs_under([dataclasses.replace(two, ahead=1), two], case)
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize(

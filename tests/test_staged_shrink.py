@@ -29,6 +29,7 @@ from .strategies import LARGE
 from .test_joint_shrink import (
     _recording,
     check_forced_shrink,
+    outputs_under,
     recorded_grids,
     tensor_core_shrink_cases,
 )
@@ -133,22 +134,15 @@ def test_the_same_bits_as_one_warp_walking_k(splits):
     last chunk of 32 is partly past the end."""
     problem = Problem(slots=[2, 0, 1, 1, -1, 0, 2] * 5, prepared=35, num_loras=3, seed=8)
     case = ShrinkCase(problem, 200, 24, 3, 0, torch.bfloat16, torch.float32, 0.5, False)
-    outputs = []
     one_warp = LaunchConfig("mma", 32, 16, 8, splits=splits, tuned_only=True)
     configs = [staged_config(32, 16, splits, 64), staged_config(16, 32, splits, 64)]
     configs.append(staged_config(64, 16, splits, 32))  # (one warp of 16 ranks, 64 tokens)
     if splits == 1:  # the slices' ranks side by side (24 of 72 joint ranks a block)
         configs.append(staged_config(16, 16, 1, 64, joint=True))
     configs.append(one_warp)
-    for config in configs:
-        assert config.arithmetic("shrink") == (("mma", 32) if splits == 1 else ("mma", 32, splits))
-
-        def keep(x, weights, out, *rest):
-            _recording([])(x, weights, out, *rest)
-            outputs.append(out.clone())
-
-        with forced(config):
-            check_shrink(keep, case)
+    key = ("mma", 32) if splits == 1 else ("mma", 32, splits)
+    assert all(config.arithmetic("shrink") == key for config in configs)
+    outputs = outputs_under(configs, case)
     for output in outputs[:-1]:
         assert torch.equal(output, outputs[-1])
 
