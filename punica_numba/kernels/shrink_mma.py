@@ -66,10 +66,12 @@ a warp has at most one pass's loads in flight: at r=16 with 16-token tiles 1 KB 
 chunks x 2 rows x 16 bytes x 32 lanes) and as much of A. An H100's profile of the table's
 one-LoRA prefill at r=16 (``docs/benchmarks/h100_ncu_79f3af9.json``: 4096 tokens, 8 warps a
 block, two blocks an SM) had a warp waiting on memory 12 of its ~14 cycles between issues,
-with DRAM far from its limit. ``ahead=2`` keeps three passes' words and loads two ahead of
-the one multiplied: twice the bytes in flight for a third more registers. The chunks, their
-order and each warp's sums are those of ``ahead=1`` (past the end both multiply passes of
-zeros, which leave a sum as it is: the same bits, the same key).
+with DRAM at 54 % of its peak. ``ahead=2`` keeps three passes' words and loads two ahead of
+the one multiplied: twice the bytes in flight, for more registers (there 72 -> 128). The
+chunks, their order and each warp's sums are those of ``ahead=1`` (past the end both
+multiply passes of zeros, which leave a sum as it is: the same bits, the same key). On that
+H100 (7ffe03b, lab notes) it did not help the prefill (17.5 µs against 14.8), and was the
+fastest of all on 6 of 92 shrinks at r=16 and 32, by 1.02-1.13x.
 
 **Split K.** :mod:`.shrink_mma_split` is this kernel with K cut into runs, a block each,
 built from the same parts (:func:`mma_shrink_parts`).
