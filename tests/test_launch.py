@@ -174,7 +174,8 @@ def test_from_rank_holds_back_a_config(monkeypatch):
 def test_to_rank_holds_back_a_config(monkeypatch):
     """A configuration that runs out of registers past a rank (the tensor-core shrink's
     16-warp blocks at r=64 on the H200) is never chosen there, not even when forced: the
-    call then gets what the heuristic picks."""
+    call then gets what the heuristic picks. (One the tuner alone times is never the
+    heuristic's pick: forced, it is held back the same way.)"""
     monkeypatch.setattr(launch, "SIMULATOR", False)
     capped = [(op, c) for op in OPS for c in launch_configs(op) if c.to_rank is not None]
     assert capped, "the GPU table caps a configuration's rank"
@@ -183,8 +184,9 @@ def test_to_rank_holds_back_a_config(monkeypatch):
         tokens = _rows_for(config)
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank, slices = config.to_rank, _slices_for(config)
-        assert _choose(op, tokens, slots, rank, tensor_cores, slices) == config
         past = _choose(op, tokens, slots, rank + 1, tensor_cores, slices)
+        if not config.tuned_only:
+            assert _choose(op, tokens, slots, rank, tensor_cores, slices) == config
         assert past != config and (past.to_rank is None or past.to_rank > rank), (config, past)
         with force_launch_config(op, config):
             assert _choose(op, tokens, slots, rank, tensor_cores, slices) == config

@@ -213,8 +213,8 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
     for name in (*builds, "build_joint_mma_shrink_kernel", *staged):  # (side by side; staged)
         build = getattr(choice, name)
         monkeypatch.setattr(
-            choice, name, lambda *a, build=build: built.append(a[-1]) or build(*a)
-        )  # (the arguments: dtypes, threads, tiles[, splits], accumulate, wide)
+            choice, name, lambda *a, build=build, **k: built.append(a[-1]) or build(*a, **k)
+        )  # (the arguments: dtypes, threads, tiles[, splits], accumulate, wide[, ahead=])
 
     def shrink(x, weights, out, *rest):
         if not aligned:
