@@ -593,6 +593,26 @@ def test_retime_weighs_named_configurations_on_the_tables_problems(smoke, monkey
     assert (f"the old pick took {gain:.3f}x the new one's time" in out) == took
 
 
+def test_retime_on_another_gpu_keeps_only_its_own_times(smoke, monkeypatch, capsys):
+    """A table retimed on a GPU it was not tuned on (a copy under that GPU's name): the
+    entries timed again hold only this run's times, none of the table's GPU beside them;
+    the others are as they were."""
+    assert sweep.main(["--out", str(smoke)]) == 0
+    before = read_table(smoke / SMOKE_FILE)["entries"]
+    copy = smoke / table.table_file_name("another GPU")
+    copy.write_bytes((smoke / SMOKE_FILE).read_bytes())
+    monkeypatch.setattr(sweep, "gpu_name", lambda: "another GPU")
+    name = _joint_name()
+    assert sweep.main(["--out", str(smoke), "--retime", name, "--slices", "2"]) == 0
+    after = read_table(copy)["entries"]
+    (k,) = [k for k, e in enumerate(before) if e["op"] == "shrink" and e["slices"] == 2]
+    assert len(before[k]["times_us"]) > 2  # (the smoke grid timed more than these two)
+    assert set(after[k]["times_us"]) == {before[k]["config"], name}
+    assert after[:k] + after[k + 1 :] == before[:k] + before[k + 1 :]
+    out = capsys.readouterr().out
+    assert f"the table is {SMOKE_GPU}'s and this is another GPU" in out
+
+
 def test_retime_says_how_much_faster_the_new_picks_are(smoke, monkeypatch, capsys):
     """With made-up times (the named configuration 8 µs, the entry's own 10): the entry takes
     it, and the summary gives the old pick's time over the new one's."""

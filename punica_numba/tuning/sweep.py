@@ -41,6 +41,8 @@ those named, on one pool, checked as above; the fastest becomes the entry's conf
 (:func:`retime_entry`). So a configuration added to the launch table is weighed on the
 problems a table holds without timing every other configuration again (on the H200 all of
 them took 1.3 s a problem on the quick grid, 163 s for 128, and 2.6 s on 80 fp16 problems).
+A table of another GPU, copied under this one's name to weigh its picks here, keeps in each
+entry timed again only this run's times: the others were the other GPU's.
 
 ``--report TABLE`` runs nothing: it weighs this package's heuristic against a table made
 before, on any machine (:mod:`.report`).
@@ -316,7 +318,9 @@ def entry_case(entry: dict) -> SweepCase:
     )  # fmt: skip
 
 
-def retime_entry(entry: dict, names: list[str], repeats: int = REPEATS, seed: int = 0) -> dict:
+def retime_entry(
+    entry: dict, names: list[str], repeats: int = REPEATS, seed: int = 0, keep_others: bool = True
+) -> dict:
     """``entry`` after its problem is timed again under its own configuration and those
     named (of its op), on one pool in this process: the fastest of them is its
     configuration, the next its runner-up (of those timed again: the other configurations'
@@ -324,14 +328,16 @@ def retime_entry(entry: dict, names: list[str], repeats: int = REPEATS, seed: in
     ``times_us``, and ``retimed_with`` lists the names. A named configuration that fails its
     check is recorded under ``failed`` (its earlier time dropped) and never chosen; one the
     problem cannot use, under ``skipped``. Where the entry's own fails now too, the entry
-    keeps its choice."""
+    keeps its choice. ``keep_others=False`` drops the other configurations' times (another
+    GPU's, which nothing timed here may be set beside)."""
     by_name = {config_name(c): c for c in launch_configs(entry["op"])}
     wanted = list(dict.fromkeys([entry["config"], *names]))
     configs = [by_name[name] for name in wanted if name in by_name]
     times, failed, skipped, _ = _measure_all(entry_case(entry), configs, repeats, seed)
     new = dict(entry)
     stale = set(failed) | set(skipped)  # (an earlier time of one that fails now is dropped)
-    new["times_us"] = {k: v for k, v in entry.get("times_us", {}).items() if k not in stale}
+    earlier = entry.get("times_us", {}) if keep_others else {}
+    new["times_us"] = {k: v for k, v in earlier.items() if k not in stale}
     new["times_us"].update(times)
     new["failed"] = {k: v for k, v in entry.get("failed", {}).items() if k not in times}
     new["failed"].update(failed)
@@ -450,6 +456,12 @@ def _retime(args, parser, path: Path) -> int:
         and (not args.slices or e["slices"] in args.slices)
     ]
     print(f"tune: timing {len(chosen)} problems of {path} again beside {', '.join(args.retime)}")
+    same_gpu = doc["gpu"] == gpu_name()
+    if not same_gpu:  # (a copy of another GPU's table, to weigh its picks on this one)
+        print(
+            f"tune: the table is {doc['gpu']}'s and this is {gpu_name()}: the entries timed "
+            "again keep only this run's times"
+        )
     from tqdm import tqdm
 
     started, longest, left, gains = time.monotonic(), 0.0, len(chosen), []
@@ -457,7 +469,9 @@ def _retime(args, parser, path: Path) -> int:
         if args.budget_s and time.monotonic() - started + longest > args.budget_s:
             break
         begun, old = time.monotonic(), doc["entries"][k]
-        doc["entries"][k] = new = retime_entry(old, names_of[old["op"]], repeats=args.repeats)
+        doc["entries"][k] = new = retime_entry(
+            old, names_of[old["op"]], repeats=args.repeats, keep_others=same_gpu
+        )
         if new["config"] != old["config"]:  # the old pick's time of this run over the new's
             gains.append(new["times_us"][old["config"]] / new["us"])
         write_table(path, doc)
