@@ -16,10 +16,11 @@ group a stage, and before it reads a stage waits for all but the ``S - 2`` newes
 then ``syncthreads`` (each thread waits only for its own copies; the barrier makes every
 thread's copies seen by all). :mod:`.shrink_mma_staged` does this.
 
-A copy goes from an address (:func:`address_of`) to an address (:func:`shared_address_of`),
-so that a kernel that copies the same rows chunk after chunk works their addresses out once.
-The simulator's arrays have no addresses: there a kernel copies the words itself (at once),
-and committing and waiting do nothing.
+A copy goes from an address (:func:`address_of`) to a place counted from the start of the
+kernel's shared array (:func:`stage_base_of`), so that a kernel that copies the same rows
+chunk after chunk works their addresses out once. The simulator's arrays have no addresses:
+there a kernel copies the words itself (at once), the base is 0, and committing and waiting
+do nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = [
     "address_of",
     "group_committer",
     "group_waiter",
-    "shared_address_of",
+    "stage_base_of",
     "stages_that_fit",
     "words_copier",
 ]
@@ -115,13 +116,26 @@ def _shared_address_on_gpu():
     return address
 
 
-def shared_address_of():
-    """The device function ``address(row, q) -> uint32``: the shared-memory address of
-    element ``q`` of the 1-D shared array ``row``, where :func:`words_copier` copies to
-    (GPU only)."""
+@cuda.jit(device=True, inline="always")
+def _no_stage_base(staged):
+    return uint32(0)
+
+
+@functools.cache
+def stage_base_of():
+    """The device function ``base(staged) -> uint32``: the shared-memory address of the 1-D
+    shared array ``staged``'s first element, from which a staged kernel counts the places
+    :func:`words_copier` copies to; on the simulator, whose kernels copy into the array
+    itself, 0."""
     if SIMULATOR:
-        raise RuntimeError("the simulator has no device addresses")
-    return _shared_address_on_gpu()
+        return _no_stage_base
+    shared_address = _shared_address_on_gpu()
+
+    @cuda.jit(device=True, inline="always")
+    def stage_base(staged):
+        return shared_address(staged, 0)
+
+    return stage_base
 
 
 @functools.cache
@@ -162,7 +176,7 @@ def _copy_on_gpu(wide: bool):
 def words_copier(wide: bool):
     """The device function ``copy(to, source)``: start copying the two int64 words at the
     global address ``source`` (:func:`address_of`) to the shared address ``to``
-    (:func:`shared_address_of`). ``wide``: the caller's promise that both are multiples of 16
+    (:func:`stage_base_of`). ``wide``: the caller's promise that both are multiples of 16
     bytes (one 16-byte copy); else two of 8 bytes. GPU only (see :func:`address_of`)."""
     if SIMULATOR:
         raise RuntimeError("the simulator has no device addresses")

@@ -71,7 +71,7 @@ from .async_copy import (
     address_of,
     group_committer,
     group_waiter,
-    shared_address_of,
+    stage_base_of,
     stages_that_fit,
     words_copier,
 )
@@ -143,11 +143,6 @@ def _b_code(b_rows, n, q):
 
 
 @cuda.jit(device=True, inline="always")
-def _no_address(staged):
-    return uint32(0)
-
-
-@cuda.jit(device=True, inline="always")
 def _copy_x_now(xs, base, to, source, q, x, s):
     """On the simulator: the four buffer elements ``q`` past the named one, copied now."""
     row = x[s, source // x.shape[2]]
@@ -171,9 +166,10 @@ def _copies():
     source, q, x, s)`` starts copying 16 bytes from element ``q`` past the named one to
     ``xs[to]`` (``copy_b`` the same for two words of B). On the GPU the names are addresses
     and the copies ``cp.async``; on the simulator the row and a plain copy."""
+    stage_base = stage_base_of()
     if SIMULATOR:
-        return _x_code, _b_code, _no_address, _copy_x_now, _copy_b_now
-    address, shared_address, copy16 = address_of(), shared_address_of(), words_copier(True)
+        return _x_code, _b_code, stage_base, _copy_x_now, _copy_b_now
+    address, copy16 = address_of(), words_copier(True)
 
     @cuda.jit(device=True, inline="always")
     def x_source(x, s, token, q):
@@ -182,10 +178,6 @@ def _copies():
     @cuda.jit(device=True, inline="always")
     def b_source(b_rows, n, q):
         return address(b_rows[n], q)
-
-    @cuda.jit(device=True, inline="always")
-    def stage_base(staged):
-        return shared_address(staged, 0)
 
     @cuda.jit(device=True, inline="always")
     def copy_x(xs, base, to, source, q, x, s):

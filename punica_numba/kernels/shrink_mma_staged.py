@@ -75,7 +75,7 @@ from .async_copy import (
     address_of,
     group_committer,
     group_waiter,
-    shared_address_of,
+    stage_base_of,
     stages_that_fit,
     words_copier,
 )
@@ -110,11 +110,6 @@ def _row_code(x, w0, w1, w2, slot, s, index, of_x):
 
 
 @cuda.jit(device=True, inline="always")
-def _no_address(staged):
-    return uint32(0)
-
-
-@cuda.jit(device=True, inline="always")
 def _copy_by_code(staged, base, to, code, q, x, w0, w1, w2, slot):
     """On the simulator: words ``q``, ``q + 1`` of the row ``code`` names, copied now."""
     if code >= 0:
@@ -138,9 +133,10 @@ def _copies(wide: bool):
     w1, w2, slot)`` starts copying words ``q``, ``q + 1`` of that row to ``staged[to]``,
     ``[to + 1]``. On the GPU the names are addresses and the copy a ``cp.async``
     (:mod:`.async_copy`); on the simulator a code and a plain copy."""
+    stage_base = stage_base_of()
     if SIMULATOR:
-        return _row_code, _no_address, _copy_by_code
-    address, shared_address, copy_words = address_of(), shared_address_of(), words_copier(wide)
+        return _row_code, stage_base, _copy_by_code
+    address, copy_words = address_of(), words_copier(wide)
 
     @cuda.jit(device=True, inline="always")
     def row_address(x, w0, w1, w2, slot, s, index, of_x):
@@ -151,10 +147,6 @@ def _copies(wide: bool):
         if s == 1:
             return address(w1[slot, index], 0)
         return address(w2[slot, index], 0)
-
-    @cuda.jit(device=True, inline="always")
-    def stage_base(staged):
-        return shared_address(staged, 0)
 
     @cuda.jit(device=True, inline="always")
     def copy_from_address(staged, base, to, source, q, x, w0, w1, w2, slot):
