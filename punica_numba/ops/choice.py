@@ -346,11 +346,10 @@ def one_slot(op: str, config: LaunchConfig, num_loras: int, facts) -> bool:
     """Whether blocks of ``config`` take their tokens in their own order and load the
     weights before they know the tokens' slots: where the weight stacks hold one slot
     (``kernels.shrink``, "One slot"), for the row shrink and the lane-split expand with
-    a token a block and for the tensor-core expand but the staged one (``kernels.expand_mma``,
-    "One slot"),
-    and only on ``LoRAKernelMeta``'s metadata (``facts``), whose ``token_lora_mapping``
-    the kernel then reads: it agrees with the segments by construction, and holds -1
-    past the prepared tokens."""
+    a token a block and for the tensor-core expand but the staged one
+    (``kernels.expand_mma``, "One slot"), and only on ``LoRAKernelMeta``'s metadata
+    (``facts``), whose ``token_lora_mapping`` the kernel then reads: it agrees with the
+    segments by construction, and holds -1 past the prepared tokens."""
     if facts is None or num_loras != 1:
         return False
     if op == "expand" and config.kernel == "mma":

@@ -456,11 +456,12 @@ def _retime(args, parser, path: Path) -> int:
         and (not args.slices or e["slices"] in args.slices)
     ]
     print(f"tune: timing {len(chosen)} problems of {path} again beside {', '.join(args.retime)}")
-    same_gpu = doc["gpu"] == gpu_name()
+    gpu = gpu_name()
+    same_gpu = doc["gpu"] == gpu
     if not same_gpu:  # (a copy of another GPU's table, to weigh its picks on this one)
         print(
-            f"tune: the table is {doc['gpu']}'s and this is {gpu_name()}: the entries timed "
-            "again keep only this run's times"
+            f"tune: the table is {doc['gpu']}'s and this is {gpu}: the entries timed again "
+            "keep only this run's times"
         )
     from tqdm import tqdm
 
