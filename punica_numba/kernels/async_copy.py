@@ -14,7 +14,9 @@ and Hopper copy without the register (inline PTX, sm_80 on):
 A kernel that keeps ``S`` stages of shared memory starts the next stages' copies, commits a
 group a stage, and before it reads a stage waits for all but the ``S - 2`` newest groups,
 then ``syncthreads`` (each thread waits only for its own copies; the barrier makes every
-thread's copies seen by all). :mod:`.shrink_mma_staged` does this.
+thread's copies seen by all). :func:`stage_ring` is that walk, once for the staged kernels
+(:mod:`.shrink_mma_staged`, :mod:`.expand_mma_staged`), each giving it how to start a
+stage's copies and how to multiply a stage.
 
 A copy goes from an address (:func:`address_of`) to a place counted from the start of the
 kernel's shared array (:func:`stage_base_of`), so that a kernel that copies the same rows
@@ -38,6 +40,7 @@ __all__ = [
     "group_committer",
     "group_waiter",
     "stage_base_of",
+    "stage_ring",
     "stages_that_fit",
     "words_copier",
 ]
@@ -204,3 +207,45 @@ def group_waiter(newest_in_flight: int):
     if SIMULATOR:
         return _nothing
     return ptx_device_function(f"cp.async.wait_group {newest_in_flight};")
+
+
+@functools.cache
+def stage_ring(stages: int, start_stage, multiply_stage):
+    """``(fill, turn)``, the device functions of a ring of ``stages`` stages of shared memory
+    through which a block walks chunks ``first .. end - 1`` of its operands:
+
+    * ``fill(first, end, copying)`` starts copying the first ``stages - 1`` chunks, a
+      committed group each (empty past ``end``);
+    * ``turn(first, end, copying, multiplying)`` then, chunk by chunk, waits for this
+      thread's copies of the chunk and (``syncthreads``) everyone's, starts copying the
+      chunk ``stages - 1`` ahead into the stage the last chunk was read from, commits, and
+      multiplies the chunk.
+
+    ``start_stage(stage, chunk, copying)`` starts the thread's copies of a chunk into a
+    stage, ``multiply_stage(stage, multiplying)`` adds a stage's products: each kernel's
+    own, compiled into the ring, ``copying`` and ``multiplying`` the tuples of what else
+    they take (a closure called here takes no ``*args``). A kernel may work between
+    ``fill`` and ``turn`` while the copies fly."""
+    commit, wait = group_committer(), group_waiter(stages - 2)
+
+    @cuda.jit(device=True, inline="always")
+    def fill(first, end, copying):
+        for stage in range(stages - 1):
+            if first + stage < end:
+                start_stage(stage, first + stage, copying)
+            commit()
+
+    @cuda.jit(device=True, inline="always")
+    def turn(first, end, copying, multiplying):
+        read, write = 0, stages - 1  # the stages multiplied from and copied into next
+        for chunk in range(first, end):
+            wait()  # this thread's copies of ``chunk``
+            cuda.syncthreads()  # everyone's; and every warp is done with the last chunk
+            if chunk + stages - 1 < end:  # into the stage the last chunk was read from
+                start_stage(write, chunk + stages - 1, copying)
+            commit()
+            multiply_stage(read, multiplying)
+            write = read
+            read = 0 if read == stages - 1 else read + 1
+
+    return fill, turn

@@ -69,9 +69,8 @@ from numba import float32, int64, uint32, uint64
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .async_copy import (
     address_of,
-    group_committer,
-    group_waiter,
     stage_base_of,
+    stage_ring,
     stages_that_fit,
     words_copier,
 )
@@ -242,7 +241,6 @@ def build_staged_mma_expand_kernel(
     SCALES = ROWS if SCALED else 1
     SCRATCH_WARPS = THREADS // 32 if SIMULATOR else 1
     ALIGNMENT = None if SIMULATOR else 16
-    commit, wait = group_committer(), group_waiter(STAGES - 2)
 
     @cuda.jit(device=True, inline="always")
     def sources(x, s, b_rows, tile, n_block, last_n, tid, source):
@@ -264,10 +262,11 @@ def build_staged_mma_expand_kernel(
                 source[i] = b_source(b_rows, n, K_STEPS * ((p - X_COPIES) % 4))
 
     @cuda.jit(device=True, inline="always")
-    def start_stage(xs, x_base, bs, b_base, stage, chunk, source, tid, x, s, b_rows):
+    def start_stage(stage, chunk, copying):
         """Start copying chunk ``chunk``'s elements into stage ``stage``: a buffer row's
         pieces at floats ``X_PADDED_ROW * row + 4 q``, a row of B's at words ``B_ROW * n +
         2 t``."""
+        xs, x_base, bs, b_base, source, tid, x, s, b_rows = copying
         for i in range(COPIES):
             p = tid + THREADS * i
             if p < X_COPIES:
@@ -292,9 +291,10 @@ def build_staged_mma_expand_kernel(
             scale[i], back[i] = f16_row_scale(largest_of_lane_group(abs_bits(largest), my_scratch))
 
     @cuda.jit(device=True, inline="always")
-    def multiply_stage(xs, bs, stage, wm, wn, g, t, acc, a, bw, scale, my_scratch):
+    def multiply_stage(stage, multiplying):
         """Add the warp's products of one staged chunk, step by step: for each tile, ``lo @
         B`` then ``hi @ B``."""
+        xs, bs, wm, wn, g, t, acc, a, bw, scale, my_scratch = multiplying
         for nj in range(N_TILES):  # the lane's words of B, both steps: column g of tile nj
             n = WARP_N * wn + output_column(nj, g, RUN)
             bw[2 * nj], bw[2 * nj + 1] = two_words(bs, stage * B_STAGE + B_ROW * n + 2 * t)
@@ -320,6 +320,7 @@ def build_staged_mma_expand_kernel(
                         q = 8 * mi + 4 * term
                         add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, my_scratch)
 
+    fill, turn = stage_ring(STAGES, start_stage, multiply_stage)
     begin = prologue()
 
     @jit_kernel(THREADS)
@@ -350,10 +351,8 @@ def build_staged_mma_expand_kernel(
         x_base, b_base = stage_base(xs), stage_base(bs)
         source = cuda.local.array(COPIES, int64)
         sources(x, s, b_rows, tile, n_block, last_n, tid, source)
-        for c in range(STAGES - 1):  # the first chunks on their way ...
-            if c < CHUNKS:
-                start_stage(xs, x_base, bs, b_base, c, c, source, tid, x, s, b_rows)
-            commit()
+        copying = (xs, x_base, bs, b_base, source, tid, x, s, b_rows)
+        fill(0, CHUNKS, copying)  # the first chunks on their way ...
 
         token = cuda.local.array(ROWS, int64)  # ... while the lane finds its rows
         for i in range(ROWS):
@@ -368,17 +367,7 @@ def build_staged_mma_expand_kernel(
             acc[p] = float32(0.0)
         a = cuda.local.array(A_WORDS, uint32)
         bw = cuda.local.array(B_WORDS, int64)  # [tile, step]
-        read, write = 0, STAGES - 1  # the stages multiplied from and copied into next
-        for chunk in range(CHUNKS):
-            wait()  # this thread's copies of ``chunk``
-            cuda.syncthreads()  # everyone's; and every warp is done with the last chunk
-            if chunk + STAGES - 1 < CHUNKS:  # into the stage the last chunk was read from
-                ahead = chunk + STAGES - 1
-                start_stage(xs, x_base, bs, b_base, write, ahead, source, tid, x, s, b_rows)
-            commit()
-            multiply_stage(xs, bs, read, wm, wn, g, t, acc, a, bw, scale, my_scratch)
-            write = read
-            read = 0 if read == STAGES - 1 else read + 1
+        turn(0, CHUNKS, copying, (xs, bs, wm, wn, g, t, acc, a, bw, scale, my_scratch))
 
         # Word v of row i holds tiles 2v and 2v + 1 (or 4v .. 4v + 3 as a pair of words):
         # lane t's columns of each, in the row's half of its m-tile ("Whole words").

@@ -73,9 +73,8 @@ from numba import float32, int64, uint32
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .async_copy import (
     address_of,
-    group_committer,
-    group_waiter,
     stage_base_of,
+    stage_ring,
     stages_that_fit,
     words_copier,
 )
@@ -192,7 +191,6 @@ def staged_shrink_parts(
     STAGES = staged_stages(TILE_M, TILE_N)
     STAGE_WORDS = ROWS * CHUNK_WORDS
     STAGED_WORDS = STAGES * STAGE_WORDS
-    commit, wait = group_committer(), group_waiter(STAGES - 2)
     COPIES = -(-ROWS * 4 // THREADS)  # 16-byte copies a thread starts a stage
     PAIRS = ROWS * 4  # 16-byte pairs of words in a stage
     LANE_ROWS = 2 * M_TILES  # token rows of a lane's fragments and outputs: g + 8 r
@@ -231,10 +229,11 @@ def staged_shrink_parts(
                 source[i] = row_source(x, w0, w1, w2, slot, s, j, False)
 
     @cuda.jit(device=True, inline="always")
-    def start_stage(staged, base, stage, chunk, x, w0, w1, w2, slot, source, tid):
+    def start_stage(stage, chunk, copying):
         """Start copying chunk ``chunk``'s rows into stage ``stage`` (zeros past K). A pair's
         place in the stage is word ``2 (tid + THREADS i)``: row ``(tid + THREADS i) // 4``,
         words ``2 (tid % 4)``, ``+ 1``, the words the pair is copied from."""
+        staged, base, x, w0, w1, w2, slot, source, tid = copying
         q = CHUNK_WORDS * chunk + 2 * (tid % 4)  # the thread's first word of the chunk
         first = stage * STAGE_WORDS + 2 * tid
         if q < x.shape[1]:  # and so is q + 1: K's words are even
@@ -249,8 +248,9 @@ def staged_shrink_parts(
                     staged[to], staged[to + 1] = int64(0), int64(0)
 
     @cuda.jit(device=True, inline="always")
-    def multiply_stage(staged, stage, warp, g, t, acc, scratch):
+    def multiply_stage(stage, multiplying):
         """Add the warp's products of one staged chunk: its first step, then its second."""
+        staged, warp, g, t, acc, scratch = multiplying
         xw = cuda.local.array(X_WORDS, int64)  # [lane row, word of the pair]
         aw = cuda.local.array(A_WORDS, int64)  # [rank tile, word of the pair]
         x_at = stage * STAGE_WORDS + CHUNK_WORDS * g + 2 * t  # row g
@@ -267,28 +267,17 @@ def staged_shrink_parts(
                     b0, b1 = word_halves(aw[2 * nj + step])
                     add_product(acc, (mi * N_TILES + nj) * 4, a0, a1, a2, a3, b0, b1, scratch)
 
+    fill, turn = stage_ring(STAGES, start_stage, multiply_stage)
+
     @cuda.jit(device=True, inline="always")
     def walk(x, w0, w1, w2, slot, source, first_chunk, end_chunk, tid, warp, g, t, acc, scratch):
-        """The block's chunks ``first_chunk .. end_chunk - 1``, through the stages: each
-        thread commits a group of copies a chunk (empty past the run), and before a chunk
-        is multiplied waits for its own copies of it, then for every thread's."""
+        """The block's chunks ``first_chunk .. end_chunk - 1``, through the stages
+        (:func:`.async_copy.stage_ring`)."""
         staged = cuda.shared.array(STAGED_WORDS, int64, alignment=ALIGNMENT)
         base = stage_base(staged)
-        for s in range(STAGES - 1):
-            if first_chunk + s < end_chunk:
-                start_stage(staged, base, s, first_chunk + s, x, w0, w1, w2, slot, source, tid)
-            commit()
-        read, write = 0, STAGES - 1  # the stages multiplied from and copied into next
-        for chunk in range(first_chunk, end_chunk):
-            wait()  # this thread's copies of ``chunk``
-            cuda.syncthreads()  # everyone's; and every warp is done with the last chunk
-            if chunk + STAGES - 1 < end_chunk:  # into the stage the last chunk was read from
-                ahead = chunk + STAGES - 1
-                start_stage(staged, base, write, ahead, x, w0, w1, w2, slot, source, tid)
-            commit()
-            multiply_stage(staged, read, warp, g, t, acc, scratch)
-            write = read
-            read = 0 if read == STAGES - 1 else read + 1
+        copying = (staged, base, x, w0, w1, w2, slot, source, tid)
+        fill(first_chunk, end_chunk, copying)
+        turn(first_chunk, end_chunk, copying, (staged, warp, g, t, acc, scratch))
 
     @cuda.jit(device=True, inline="always")
     def block_sums(x, w0, w1, w2, slices, tiles, sorted_tokens, acc, lane_token, run, runs):
