@@ -60,8 +60,9 @@ def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
     st.sampled_from((1, 3, 16, 20)),  # block size
     st.integers(0, 12),  # tokens
     st.integers(0, 2**31 - 1),  # seed
+    st.sampled_from((torch.int32, torch.bool)),  # adapter_enabled's flags
 )
-def test_the_blocks_as_the_dense_tile_table(slots, experts, block_size, tokens, seed):
+def test_the_blocks_as_the_dense_tile_table(slots, experts, block_size, tokens, seed, flags):
     gen = torch.Generator().manual_seed(seed)
     top_k = min(2, experts)
     topk_ids = torch.zeros(tokens, top_k, dtype=torch.int64)
@@ -69,7 +70,7 @@ def test_the_blocks_as_the_dense_tile_table(slots, experts, block_size, tokens, 
         topk_ids[t] = torch.randperm(experts, generator=gen)[:top_k]
     topk_ids[torch.rand(tokens, top_k, generator=gen) < 0.1] = -1
     token_slots = torch.randint(-1, slots, (tokens,), generator=gen)
-    enabled = (torch.rand(slots, generator=gen) < 0.8).to(torch.int32)
+    enabled = (torch.rand(slots, generator=gen) < 0.8).to(flags)
     blocks = align_pairs(
         topk_ids.to(DEVICE), token_slots.to(DEVICE), experts, block_size, slots, enabled.to(DEVICE)
     )

@@ -27,7 +27,8 @@
   :mod:`.moe_expand_columns` the third, K split over a block's threads and columns
   whose rows of B stay in registers; :mod:`.moe_shrink_mma` and :mod:`.moe_expand_mma`
   the fourth, both on the tensor cores; :mod:`.moe_expand_outer` the expand that takes a
-  chunk of a block's pairs at once, as outer products;
+  chunk of a block's pairs at once, as outer products; :mod:`.moe_tiles` the blocks as the
+  dense op's tile table, for version 7's dense kernels;
 * :mod:`.dependent_launch` every kernel's first step, ``begin()``: on Hopper, wait for the
   kernels before it (which a dependent launch does not).
 """

@@ -19,12 +19,13 @@ pair) and stores its sums in row ``p`` of the buffer:
   the buffer first: ``w (x A^T) B^T = (w x A^T) B^T``, one more rounding of the fp32
   buffer.
 
-The tiles cost a few torch operations on the device a call (no read-back: the op stays
+The tiles are one kernel a call (:mod:`..kernels.moe_tiles`; no read-back: the op stays
 capturable in a CUDA graph), and the table has a row for every block the metadata can
-hold, most of them idle where the pairs are few. Those fixed costs are the likely reason
-that on an H100 (at 61de306, ``docs/benchmarks/h100_moe_v7_61de306.json``) this took more
-time than version 6's kernels on every case of ``bench --moe``: 54-67 µs more at one
-token, 1.00-1.23x at 2048 on one and four adapters (not measured apart).
+hold, most of them idle where the pairs are few. At 61de306 they were some twenty torch
+operations instead; those and the idle tiles are the likely reason that on an H100
+(``docs/benchmarks/h100_moe_v7_61de306.json``) this took more time than version 6's
+kernels on every case of ``bench --moe``: 54-67 µs more at one token, 1.00-1.23x at 2048 on
+one and four adapters (not measured apart). The one kernel has not been timed yet.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from .._checks import check_stack
 from .._cuda import SIMULATOR
 from ..kernels import MAX_SLICES, build_mma_shrink_kernel
+from ..kernels.moe_tiles import MOE_TILE_M, build_moe_tiles_kernel
 from ..launch import LaunchConfig, choose_launch_config, launch_configs
 from . import operands
 from .choice import choose_expand, column_blocks
@@ -45,7 +47,9 @@ from .launching import launcher_of
 __all__ = ["TILE_M", "dense_expand", "dense_shrink", "moe_tiles"]
 
 #: Pairs a tile of the dense tensor-core expand holds.
-TILE_M = 16
+TILE_M = MOE_TILE_M
+#: Threads a block of :func:`moe_tiles`' kernel: a tile a thread.
+TILES_THREADS = 128
 
 
 def moe_tiles(
@@ -58,7 +62,8 @@ def moe_tiles(
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE blocks as the dense op's tile table ``[B, 4]`` and tile tokens ``[B, 16]``
-    (int32; :mod:`..kernels.segments`), ``B = L * NB * ceil(block_size / 16)``.
+    (int32; :mod:`..kernels.segments`), ``B = L * NB * ceil(block_size / 16)``, made by one
+    kernel, a thread a tile (:mod:`..kernels.moe_tiles`).
 
     Semantics:
         for slot l, block b of row l, tile j of the block (pairs j*16 .. of it):
@@ -71,45 +76,20 @@ def moe_tiles(
         so a tile's position is where its row starts in the tokens taken as one sorted list
         (``tokens.view(-1)``: the shrink's ``sorted_tokens``).
     """
-    slots, padded_len = sorted_token_ids.shape
-    blocks = expert_ids.shape[1]
-    per_block = -(-block_size // TILE_M)
+    slots = sorted_token_ids.shape[0]
+    count = slots * expert_ids.shape[1] * -(-block_size // TILE_M)
     device = sorted_token_ids.device
-    ids = torch.full((slots, blocks * block_size), num_pairs, dtype=torch.int64, device=device)
-    length = min(padded_len, blocks * block_size)
-    ids[:, :length] = sorted_token_ids[:, :length]
-    ids = ids.view(slots, blocks, block_size)
-    if per_block * TILE_M != block_size:  # the last tile of a block: padding past its pairs
-        fill = per_block * TILE_M - block_size
-        pad = torch.full((slots, blocks, fill), num_pairs, dtype=torch.int64, device=device)
-        ids = torch.cat([ids, pad], dim=2)
-    ids = ids.view(slots, blocks, per_block, TILE_M)
-    real = (ids >= 0) & (ids < num_pairs)
-    rows = real.sum(-1)  # [L, NB, per_block]
-    # The tile's pairs first (in their order), then the last one again.
-    order = torch.argsort((~real).to(torch.int8), dim=-1, stable=True)
-    pairs = torch.gather(ids, -1, order)
-    last = torch.gather(pairs, -1, (rows - 1).clamp(min=0).unsqueeze(-1))
-    within = torch.arange(TILE_M, device=device) < rows.unsqueeze(-1)
-    pairs = torch.where(within, pairs, last)
-    experts = expert_ids.to(torch.int64)
-    started = torch.arange(blocks, device=device) * block_size
-    enabled = adapter_enabled[:slots].to(device) != 0
-    in_use = (
-        (started < num_tokens_post_padded.to(torch.int64).unsqueeze(1))
-        & (experts >= 0)
-        & (experts < num_experts)
-        & enabled.unsqueeze(1)
-    )  # [L, NB]
-    live = in_use.unsqueeze(-1) & (rows > 0)  # [L, NB, per_block]
-    slot = torch.arange(slots, device=device).view(slots, 1, 1) * num_experts
-    slot = torch.where(live, slot + experts.clamp(min=0).unsqueeze(-1), -1)
-    pairs = torch.where(live.unsqueeze(-1), pairs, 0)
-    rows = torch.where(live, rows, 0)
-    position = torch.arange(slot.numel(), device=device).view(slot.shape) * TILE_M
-    position = torch.where(live, position, 0)
-    table = torch.stack([slot, position, rows, pairs[..., 0]], dim=-1)
-    return table.view(-1, 4).to(torch.int32), pairs.view(-1, TILE_M).to(torch.int32)
+    table = torch.empty((count, 4), dtype=torch.int32, device=device)
+    tokens = torch.empty((count, TILE_M), dtype=torch.int32, device=device)
+    if count:
+        enabled = adapter_enabled[:slots].to(device)
+        if enabled.dtype == torch.bool:  # (the kernel reads bytes)
+            enabled = enabled.view(torch.uint8)
+        arguments = (sorted_token_ids, expert_ids, num_tokens_post_padded, enabled)
+        arguments += (block_size, num_pairs, num_experts, table, tokens)
+        grid = (-(-count // TILES_THREADS), 1, 1)
+        launcher_of(build_moe_tiles_kernel())(grid, TILES_THREADS, arguments)
+    return table, tokens
 
 
 def _flat(stacked: torch.Tensor, name: str, s: int):
