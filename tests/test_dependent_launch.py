@@ -63,6 +63,7 @@ KERNEL_MODULES = {
     "moe_shrink_mma",
     "moe_shrink_split",
     "moe_shrink_tiled",
+    "moe_tiles",
     "shrink",
     "shrink_mma",
     "shrink_mma_joint",
@@ -79,6 +80,16 @@ KERNEL_MODULES = {
 def _is_jit_kernel(decorator: ast.expr) -> bool:
     call = decorator.func if isinstance(decorator, ast.Call) else decorator
     return isinstance(call, ast.Name) and call.id == "jit_kernel"
+
+
+def _is_plain_kernel(decorator: ast.expr) -> bool:
+    """Whether ``decorator`` makes a kernel without :func:`jit_kernel`: ``@cuda.jit`` with
+    no ``device=True``."""
+    call = decorator.func if isinstance(decorator, ast.Call) else decorator
+    if ast.unparse(call) != "cuda.jit":
+        return False
+    keywords = decorator.keywords if isinstance(decorator, ast.Call) else []
+    return not any(k.arg == "device" and ast.unparse(k.value) == "True" for k in keywords)
 
 
 def _calls(statement: ast.stmt, name: str) -> bool:
@@ -152,8 +163,8 @@ def _asks_ahead(statement: ast.stmt) -> bool:
 def kernels_without_prologue(source: str) -> tuple[list[str], int]:
     """The ``@jit_kernel`` functions in ``source`` whose first statement is not ``begin()``
     (nor, after thread-private values, asking ahead, then ``begin()``) or whose builder
-    does not bind ``begin = prologue()`` before them; and how many such functions there
-    are in all."""
+    does not bind ``begin = prologue()`` before them, and every kernel made by a plain
+    ``@cuda.jit``; and how many kernels there are in all."""
     wrong, found = [], 0
     for builder in ast.walk(ast.parse(source)):
         if not isinstance(builder, ast.FunctionDef):
@@ -162,6 +173,11 @@ def kernels_without_prologue(source: str) -> tuple[list[str], int]:
         for statement in builder.body:
             bound = bound or _binds_prologue(statement)
             if isinstance(statement, ast.FunctionDef) and any(
+                _is_plain_kernel(d) for d in statement.decorator_list
+            ):
+                found += 1
+                wrong.append(statement.name)
+            elif isinstance(statement, ast.FunctionDef) and any(
                 _is_jit_kernel(d) for d in statement.decorator_list
             ):
                 found += 1
@@ -187,7 +203,8 @@ def test_every_kernel_begins_with_the_prologue():
 
 
 def test_the_source_check_sees_a_kernel_that_reads_first():
-    """The check above fails a kernel that reads before ``begin()``, or has none bound."""
+    """The check above fails a kernel that reads before ``begin()``, or has none bound, or
+    is a plain ``@cuda.jit`` kernel."""
     kernel = """
 def build():
     begin = prologue()
@@ -200,6 +217,11 @@ def build():
     assert kernels_without_prologue(kernel.format(body="begin()\n        x[0] = 1")) == ([], 1)
     assert kernels_without_prologue(kernel.format(body="x[0] = 1\n        begin()")) == (["k"], 1)
     unbound = kernel.replace("begin = prologue()", "begin = something()")
+    for plain in ("@cuda.jit", "@cuda.jit(device=False)", "@cuda.jit(cache=True)"):
+        made = kernel.replace("@jit_kernel(32)", plain).format(body="begin()")
+        assert kernels_without_prologue(made) == (["k"], 1), plain
+    device = kernel.replace("@jit_kernel(32)", "@cuda.jit(device=True)")
+    assert kernels_without_prologue(device.format(body="x[0] = 1")) == ([], 0)
     assert kernels_without_prologue(unbound.format(body="begin()")) == (["k"], 1)
     ask = "if ASK_AHEAD:\n            let_next()\n            ask_for_the_tile(x)\n        "
     assert kernels_without_prologue(kernel.format(body=ask + "begin()")) == ([], 1)

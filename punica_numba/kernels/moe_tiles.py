@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import functools
 
-from .._cuda import cuda
+from .._cuda import cuda, jit_kernel
+from .dependent_launch import prologue
 
-__all__ = ["MOE_TILE_M", "build_moe_tiles_kernel"]
+__all__ = ["MOE_TILE_M", "MOE_TILES_THREADS", "build_moe_tiles_kernel"]
 
 #: Pairs a tile holds: the dense tensor-core kernels' 16-token tiles.
 MOE_TILE_M = 16
+#: Threads a block: a tile a thread.
+MOE_TILES_THREADS = 128
 
 
 @functools.cache
@@ -40,10 +43,11 @@ def build_moe_tiles_kernel():
     """The kernel ``tiles(sorted_token_ids, expert_ids, num_tokens_post_padded,
     adapter_enabled, block_size, num_pairs, num_experts, table, tokens)``: ``table`` [B, 4]
     and ``tokens`` [B, 16] int32 with ``B = L * NB * ceil(block_size / 16)`` (``NB =
-    expert_ids.shape[1]``), a thread a row (module notes)."""
+    expert_ids.shape[1]``), a thread a row (module notes), ``MOE_TILES_THREADS`` a block."""
     TILE_M = MOE_TILE_M
+    begin = prologue()
 
-    @cuda.jit
+    @jit_kernel(MOE_TILES_THREADS)
     def tiles(
         sorted_token_ids,
         expert_ids,
@@ -55,6 +59,7 @@ def build_moe_tiles_kernel():
         table,
         tokens,
     ):
+        begin()  # wait for the kernels before this one (dependent_launch): the align step
         i = cuda.grid(1)
         if i >= table.shape[0]:
             return

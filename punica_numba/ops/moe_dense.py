@@ -38,7 +38,7 @@ import torch
 from .._checks import check_stack
 from .._cuda import SIMULATOR
 from ..kernels import MAX_SLICES, build_mma_shrink_kernel
-from ..kernels.moe_tiles import MOE_TILE_M, build_moe_tiles_kernel
+from ..kernels.moe_tiles import MOE_TILE_M, MOE_TILES_THREADS, build_moe_tiles_kernel
 from ..launch import LaunchConfig, choose_launch_config, launch_configs
 from . import operands
 from .choice import choose_expand, column_blocks
@@ -48,8 +48,6 @@ __all__ = ["TILE_M", "dense_expand", "dense_shrink", "moe_tiles"]
 
 #: Pairs a tile of the dense tensor-core expand holds.
 TILE_M = MOE_TILE_M
-#: Threads a block of :func:`moe_tiles`' kernel: a tile a thread.
-TILES_THREADS = 128
 
 
 def moe_tiles(
@@ -87,8 +85,8 @@ def moe_tiles(
             enabled = enabled.view(torch.uint8)
         arguments = (sorted_token_ids, expert_ids, num_tokens_post_padded, enabled)
         arguments += (block_size, num_pairs, num_experts, table, tokens)
-        grid = (-(-count // TILES_THREADS), 1, 1)
-        launcher_of(build_moe_tiles_kernel())(grid, TILES_THREADS, arguments)
+        grid = (-(-count // MOE_TILES_THREADS), 1, 1)
+        launcher_of(build_moe_tiles_kernel())(grid, MOE_TILES_THREADS, arguments)
     return table, tokens
 
 
