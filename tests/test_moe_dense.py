@@ -31,26 +31,32 @@ from .test_moe import MOE_EXAMPLES, MoECase, check_against_reference
 
 
 def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
-    """:func:`moe_tiles` as its docstring defines it, one tile at a time on the host."""
+    """:func:`moe_tiles` as its docstring defines it, one tile at a time on the host: the
+    blocks in use, slot by slot, then idle rows up to the bound of any alignment."""
     ids, experts, padded = (t.cpu().tolist() for t in blocks)
     enabled = enabled.cpu().tolist()
+    per_block, row_blocks = -(-block_size // TILE_M), len(experts[0])
+    runs = min(num_pairs, len(ids) * num_experts)
+    bound = min(-(-(num_pairs + runs * (block_size - 1)) // block_size), len(ids) * row_blocks)
     table, tokens = [], []
     for l, row in enumerate(ids):
-        for b, e in enumerate(experts[l]):
-            for j in range(-(-block_size // TILE_M)):
+        for b in range(min(row_blocks, -(-max(padded[l], 0) // block_size))):
+            e = experts[l][b]
+            for j in range(per_block):
                 lo, hi = (
                     b * block_size + TILE_M * j,
                     b * block_size + min(TILE_M * (j + 1), block_size),
                 )
                 pairs = [p for p in row[lo:hi] if 0 <= p < num_pairs]
-                use = b * block_size < padded[l] and 0 <= e < num_experts and enabled[l] != 0
-                if use and pairs:
+                if 0 <= e < num_experts and enabled[l] != 0 and pairs:
                     table.append([l * num_experts + e, TILE_M * len(table), len(pairs), pairs[0]])
                     tokens.append(pairs + [pairs[-1]] * (TILE_M - len(pairs)))
                 else:
                     table.append([-1, 0, 0, 0])
                     tokens.append([0] * TILE_M)
-    return table, tokens
+    assert len(table) <= bound * per_block, "the bound is too small for this alignment"
+    idle = bound * per_block - len(table)
+    return table + [[-1, 0, 0, 0]] * idle, tokens + [[0] * TILE_M] * idle
 
 
 @settings(max_examples=min(settings().max_examples, 30))
@@ -80,6 +86,15 @@ def test_the_blocks_as_the_dense_tile_table(slots, experts, block_size, tokens, 
     assert table.dtype == rows.dtype == torch.int32
     assert table.cpu().tolist() == want_table
     assert rows.cpu().tolist() == want_rows
+    # Each pair of a token with an adapter that is on, and an expert, in one live tile once.
+    live = [t[:n] for (s, _, n, _), t in zip(want_table, want_rows) if s >= 0]
+    routed = [
+        t * top_k + k
+        for t in range(tokens)
+        for k in range(top_k)
+        if topk_ids[t, k] >= 0 and token_slots[t] >= 0 and enabled[token_slots[t]] != 0
+    ]
+    assert sorted(p for pairs in live for p in pairs) == routed
 
 
 @st.composite

@@ -3,24 +3,32 @@
 Version 7 of MoE LoRA hands its blocks to the dense op's tensor-core kernels
 (:mod:`..ops.moe_dense`): (slot l, expert e) is dense slot ``l * E + e``, and each block of
 ``block_size`` pairs is ``ceil(block_size / 16)`` tiles of up to 16 pairs, a row of the
-dense tile table (:mod:`.segments`) and a row of tile tokens each. Built from torch
-operations that took some twenty small kernels a call, a sort among them, which on an H100
-cost version 7 some 54-67 µs a call that grew little with the tokens (the lab notes,
-"MoE LoRA version 7"). Here each thread makes one tile's rows:
+dense tile table (:mod:`.segments`) and a row of tile tokens each. At 61de306 the table was
+some twenty torch operations a call (a sort among them) with a row for every block a slot's
+row can hold: on an H100 version 7 then took some 54-67 µs more than version 6 at one
+token, and 1.58-1.91x its time over 16 adapters, where most of those rows are idle (the lab
+notes, "MoE LoRA version 7"). Here one kernel makes the table, a thread a row, and only the
+blocks in use have rows:
 
-* thread ``i`` is tile ``j = i % per_block`` of block ``b`` of slot ``l`` (``i //
-  per_block = l * NB + b``);
+* the blocks in use are, slot by slot, the first ``ceil(num_tokens_post_padded[l] /
+  block_size)`` of each row (at most its ``NB``), taken in order: thread ``i`` is tile ``j =
+  i % per_block`` of the ``i // per_block``-th of them, block ``b`` of slot ``l``, found by
+  a walk over the slots' counts;
 * it walks the block's entries ``16 j ..`` of ``sorted_token_ids[l]`` (at most 16, not past
   the block or the row), keeps those that name a pair (``0 <= p < P``: the padding names
   ``P``) in their order, and writes them into its row of tile tokens, then the last one
   again up to 16;
-* its table row is ``(l * E + e, 16 i, pairs, first pair)`` where the block is in use (it
-  starts before the row's ``num_tokens_post_padded``, its expert is one of the E, the slot
-  is on) and holds a pair, else ``(-1, 0, 0, 0)`` and a row of zeros.
+* its table row is ``(l * E + e, 16 i, pairs, first pair)`` where the block's expert is one
+  of the E, the slot is on and the tile holds a pair; else, and past the blocks in use,
+  ``(-1, 0, 0, 0)`` and a row of zeros.
 
-The position ``16 i`` is where the tile's row starts in the tile tokens taken as one list
-(the shrink's sorted tokens). Fixed sizes, no read-back: the launch can be captured in a
-CUDA graph. Every entry is read by one thread, every output written by one.
+The table's rows are a bound the host knows without a look at the device
+(:func:`moe_tile_rows`): however P pairs are aligned, their blocks are at most ``(P + runs
+(block_size - 1)) / block_size``, each (slot, expert) run of pairs padded by less than a
+block, and the runs at most ``min(P, L E)``. The position ``16 i`` is where the tile's row
+starts in the tile tokens taken as one list (the shrink's sorted tokens). Fixed sizes, no
+read-back: the launch can be captured in a CUDA graph. Every entry is read by one thread,
+every output written by one.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import functools
 from .._cuda import cuda, jit_kernel
 from .dependent_launch import prologue
 
-__all__ = ["MOE_TILE_M", "MOE_TILES_THREADS", "build_moe_tiles_kernel"]
+__all__ = ["MOE_TILES_THREADS", "MOE_TILE_M", "build_moe_tiles_kernel", "moe_tile_rows"]
 
 #: Pairs a tile holds: the dense tensor-core kernels' 16-token tiles.
 MOE_TILE_M = 16
@@ -38,12 +46,23 @@ MOE_TILE_M = 16
 MOE_TILES_THREADS = 128
 
 
+def moe_tile_rows(
+    num_pairs: int, slots: int, num_experts: int, block_size: int, row_blocks: int
+) -> int:
+    """The rows of the tile table: ``ceil(block_size / 16)`` for each block that an
+    alignment of ``num_pairs`` pairs over ``slots`` slots and ``num_experts`` experts can
+    use, at most ``row_blocks`` (``NB``) a slot (module notes)."""
+    runs = min(num_pairs, slots * num_experts)
+    blocks = -(-(num_pairs + runs * (block_size - 1)) // block_size)
+    return min(blocks, slots * row_blocks) * -(-block_size // MOE_TILE_M)
+
+
 @functools.cache
 def build_moe_tiles_kernel():
     """The kernel ``tiles(sorted_token_ids, expert_ids, num_tokens_post_padded,
-    adapter_enabled, block_size, num_pairs, num_experts, table, tokens)``: ``table`` [B, 4]
-    and ``tokens`` [B, 16] int32 with ``B = L * NB * ceil(block_size / 16)`` (``NB =
-    expert_ids.shape[1]``), a thread a row (module notes), ``MOE_TILES_THREADS`` a block."""
+    adapter_enabled, block_size, num_pairs, num_experts, table, tokens)``: ``table`` [R, 4]
+    and ``tokens`` [R, 16] int32 (R: :func:`moe_tile_rows`), a thread a row (module notes),
+    ``MOE_TILES_THREADS`` a block."""
     TILE_M = MOE_TILE_M
     begin = prologue()
 
@@ -64,21 +83,29 @@ def build_moe_tiles_kernel():
         if i >= table.shape[0]:
             return
         per_block = (block_size + TILE_M - 1) // TILE_M
-        blocks = expert_ids.shape[1]
-        j, block = i % per_block, i // per_block
-        l, b = block // blocks, block % blocks
-        e = expert_ids[l, b]
-        start = b * block_size
-        in_use = start < num_tokens_post_padded[l] and 0 <= e < num_experts
-        rows = 0
-        if in_use and adapter_enabled[l] != 0:
-            first = start + TILE_M * j
-            end = min(start + min(TILE_M * (j + 1), block_size), sorted_token_ids.shape[1])
-            for q in range(first, end):
-                p = sorted_token_ids[l, q]
-                if 0 <= p < num_pairs:
-                    tokens[i, rows] = p
-                    rows += 1
+        row_blocks = expert_ids.shape[1]
+        j, b = i % per_block, i // per_block
+        l = -1  # the slot of the (i // per_block)-th block in use, and b its block there
+        for s in range(expert_ids.shape[0]):
+            padded = max(num_tokens_post_padded[s], 0)
+            in_use = min(row_blocks, (padded + block_size - 1) // block_size)
+            if b < in_use:
+                l = s
+                break
+            b -= in_use
+        slot, rows = -1, 0
+        if l >= 0 and adapter_enabled[l] != 0:
+            e = expert_ids[l, b]
+            if 0 <= e < num_experts:
+                slot = l * num_experts + e
+                start = b * block_size
+                first = start + TILE_M * j
+                end = min(start + min(TILE_M * (j + 1), block_size), sorted_token_ids.shape[1])
+                for q in range(first, end):
+                    p = sorted_token_ids[l, q]
+                    if 0 <= p < num_pairs:
+                        tokens[i, rows] = p
+                        rows += 1
         if rows == 0:
             table[i, 0], table[i, 1], table[i, 2], table[i, 3] = -1, 0, 0, 0
             for k in range(TILE_M):
@@ -87,7 +114,7 @@ def build_moe_tiles_kernel():
         last = tokens[i, rows - 1]
         for k in range(rows, TILE_M):
             tokens[i, k] = last
-        table[i, 0] = l * num_experts + e
+        table[i, 0] = slot
         table[i, 1] = TILE_M * i
         table[i, 2] = rows
         table[i, 3] = tokens[i, 0]

@@ -20,12 +20,13 @@ pair) and stores its sums in row ``p`` of the buffer:
   buffer.
 
 The tiles are one kernel a call (:mod:`..kernels.moe_tiles`; no read-back: the op stays
-capturable in a CUDA graph), and the table has a row for every block the metadata can
-hold, most of them idle where the pairs are few. At 61de306 they were some twenty torch
-operations instead; those and the idle tiles are the likely reason that on an H100
-(``docs/benchmarks/h100_moe_v7_61de306.json``) this took more time than version 6's
-kernels on every case of ``bench --moe``: 54-67 µs more at one token, 1.00-1.23x at 2048 on
-one and four adapters (not measured apart). The one kernel has not been timed yet.
+capturable in a CUDA graph), with rows for the blocks in use only, up to a bound the host
+knows. At 61de306 they were some twenty torch operations with a row for every block the
+metadata can hold, most of them idle where the pairs are few; those are the likely reason
+that on an H100 (``docs/benchmarks/h100_moe_v7_61de306.json``) this took more time than
+version 6's kernels on every case of ``bench --moe``: 54-67 µs more at one token, 1.00-1.23x
+at 2048 on one and four adapters, 1.58-1.91x over 16 (not measured apart). The one kernel
+has not been timed yet.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ import torch
 from .._checks import check_stack
 from .._cuda import SIMULATOR
 from ..kernels import MAX_SLICES, build_mma_shrink_kernel
-from ..kernels.moe_tiles import MOE_TILE_M, MOE_TILES_THREADS, build_moe_tiles_kernel
+from ..kernels.moe_tiles import (
+    MOE_TILE_M,
+    MOE_TILES_THREADS,
+    build_moe_tiles_kernel,
+    moe_tile_rows,
+)
 from ..launch import LaunchConfig, choose_launch_config, launch_configs
 from . import operands
 from .choice import choose_expand, column_blocks
@@ -59,23 +65,27 @@ def moe_tiles(
     num_pairs: int,
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE blocks as the dense op's tile table ``[B, 4]`` and tile tokens ``[B, 16]``
-    (int32; :mod:`..kernels.segments`), ``B = L * NB * ceil(block_size / 16)``, made by one
-    kernel, a thread a tile (:mod:`..kernels.moe_tiles`).
+    """The MoE blocks in use as the dense op's tile table ``[R, 4]`` and tile tokens ``[R,
+    16]`` (int32; :mod:`..kernels.segments`), R a bound the host knows
+    (:func:`..kernels.moe_tiles.moe_tile_rows`), made by one kernel, a thread a tile
+    (:mod:`..kernels.moe_tiles`).
 
     Semantics:
-        for slot l, block b of row l, tile j of the block (pairs j*16 .. of it):
+        the blocks in use: for each slot l in order, its blocks b < min(NB, ceil(
+            num_tokens_post_padded[l] / bs)) in order; each ceil(bs / 16) tiles, j = 0, 1, ..
+        for the i-th tile of those, tile j of block b of slot l (pairs j*16 .. of it):
             pairs = the entries of sorted_token_ids[l, b*bs + 16 j : b*bs + min(16 (j+1), bs)]
                     that are below num_pairs, in their order
-            in use = b*bs < num_tokens_post_padded[l], 0 <= e = expert_ids[l, b] < E,
-                     adapter_enabled[l] != 0, and pairs not empty
-            table row i = (l*E + e, 16 i, len(pairs), pairs[0]) if in use else (-1, 0, 0, 0)
-            tokens row i = pairs, then pairs[-1] repeated (zeros for a tile not in use)
-        so a tile's position is where its row starts in the tokens taken as one sorted list
-        (``tokens.view(-1)``: the shrink's ``sorted_tokens``).
+            live = 0 <= e = expert_ids[l, b] < E, adapter_enabled[l] != 0, pairs not empty
+            table row i = (l*E + e, 16 i, len(pairs), pairs[0]) if live else (-1, 0, 0, 0)
+            tokens row i = pairs, then pairs[-1] repeated (zeros for a tile not live)
+        rows past the blocks in use: (-1, 0, 0, 0) and zeros; a tile past R (only where
+        num_tokens_post_padded counts more blocks than any alignment of the pairs makes) has
+        no row. So a tile's position is where its row starts in the tokens taken as one
+        sorted list (``tokens.view(-1)``: the shrink's ``sorted_tokens``).
     """
     slots = sorted_token_ids.shape[0]
-    count = slots * expert_ids.shape[1] * -(-block_size // TILE_M)
+    count = moe_tile_rows(num_pairs, slots, num_experts, block_size, expert_ids.shape[1])
     device = sorted_token_ids.device
     table = torch.empty((count, 4), dtype=torch.int32, device=device)
     tokens = torch.empty((count, TILE_M), dtype=torch.int32, device=device)
