@@ -36,8 +36,7 @@ def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
     ids, experts, padded = (t.cpu().tolist() for t in blocks)
     enabled = enabled.cpu().tolist()
     per_block, row_blocks = -(-block_size // TILE_M), len(experts[0])
-    runs = min(num_pairs, len(ids) * num_experts)
-    bound = min(-(-(num_pairs + runs * (block_size - 1)) // block_size), len(ids) * row_blocks)
+    bound = min(num_pairs, len(ids) * row_blocks)  # (a block in use holds a pair)
     table, tokens = [], []
     for l, row in enumerate(ids):
         for b in range(min(row_blocks, -(-max(padded[l], 0) // block_size))):
@@ -67,9 +66,16 @@ def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
     st.integers(0, 12),  # tokens
     st.integers(0, 2**31 - 1),  # seed
     st.sampled_from((torch.int32, torch.bool)),  # adapter_enabled's flags
+    st.integers(0, 4),  # experts that are not local (expert parallelism), at most all but one
 )
-def test_the_blocks_as_the_dense_tile_table(slots, experts, block_size, tokens, seed, flags):
+def test_the_blocks_as_the_dense_tile_table(
+    slots, experts, block_size, tokens, seed, flags, remote
+):
+    """On drawn routings, with and without expert parallelism: the align step over every
+    expert, ``expert_map`` naming the local ones, and the tiles over the local ones (whose
+    count is the stacks', while the other experts' runs take blocks of -1)."""
     gen = torch.Generator().manual_seed(seed)
+    local = max(1, experts - remote)
     top_k = min(2, experts)
     topk_ids = torch.zeros(tokens, top_k, dtype=torch.int64)
     for t in range(tokens):  # distinct experts a token, as a router picks them
@@ -77,22 +83,29 @@ def test_the_blocks_as_the_dense_tile_table(slots, experts, block_size, tokens, 
     topk_ids[torch.rand(tokens, top_k, generator=gen) < 0.1] = -1
     token_slots = torch.randint(-1, slots, (tokens,), generator=gen)
     enabled = (torch.rand(slots, generator=gen) < 0.8).to(flags)
+    expert_map = torch.full((experts,), -1, dtype=torch.int64)  # global -> local, -1 remote
+    expert_map[torch.randperm(experts, generator=gen)[:local]] = torch.arange(local)
     blocks = align_pairs(
-        topk_ids.to(DEVICE), token_slots.to(DEVICE), experts, block_size, slots, enabled.to(DEVICE)
-    )
+        topk_ids.to(DEVICE), token_slots.to(DEVICE), experts, block_size, slots,
+        enabled.to(DEVICE), expert_map=expert_map.to(DEVICE) if local < experts else None,
+    )  # fmt: skip
     num_pairs = tokens * top_k
-    table, rows = moe_tiles(*blocks, enabled.to(DEVICE), block_size, num_pairs, experts)
-    want_table, want_rows = tiles_by_loops(blocks, enabled, block_size, num_pairs, experts)
+    table, rows = moe_tiles(*blocks, enabled.to(DEVICE), block_size, num_pairs, local)
+    want_table, want_rows = tiles_by_loops(blocks, enabled, block_size, num_pairs, local)
     assert table.dtype == rows.dtype == torch.int32
     assert table.cpu().tolist() == want_table
     assert rows.cpu().tolist() == want_rows
-    # Each pair of a token with an adapter that is on, and an expert, in one live tile once.
+    # Each pair of a token with an adapter that is on, and a local expert, in one live tile
+    # once.
     live = [t[:n] for (s, _, n, _), t in zip(want_table, want_rows) if s >= 0]
     routed = [
         t * top_k + k
         for t in range(tokens)
         for k in range(top_k)
-        if topk_ids[t, k] >= 0 and token_slots[t] >= 0 and enabled[token_slots[t]] != 0
+        if topk_ids[t, k] >= 0
+        and expert_map[topk_ids[t, k]] >= 0
+        and token_slots[t] >= 0
+        and enabled[token_slots[t]] != 0
     ]
     assert sorted(p for pairs in live for p in pairs) == routed
 

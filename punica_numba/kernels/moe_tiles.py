@@ -23,9 +23,12 @@ blocks in use have rows:
   ``(-1, 0, 0, 0)`` and a row of zeros.
 
 The table's rows are a bound the host knows without a look at the device
-(:func:`moe_tile_rows`): however P pairs are aligned, their blocks are at most ``(P + runs
-(block_size - 1)) / block_size``, each (slot, expert) run of pairs padded by less than a
-block, and the runs at most ``min(P, L E)``. The position ``16 i`` is where the tile's row
+(:func:`moe_tile_rows`): however P pairs are aligned, each block in use holds at least one
+of them (a run of a (slot, expert)'s pairs is padded by less than a block), so they are at
+most P, and at most ``NB`` a slot. (Not ``(P + runs (block_size - 1)) / block_size`` with
+the runs at most ``min(P, L E)``: with expert parallelism the align step runs over every
+expert, E counts the local ones, and the other experts' runs take blocks of -1.) The
+position ``16 i`` is where the tile's row
 starts in the tile tokens taken as one list (the shrink's sorted tokens). Fixed sizes, no
 read-back: the launch can be captured in a CUDA graph. Every entry is read by one thread,
 every output written by one.
@@ -46,15 +49,11 @@ MOE_TILE_M = 16
 MOE_TILES_THREADS = 128
 
 
-def moe_tile_rows(
-    num_pairs: int, slots: int, num_experts: int, block_size: int, row_blocks: int
-) -> int:
+def moe_tile_rows(num_pairs: int, slots: int, block_size: int, row_blocks: int) -> int:
     """The rows of the tile table: ``ceil(block_size / 16)`` for each block that an
-    alignment of ``num_pairs`` pairs over ``slots`` slots and ``num_experts`` experts can
-    use, at most ``row_blocks`` (``NB``) a slot (module notes)."""
-    runs = min(num_pairs, slots * num_experts)
-    blocks = -(-(num_pairs + runs * (block_size - 1)) // block_size)
-    return min(blocks, slots * row_blocks) * -(-block_size // MOE_TILE_M)
+    alignment of ``num_pairs`` pairs over ``slots`` slots can use, at most one a pair and
+    ``row_blocks`` (``NB``) a slot (module notes)."""
+    return min(num_pairs, slots * row_blocks) * -(-block_size // MOE_TILE_M)
 
 
 @functools.cache

@@ -85,7 +85,7 @@ def moe_tiles(
         sorted list (``tokens.view(-1)``: the shrink's ``sorted_tokens``).
     """
     slots = sorted_token_ids.shape[0]
-    count = moe_tile_rows(num_pairs, slots, num_experts, block_size, expert_ids.shape[1])
+    count = moe_tile_rows(num_pairs, slots, block_size, expert_ids.shape[1])
     device = sorted_token_ids.device
     table = torch.empty((count, 4), dtype=torch.int32, device=device)
     tokens = torch.empty((count, TILE_M), dtype=torch.int32, device=device)
