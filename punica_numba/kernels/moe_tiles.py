@@ -7,8 +7,8 @@ dense tile table (:mod:`.segments`) and a row of tile tokens each. At 61de306 th
 some twenty torch operations a call (a sort among them) with a row for every block a slot's
 row can hold: on an H100 version 7 then took some 54-67 µs more than version 6 at one
 token, and 1.58-1.91x its time over 16 adapters, where most of those rows are idle (the lab
-notes, "MoE LoRA version 7"). Here one kernel makes the table, a thread a row, and only the
-blocks in use have rows:
+notes, "MoE LoRA version 7"). Here one kernel makes the table, a thread a row, the blocks in
+use first and rows only up to a bound on them:
 
 * the blocks in use are, slot by slot, the first ``ceil(num_tokens_post_padded[l] /
   block_size)`` of each row (at most its ``NB``), taken in order: thread ``i`` is tile ``j =
@@ -27,11 +27,11 @@ The table's rows are a bound the host knows without a look at the device
 of them (a run of a (slot, expert)'s pairs is padded by less than a block), so they are at
 most P, and at most ``NB`` a slot. (Not ``(P + runs (block_size - 1)) / block_size`` with
 the runs at most ``min(P, L E)``: with expert parallelism the align step runs over every
-expert, E counts the local ones, and the other experts' runs take blocks of -1.) The
-position ``16 i`` is where the tile's row
-starts in the tile tokens taken as one list (the shrink's sorted tokens). Fixed sizes, no
-read-back: the launch can be captured in a CUDA graph. Every entry is read by one thread,
-every output written by one.
+expert, E counts the local ones, and the other experts' runs take blocks of -1.)
+
+The position ``16 i`` is where the tile's row starts in the tile tokens taken as one list
+(the shrink's sorted tokens). Fixed sizes, no read-back: the launch can be captured in a
+CUDA graph. Every entry is read by one thread, every output written by one.
 """
 
 from __future__ import annotations
