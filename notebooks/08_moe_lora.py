@@ -362,9 +362,10 @@ print("Qwen3-30B-A3B, 2048 tokens over 16 adapters:", units_in_use(2048 * 8, 16,
 # version 6 on every case of the benchmark, by its fixed costs: lab notes, "MoE LoRA version 7"):
 # (slot l, expert e) is dense slot `l * E + e` of each A and B viewed `[L * E, ...]`, and
 # each block of pairs becomes tiles of the dense tile table, with its pairs as the tile's
-# tokens (`ops.moe_dense.moe_tiles`); w2's router weights go into the buffer before the
-# expand. The blocks above, as tiles (slot `l * E + e`, where its pairs start in the list
-# of every tile's, pairs, first pair), those in use:
+# tokens (`ops.moe_dense.moe_tiles`: one kernel, a thread a tile, rows for the blocks in use
+# first and idle ones up to a bound the host knows); w2's router weights go into the buffer
+# before the expand. The blocks above, as tiles (slot `l * E + e`, where its pairs start in
+# the list of every tile's, pairs, first pair), those in use:
 
 # %%
 from punica_numba.ops.moe_dense import moe_tiles
