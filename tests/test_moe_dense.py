@@ -198,15 +198,25 @@ def test_version_7_without_the_tensor_cores_takes_version_6s_expand():
     torch.testing.assert_close(y, want.to(y.dtype), rtol=1e-4, atol=1e-4)
 
 
+def test_the_tiles_of_blocks_off_the_kernels_device_are_refused_before_a_launch():
+    """Blocks where the kernels cannot read them (on a GPU a host pointer would be an illegal
+    address, and the context lost) are a ValueError naming them."""
+    meta = dict(dtype=torch.int32, device="meta")
+    blocks = torch.empty(1, 16, **meta), torch.empty(1, 1, **meta), torch.empty(1, **meta)
+    with pytest.raises(ValueError, match="sorted_token_ids"):
+        moe_tiles(*blocks, torch.ones(1, dtype=torch.int32), 16, 4, 2)
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_a_block_of_more_than_16_pairs_is_tiles_of_16(block_size):
     """A block's pairs fill tiles of 16 in order: 20 pairs of one (slot, expert) in blocks of
     32 make one block, tiles of 16 and 4; in blocks of 16, two blocks of a tile each."""
     P = 20
-    ids = torch.arange(32, dtype=torch.int32).clamp(max=P).view(1, 32)  # 0..19, then P
-    experts = torch.tensor([[1] if block_size == 32 else [1, 1]], dtype=torch.int32)
-    padded = torch.tensor([32], dtype=torch.int32)
-    on = torch.ones(1, dtype=torch.int32)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    ids = torch.arange(32, **i32).clamp(max=P).view(1, 32)  # 0..19, then P
+    experts = torch.tensor([[1] if block_size == 32 else [1, 1]], **i32)
+    padded = torch.tensor([32], **i32)
+    on = torch.ones(1, **i32)
     table, rows = moe_tiles(ids, experts, padded, on, block_size, P, 2)
     assert table[:, 2].tolist() == [16, 4]
     assert table[:, 0].tolist() == [1, 1]

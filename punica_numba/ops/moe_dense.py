@@ -36,7 +36,7 @@ import functools
 import numpy as np
 import torch
 
-from .._checks import check_stack
+from .._checks import check_device, check_same_device, check_stack
 from .._cuda import SIMULATOR
 from ..kernels import MAX_SLICES, build_mma_shrink_kernel
 from ..kernels.moe_tiles import (
@@ -86,7 +86,9 @@ def moe_tiles(
     """
     slots = sorted_token_ids.shape[0]
     count = moe_tile_rows(num_pairs, slots, block_size, expert_ids.shape[1])
-    device = sorted_token_ids.device
+    device = check_device("sorted_token_ids.device", sorted_token_ids.device)
+    check_same_device(dict(sorted_token_ids=sorted_token_ids, expert_ids=expert_ids,
+                           num_tokens_post_padded=num_tokens_post_padded))  # fmt: skip
     table = torch.empty((count, 4), dtype=torch.int32, device=device)
     tokens = torch.empty((count, TILE_M), dtype=torch.int32, device=device)
     if count:
