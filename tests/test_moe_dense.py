@@ -198,6 +198,20 @@ def test_version_7_without_the_tensor_cores_takes_version_6s_expand():
     torch.testing.assert_close(y, want.to(y.dtype), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dense_from, dense", [(1, True), (2, False)])
+def test_version_8_takes_version_7s_kernels_from_its_threshold(dense_from, dense, monkeypatch):
+    """The small call (w2, bf16: 10 pairs over 2 slots of 3 experts, 1.67 a (slot, expert))
+    at version 8, with DENSE_FROM_PAIRS at 1 or 2: version 7's tiles and dense kernels from
+    it on, version 6's below it. Each gives the reference."""
+    monkeypatch.setattr(moe_ops, "DENSE_FROM_PAIRS", dense_from)
+    tiles = mock.Mock(wraps=moe_ops.moe_tiles)
+    shrink = mock.Mock(wraps=moe_ops.dense_shrink)
+    with mock.patch.multiple(moe_ops, moe_tiles=tiles, dense_shrink=shrink):
+        y, want = _small_call(torch.bfloat16, True, 16, version=8)
+    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert (tiles.call_count, shrink.call_count) == ((1, 1) if dense else (0, 0))
+
+
 def test_the_tiles_of_blocks_off_the_kernels_device_are_refused_before_a_launch():
     """Blocks where the kernels cannot read them (on a GPU a host pointer would be an illegal
     address, and the context lost) are a ValueError naming them."""

@@ -30,6 +30,8 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    multiplied into the buffer before the expand; where the tensor cores cannot take a
    kernel, 6's. On an H100 at 61de306 it took 1.00-8.33x version 6's time on the 30 cases
    (docs/benchmarks/h100_moe_v7_61de306.json; lab notes, "MoE LoRA version 7").
+8. 7's kernels where the pairs average a tile of the dense op or more a (slot, expert)
+   (:data:`DENSE_FROM_PAIRS`), else 6's.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -60,7 +62,7 @@ from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
 from ..moe_meta import check_adapter_enabled
 from .launching import launcher_of
-from .moe_dense import dense_expand, dense_shrink, moe_tiles
+from .moe_dense import TILE_M, dense_expand, dense_shrink, moe_tiles
 from .operands import rows_start_at, words
 
 __all__ = ["fused_moe_lora"]
@@ -71,7 +73,7 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 #: The version a call takes unless it asks for another: 6. On the 30 cases of ``bench --moe``
 #: on an H200 (docs/benchmarks/h200_moe_v6_480005d.json, version 6 asked for by name at
 #: 480005d, against h200_moe_v5.json at 1ec6e02) it took 0.76-0.96x version 5's time on 9
@@ -92,6 +94,17 @@ DEFAULT_VERSION = 6
 #: 16 and 128 (256 and 2048 tokens on one) the tensor cores win too. Nothing between 1 and 8
 #: was measured: 4 is a point between them, not a measured crossing.
 MMA_SHRINK_FROM_PAIRS = 4
+
+
+#: Version 8 takes version 7's kernels from this many pairs a (slot, expert) on average
+#: (:func:`pairs_per_block`), version 6's below it: a tile of the dense op (16 pairs). Its
+#: tensor-core tiles are 16 rows whatever the blocks hold, so below a tile's worth most of
+#: each is padding, where version 6 takes kernels fitted to fewer pairs. On an H100 at
+#: cb9702d (``bench --moe``, Qwen3-30B-A3B's layer, r=16, bf16, blocks of 16) version 7
+#: took 0.56-0.90x version 6's time on the 6 cases at 16 and more (one adapter from 256
+#: tokens, four at 2048), and 0.85-1.62x on the 24 below
+#: (docs/benchmarks/h100_moe_v6_cb9702d.json, h100_moe_v7_cb9702d.json).
+DENSE_FROM_PAIRS = TILE_M
 
 
 class SplitShrink(NamedTuple):
@@ -418,7 +431,9 @@ def fused_moe_lora(
     :data:`COMPACT_SINGLE_BLOCK_MMA_SHRINK`, :data:`COMPACT_SPLIT_SHRINK` (the same bits as
     5's shrinks and 3's expand); 7, the dense op's tensor-core shrink and expand on the
     blocks' pairs (:mod:`.moe_dense`), the router's weights multiplied into the buffer
-    before the expand, else 6's kernels. The same sums in other orders;
+    before the expand, else 6's kernels; 8, 7's where the pairs average at least
+    :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's. The
+    same sums in other orders;
     :data:`DEFAULT_VERSION` (6) unless asked.
 
     Raises:
@@ -498,11 +513,12 @@ def fused_moe_lora(
     out = y.view(num_pairs, columns)  # [P, W]
     if version >= 3:
         # The tensor-core shrink: version 4's, and 5's where its blocks are full enough.
-        average = pairs_per_block(num_pairs, L, E)  # (versions 5 to 7 choose by it)
+        average = pairs_per_block(num_pairs, L, E)  # (versions 5 to 8 choose by it)
         mma = version == 4 or (version >= 5 and average >= MMA_SHRINK_FROM_PAIRS)
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
-        sixth = version in (6, 7)  # (7 takes 6's shrinks where the dense op's cannot run)
-        tiles = moe_tiles(*metadata, block_size, num_pairs, E) if version == 7 else None
+        sixth = version >= 6  # (7 and 8 take 6's kernels where the dense op's do not run)
+        dense_op = version == 7 or (version == 8 and average >= DENSE_FROM_PAIRS)
+        tiles = moe_tiles(*metadata, block_size, num_pairs, E) if dense_op else None
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
         dense = tiles is not None and dense_shrink(buffer, x, a, tiles, x_rows, average)
         tensor_cores = tensor_core_words(x, a, b) if mma and not dense else None
