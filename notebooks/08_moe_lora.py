@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -282,7 +282,8 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # 3's, and 3's expand always (timed kernel by kernel on an H200, 4's shrink lost with one
 # pair a block and 4's expand on every case). On the H200 version 5 takes 0.53-0.87x
 # version 3's time where its blocks are full enough for the tensor cores, and version 3's
-# kernels elsewhere. Version 6, the op's default (the wrapper's call above ran it), waits on
+# kernels elsewhere. Version 6 (whose kernels the wrapper's call above ran: the default,
+# version 8 below, takes them where a call's blocks hold few pairs) waits on
 # memory less where blocks are full: its expand takes a chunk of a block's pairs at once,
 # asking for all their old outputs together and forming the sums as outer products, rank
 # by rank (`kernels.moe_expand_outer`); its tensor-core shrink reads each row of x once for
@@ -358,8 +359,7 @@ print("Qwen3-30B-A3B, 2048 tokens over 16 adapters:", units_in_use(2048 * 8, 16,
 # (slot, expert)'s B into its own row of `y.view(P, W)`, as token `t` adds its buffer row
 # times its slot's B into row `t`; and its shrink is the dense shrink but that w13's pairs
 # of a token read the token's row of x (row `p // top_k`). Version 7 hands both to the dense
-# op's tensor-core kernels, tuned for every layer shape (on an H100 it was slower than
-# version 6 on every case of the benchmark, by its fixed costs: lab notes, "MoE LoRA version 7"):
+# op's tensor-core kernels, tuned for every layer shape (lab notes, "MoE LoRA version 7"):
 # (slot l, expert e) is dense slot `l * E + e` of each A and B viewed `[L * E, ...]`, and
 # each block of pairs becomes tiles of the dense tile table, with its pairs as the tile's
 # tokens (`ops.moe_dense.moe_tiles`: one kernel, a thread a tile, rows for the blocks in use
@@ -392,3 +392,20 @@ for version in (6, 7):
     result[version] = y.float()
 torch.testing.assert_close(result[7], result[6], rtol=2e-2, atol=2e-2)
 print("version 7 gives version 6's outputs, within bf16's rounding")
+
+# %% [markdown]
+# The dense kernels' tiles are 16 rows whatever a block holds, so they pay only where the
+# blocks are full. On an H100 (at cb9702d, `bench --moe`) version 7 took 0.56-0.90x version
+# 6's time where the pairs average a tile (16) or more a (slot, expert), and up to 1.62x
+# below. Version 8, the op's default, chooses by that average (`pairs_per_block`, from the
+# shapes alone: no sync): version 7's kernels from `DENSE_FROM_PAIRS` on, version 6's below.
+# At Qwen3-30B-A3B's shape (128 experts, top-8):
+
+# %%
+from punica_numba.ops.moe import DENSE_FROM_PAIRS, pairs_per_block
+
+for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
+    average = pairs_per_block(T * 8, loras, 128)
+    kernels = 7 if average >= DENSE_FROM_PAIRS else 6
+    print(f"{T:5d} tokens over {loras:2d} adapters: {average:5g} pairs a (slot, expert), "
+          f"version {kernels}'s kernels")  # fmt: skip

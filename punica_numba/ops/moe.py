@@ -23,7 +23,7 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    (:mod:`..kernels.moe_expand_outer`; :data:`OUTER_EXPAND`), else 3's; the expand and
    the shrink's runs of blocks on a compact grid (:func:`compact_units`; the shrink's
    single blocks too where :data:`COMPACT_SINGLE_BLOCK_MMA_SHRINK`, the split shrink where
-   :data:`COMPACT_SPLIT_SHRINK`). The default.
+   :data:`COMPACT_SPLIT_SHRINK`).
 7. the dense op's tensor-core shrink and expand (:mod:`.moe_dense`): each (slot, expert)
    one slot of A and B viewed ``[L * E, ...]``, each block of pairs tiles of the dense
    tile table, w13's pairs of a token reading its row of x, the router's weights
@@ -31,7 +31,7 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    kernel, 6's. On an H100 at 61de306 it took 1.00-8.33x version 6's time on the 30 cases
    (docs/benchmarks/h100_moe_v7_61de306.json; lab notes, "MoE LoRA version 7").
 8. 7's kernels where the pairs average a tile of the dense op or more a (slot, expert)
-   (:data:`DENSE_FROM_PAIRS`), else 6's.
+   (:data:`DENSE_FROM_PAIRS`), else 6's. The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -74,17 +74,21 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
 VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
-#: The version a call takes unless it asks for another: 6. On the 30 cases of ``bench --moe``
-#: on an H200 (docs/benchmarks/h200_moe_v6_480005d.json, version 6 asked for by name at
-#: 480005d, against h200_moe_v5.json at 1ec6e02) it took 0.76-0.96x version 5's time on 9
-#: (one adapter from 64 tokens, four at 2048, w2 at 256 over four) and within 3 % of it on
-#: the other 21, where it launches the same kernels as version 5 or its tensor-core shrink
-#: on version 5's grid.
+#: The version a call takes unless it asks for another: 8. On an H100 at 17411cf (``bench
+#: --moe`` of versions 6 and 8 in one call; docs/benchmarks/h100_moe_v8_17411cf.json) it
+#: took 0.56-0.91x version 6's time on the 6 of 30 cases where it takes version 7's kernels
+#: (one adapter from 256 tokens, four at 2048) and 0.90-1.02x on the others, where it
+#: launches version 6's. Not yet timed on an H200.
+#: Version 6, the default from 480005d until version 8, took 0.76-0.96x version 5's time on 9 of
+#: the 30 on an H200 (docs/benchmarks/h200_moe_v6_480005d.json, against h200_moe_v5.json at
+#: 1ec6e02: one adapter from 64 tokens, four at 2048, w2 at 256 over four) and within 3 % of
+#: it on the other 21, where it launches the same kernels as version 5 or its tensor-core
+#: shrink on version 5's grid.
 #: Version 5 took 0.53-0.87x version 3's time where it takes the tensor-core shrink and
 #: 0.96-1.08x elsewhere (h200_moe_v3.json at 282eaa9); version 3 took 0.06-0.23x version
 #: 1's (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
 #: measured kernel by kernel; version 2 is not timed on a GPU.
-DEFAULT_VERSION = 6
+DEFAULT_VERSION = 8
 
 #: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
 #: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
@@ -434,7 +438,7 @@ def fused_moe_lora(
     before the expand, else 6's kernels; 8, 7's where the pairs average at least
     :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's. The
     same sums in other orders;
-    :data:`DEFAULT_VERSION` (6) unless asked.
+    :data:`DEFAULT_VERSION` (8) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any

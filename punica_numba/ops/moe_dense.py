@@ -25,8 +25,10 @@ knows. At 61de306 they were some twenty torch operations with a row for every bl
 metadata can hold, most of them idle where the pairs are few; those are the likely reason
 that on an H100 (``docs/benchmarks/h100_moe_v7_61de306.json``) this took more time than
 version 6's kernels on every case of ``bench --moe``: 54-67 µs more at one token, 1.00-1.23x
-at 2048 on one and four adapters, 1.58-1.91x over 16 (not measured apart). The one kernel
-has not been timed yet.
+at 2048 on one and four adapters, 1.58-1.91x over 16 (not measured apart). With the one
+kernel, at cb9702d, it took 0.56-0.90x version 6's time where the pairs average a tile (16)
+or more a (slot, expert), and 0.85-1.62x below (``h100_moe_v7_cb9702d.json``): version 8
+takes these kernels only there (:data:`.moe.DENSE_FROM_PAIRS`).
 """
 
 from __future__ import annotations
