@@ -399,6 +399,7 @@ print("version 7 gives version 6's outputs, within bf16's rounding")
 # 6's time where the pairs average a tile (16) or more a (slot, expert), and up to 1.62x
 # below. Version 8, the op's default, chooses by that average (`pairs_per_block`, from the
 # shapes alone: no sync): version 7's kernels from `DENSE_FROM_PAIRS` on, version 6's below.
+# On an H200 it took 0.46-0.85x version 6's time where it takes version 7's kernels.
 # At Qwen3-30B-A3B's shape (128 experts, top-8):
 
 # %%

@@ -74,11 +74,12 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
 VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
-#: The version a call takes unless it asks for another: 8. On an H100 at 17411cf (``bench
-#: --moe`` of versions 6 and 8 in one call; docs/benchmarks/h100_moe_v8_17411cf.json) it
-#: took 0.56-0.91x version 6's time on the 6 of 30 cases where it takes version 7's kernels
-#: (one adapter from 256 tokens, four at 2048) and 0.90-1.02x on the others, where it
-#: launches version 6's. Not yet timed on an H200.
+#: The version a call takes unless it asks for another: 8. On an H200 at 0635975 (``bench
+#: --moe`` of versions 8 and 6 on one machine; docs/benchmarks/h200_moe_v8_0635975.json,
+#: h200_moe_v6_0635975.json) it took 0.46-0.85x version 6's time on the 6 of 30 cases where
+#: it takes version 7's kernels (one adapter from 256 tokens, four at 2048) and 0.92-1.01x
+#: on the others, where it launches version 6's; on an H100 at 17411cf 0.56-0.91x and
+#: 0.90-1.02x (h100_moe_v8_17411cf.json).
 #: Version 6, the default from 480005d until version 8, took 0.76-0.96x version 5's time on 9 of
 #: the 30 on an H200 (docs/benchmarks/h200_moe_v6_480005d.json, against h200_moe_v5.json at
 #: 1ec6e02: one adapter from 64 tokens, four at 2048, w2 at 256 over four) and within 3 % of
