@@ -1,4 +1,4 @@
-"""MoE LoRA's version 7: the dense op's tensor-core expand on the MoE blocks
+"""MoE LoRA's versions 7 and 8: the dense op's tensor-core kernels on the MoE blocks
 (:mod:`punica_numba.ops.moe_dense`). Checked here:
 
 1. the blocks as the dense tile table (:func:`~punica_numba.ops.moe_dense.moe_tiles`) against
@@ -8,7 +8,8 @@
    tensor cores take (16-bit x, A, B and y; K, the rank, the widths and the offset in whole
    words), with the router's weights (w2: a row of x a pair) and without (w13: a row of x a
    token, read by its top_k pairs), added into y or stored; the dense op's kernels are what
-   ran.
+   ran;
+3. version 8 takes them from its threshold of pairs a (slot, expert) on, version 6's below.
 """
 
 from __future__ import annotations

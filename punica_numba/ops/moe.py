@@ -29,7 +29,8 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    tile table, w13's pairs of a token reading its row of x, the router's weights
    multiplied into the buffer before the expand; where the tensor cores cannot take a
    kernel, 6's. On an H100 at 61de306 it took 1.00-8.33x version 6's time on the 30 cases
-   (docs/benchmarks/h100_moe_v7_61de306.json; lab notes, "MoE LoRA version 7").
+   (docs/benchmarks/h100_moe_v7_61de306.json; lab notes, "MoE LoRA version 7"); at
+   cb9702d, its tiles one kernel, 0.56-1.62x (h100_moe_v7_cb9702d.json).
 8. 7's kernels where the pairs average a tile of the dense op or more a (slot, expert)
    (:data:`DENSE_FROM_PAIRS`), else 6's. The default.
 
@@ -438,8 +439,7 @@ def fused_moe_lora(
     blocks' pairs (:mod:`.moe_dense`), the router's weights multiplied into the buffer
     before the expand, else 6's kernels; 8, 7's where the pairs average at least
     :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's. The
-    same sums in other orders;
-    :data:`DEFAULT_VERSION` (8) unless asked.
+    same sums in other orders; :data:`DEFAULT_VERSION` (8) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
