@@ -371,10 +371,13 @@ def test_the_launcher_falls_back_where_the_call_cannot_use_it(fake_gpu):
     without = choose(tensor_cores=False)
     assert without.kernel != "mma"
     assert choose(tensor_cores=False, **SHRINK_KEY) == without
-    # a rank past the tuned configuration's to_rank (40 is 0.64 from 32: near)
+    # a rank past the nearest entry's to_rank (40 is 0.64 from 32, 1.32 from 16: both near):
+    # the nearest entry whose configuration takes it, and the heuristic where none is near
     key40 = dict(SHRINK_KEY, N=40)
     assert choose(rank=32, **dict(SHRINK_KEY, N=32)) == named("shrink", "mma_t512_m16_n0")
-    assert choose(rank=40, **key40) == choose(rank=40) != named("shrink", "mma_t512_m16_n0")
+    assert choose(rank=40, **key40) == named("shrink", "mma_t512_m16_n8") != choose(rank=40)
+    key64 = dict(SHRINK_KEY, N=64)  # (2 from 32, 4 from 16: only the r=32 entry is near)
+    assert choose(rank=64, **key64) == choose(rank=64) != named("shrink", "mma_t512_m16_n0")
     expand_key = dict(dtype=torch.bfloat16, K=16, N=4096)
     assert choose("expand", **expand_key) == named("expand", "lanes_t128_m1_n0_v4")
     no_lanes = choose("expand", lanes=False)

@@ -35,8 +35,10 @@ device µs per call, and the runner-up's; what else the tuner recorded
 (:data:`OPTIONAL_FIELDS`) is checked too. ``unresolved`` holds the keys on which every
 configuration failed its check or could not run (the tuner does not try them again).
 
-Nearest: an entry matches a call only on the same op and slice count, and on its dtype
-(but see below); among those
+Nearest: an entry matches a call only on the same op and slice count, on its dtype (but
+see below), and where its configuration takes the call's rank (its ``to_rank``: a
+configuration made for small ranks, picked at r=32, says nothing of r=64, and an entry the
+call cannot run would leave it to the heuristic though a usable entry is near); among those
 the nearest is the one of least :func:`distance`, the sum of the absolute differences of
 log2 K, log2 N, log2 rank, log2 T and log2 tokens_per_lora (so a factor 2 in one of them
 costs 1; the rank is counted twice, once as itself and once as shrink's N or expand's K,
@@ -453,7 +455,9 @@ def _look_up(key: tuple):
         per_lora = tokens_per_lora(num_tokens, active_slots)
         sizes = dict(K=K, N=N, rank=rank, T=num_tokens, tokens_per_lora=per_lora)
         for kind in (name, SIBLING_DTYPES.get(name)):  # its own dtype first
-            found = nearest(groups.get((op, kind, slices), ()), sizes)
+            group = groups.get((op, kind, slices), ())
+            takes = (c for c in group if c[2].to_rank is None or rank <= c[2].to_rank)
+            found = nearest(takes, sizes)
             if found is not None:
                 break
     if len(_found) >= MAX_CACHED:
@@ -479,7 +483,8 @@ def tuned_config(
         "fp32"); slices: the call's slice count
         K, N: shrink: hidden, rank; expand: rank, the widest slice's width
         rank: r; num_tokens: T; active_slots: slots in use (None: a token per slot)
-        entries with the same op, dtype and slices -> the one of least distance
+        entries with the same op, dtype and slices whose configuration takes ``rank``
+            (its ``to_rank``) -> the one of least distance
             (ties: the smaller problem) -> its LaunchConfig if distance <= MAX_DISTANCE;
             else the same among the entries of the sibling 16-bit dtype (bf16 <-> fp16)
         None where this GPU has no table (always on the simulator) or nothing is near.
