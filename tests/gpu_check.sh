@@ -51,7 +51,8 @@
 #   BASE_TREE       ab: BASE's tree, extracted where git is (`git archive BASE punica_numba`),
 #                   for a machine without the repository's history (else a git worktree)
 #   VLLM_SRC        moe: vLLM 0.33.0's source release, extracted (vllm-0.33.0/, with vllm/ in it)
-#   MOE_VERSIONS    moe: the versions to time, e.g. "5 6" (default: every one, 1 to 6)
+#   MOE_VERSIONS    moe: the versions to time, e.g. "6 8" (default: every one of the op's
+#                   VERSIONS)
 #   GRID_PARTS      grid, grid_tree: the parts to run (default "1/3 2/3 3/3")
 #   GRID_ARGS       grid, grid_tree: more options of `bench --grid`, e.g. "--twins"
 #   GRID_TREE, GRID_TREE_COMMIT  grid_tree: the older tree (holding punica_numba/), its commit
@@ -110,7 +111,9 @@ if want ab; then
     fi
 fi
 if want moe; then
-    for version in ${MOE_VERSIONS:-1 2 3 4 5 6}; do
+    every=$("$PYTHON" -c "from punica_numba.ops.moe import VERSIONS; print(*VERSIONS)" 2>/dev/null)
+    [ -n "${MOE_VERSIONS:-$every}" ] || { note "moe: the op's VERSIONS could not be read"; status=1; }
+    for version in ${MOE_VERSIONS:-$every}; do
         "$PYTHON" -m punica_numba bench --moe --version "$version" --commit "$COMMIT" \
             --json "$OUT/moe_v$version.json" >"$OUT/moe_v$version.log" 2>&1 || status=1
         note "moe, version $version: $(tail -n 1 "$OUT/moe_v$version.log")"
