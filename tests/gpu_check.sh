@@ -13,7 +13,8 @@
 #             default all), alone on the GPU; with $VLLM_SRC (vLLM 0.33.0's extracted source
 #             release) also docs/benchmarks/peers/vllm_moe_lora.py
 # * peers     python -m punica_numba bench --peers: the layers the strongest peers were timed on
-# * tune      python -m punica_numba tune $TUNE_ARGS (default --quick, 174 s on an H200) into
+# * tune      python -m punica_numba tune $TUNE_ARGS (default --quick; at 0635975 its first 63
+#             of 128 problems took 200 s on an H200: TUNE_ARGS="--quick --part 1/2") into
 #             $OUT/configs (resumed if there), the table to copy into punica_numba/configs/
 #             once it is whole; e.g. TUNE_ARGS="--hiddens 4096 --ranks 16,64,128 --dtypes
 #             bf16 --part 1/2" for half of Llama-3-8B's layers

@@ -26,7 +26,8 @@ ranks 8 to 256, 1 to 8192 tokens, bf16 and fp16: 5928 problems; ``--hiddens`` ke
 models of some hidden sizes (``--hiddens 4096 --ranks 16,64,128 --dtypes bf16``: Llama-3-8B's
 layers, its down projection's K of 14336 and gate_up's two slices among them, 399 problems,
 about 9 minutes: on an H200 the quick grid took 163 s, r=32 and 128 of Llama-3-8B's layers
-260 s for 266 problems); ``--part I/N``
+260 s for 266 problems; with the configurations added since, at 0635975, the quick grid's
+first 63 problems took 200 s, so split it in two); ``--part I/N``
 takes its I-th of N contiguous parts (neighbouring problems share their compiled kernels),
 ``--budget-s`` stops before a problem that could end past a time limit. On the CUDA
 simulator it runs a smoke grid of three tiny problems whatever is asked: its times are
