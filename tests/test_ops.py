@@ -572,8 +572,9 @@ def test_one_slot_gives_the_tables_bits(kernel, num_loras, monkeypatch):
     built = []  # one_slot of each build; "token" for the one-token shrink
     for name in builds:
         build = getattr(choice, name)
-        mark = {  # one_slot: the last argument, but for the tensor-core expand's (11)
-            "build_token_shrink_kernel": lambda a: "token",
+        mark = {  # one_slot: the last argument, but for the row shrink's (8; x_rows follows)
+            "build_token_shrink_kernel": lambda a: "token",  # and the tensor-core expand's (11)
+            "build_shrink_kernel": lambda a: a[8],
             "build_mma_expand_kernel": lambda a: a[11],
         }.get(name, lambda a: a[-1])
         monkeypatch.setattr(

@@ -170,6 +170,7 @@ def build_shrink_kernel(
     accumulate: bool = True,
     one_pass: bool = False,
     one_slot: bool = False,
+    x_rows: int = 1,
 ):
     """Compile-time specialisation: the dtypes of x and A and of the output, threads per
     block, tile sizes, whether x and A arrive as packed int64 words, whether the
@@ -179,7 +180,9 @@ def build_shrink_kernel(
     ``one_slot``: the weight stacks hold one slot, and a block of one token loads its
     rows before it knows its token's slot (module notes, "One slot"; ``tile_m`` must be
     1). The kernel's ``tiles`` argument is then ``token_lora_mapping``, and the grid has
-    a block per token.
+    a block per token. ``x_rows``: the output rows that share a row of x, row ``t`` of the
+    output reading row ``t // x_rows`` (MoE LoRA's pairs of a token, its ``top_k``:
+    :mod:`..ops.moe_dense`); 1 for the dense op.
 
     They must be constants because they size local (register) and shared arrays and
     the loops over them, which Numba unrolls only when the trip count is known.
@@ -196,7 +199,7 @@ def build_shrink_kernel(
     # The K loop, and the words a thread holds in it (UNROLL strides' loads issued
     # before any is used, for single-token tiles: word_products).
     add_products, X_WORDS, W_WORDS = word_products(dtype, packed, threads, tile_m, tile_n)
-    ONE_SLOT = one_slot
+    ONE_SLOT, X_ROWS = one_slot, x_rows
     read_work = token_of_block if one_slot else read_tile  # a block's token(s) and slot
     # The threads' partial sums, added in an order fixed for THREADS (block_sum).
     add_up, TREE_WIDTH = block_sum(threads, PARTIALS)
@@ -235,9 +238,11 @@ def build_shrink_kernel(
         words = x.shape[1]
         tid = cuda.threadIdx.x
 
-        token = cuda.local.array(TILE_M, int64)  # the tile's token rows
+        token = cuda.local.array(TILE_M, int64)  # the tile's token rows (of the output)
+        x_row = cuda.local.array(TILE_M, int64)  # and the rows of x they read
         for j in range(TILE_M):  # j in [0, TILE_M), unrolled
             token[j] = tile_token(sorted_tokens, position, rows, first_token, j)
+            x_row[j] = token[j] // X_ROWS
 
         partial = cuda.local.array(PARTIALS, float32)
         xw = cuda.local.array(X_WORDS, WORD)
@@ -258,7 +263,7 @@ def build_shrink_kernel(
             # k in [0, K/PACK), strided by THREADS; UNROLL strides' loads are issued
             # together (past the end: a harmless repeat, never added).
             a_slot = 0 if ONE_SLOT else slot
-            add_products(partial, xw, ww, x, w, token, a_slot, n0, rank, tid, words)
+            add_products(partial, xw, ww, x, w, x_row, a_slot, n0, rank, tid, words)
 
             add_up(partial, tree, tid)  # the THREADS partials of each dot product, in order
 

@@ -89,16 +89,27 @@ class ExpandChoice(NamedTuple):
 
 
 def choose_shrink(
-    inputs: torch.Tensor, weights: Sequence[Stack], output: torch.Tensor, facts, accumulate: bool
+    inputs: torch.Tensor,
+    weights: Sequence[Stack],
+    output: torch.Tensor,
+    facts,
+    accumulate: bool,
+    config: LaunchConfig | None = None,
+    x_rows: int = 1,
 ) -> ShrinkChoice:
     """The kernel of a checked shrink (``facts``: the metadata's host-side facts, or None
     for metadata built some other way); ``accumulate=False`` builds one that stores its
-    products instead of adding them."""
+    products instead of adding them. ``config``, where given, is taken instead of the
+    heuristic's pick (as :func:`choose_expand` takes it). ``x_rows``: the output rows that
+    share a row of x, row ``t`` reading row ``t // x_rows`` (MoE LoRA's pairs of a token,
+    :mod:`.moe_dense`), which only the row shrink of one-token tiles takes."""
     num_tokens, rank = inputs.shape[0], weights[0].rows
     active = facts and facts.active_slots
     slices = len(weights)
     key = dict(dtype=weights[0].dtype, K=inputs.shape[1], N=rank)  # the tuned tables' key
-    config = choose_launch_config("shrink", num_tokens, active, rank, True, slices, **key)
+    config = config or choose_launch_config("shrink", num_tokens, active, rank, True, slices, **key)
+    if x_rows != 1 and (config.kernel != "rows" or config.tile_m != 1):
+        raise ValueError(f"x_rows={x_rows} takes the row shrink of one-token tiles, not {config}")
     mma = None
     if config.kernel == "mma":
         mma = operands.mma_shrink_operands(inputs, weights, config.tile_n)
@@ -193,6 +204,7 @@ def choose_shrink(
         # where the grid has a block for every group and a thread holds few words.
         config.spread and rank_groups == groups and config.tile_n <= 4,
         alone,
+        x_rows,
     )
     return ShrinkChoice(config, kernel, x, kernel_weights, rank_groups, False, alone)
 
