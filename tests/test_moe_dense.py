@@ -1,15 +1,19 @@
-"""MoE LoRA's versions 7 and 8: the dense op's tensor-core kernels on the MoE blocks
+"""MoE LoRA's versions 7 to 9: the dense op's kernels on the MoE blocks
 (:mod:`punica_numba.ops.moe_dense`). Checked here:
 
-1. the blocks as the dense tile table (:func:`~punica_numba.ops.moe_dense.moe_tiles`) against
-   its definition, written as loops, on drawn routings: block sizes below, at and past a
-   tile of 16 (two tiles a block), slots turned off, experts -1, idle blocks;
+1. the blocks as the dense tile table (:func:`~punica_numba.ops.moe_dense.moe_tiles`), and
+   their pairs as the table of one-token tiles (:func:`~punica_numba.ops.moe_dense.moe_pairs`),
+   against their definitions, written as loops, on drawn routings: block sizes below, at and
+   past a tile of 16 (two tiles a block), slots turned off, experts -1, idle blocks, more
+   blocks in use than the pairs kernel's threads (rounds of its running sum);
 2. the op at version 7 against the float64 reference, on calls whose shrink and expand the
    tensor cores take (16-bit x, A, B and y; K, the rank, the widths and the offset in whole
    words), with the router's weights (w2: a row of x a pair) and without (w13: a row of x a
    token, read by its top_k pairs), added into y or stored; the dense op's kernels are what
    ran;
-3. version 8 takes them from its threshold of pairs a (slot, expert) on, version 6's below.
+3. version 8 takes them from its threshold of pairs a (slot, expert) on, version 6's below;
+   version 9 the row kernels on the pairs below it (the op itself against the reference at
+   every version: ``tests/test_moe.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from punica_numba import reference
+from punica_numba._checks import check_stack
+from punica_numba.launch import LaunchConfig
 from punica_numba.moe_meta import align_pairs
 from punica_numba.ops import moe as moe_ops
+from punica_numba.ops import moe_dense
+from punica_numba.ops.choice import choose_shrink
 from punica_numba.ops.moe import fused_moe_lora
-from punica_numba.ops.moe_dense import TILE_M, moe_tiles
+from punica_numba.ops.moe_dense import TILE_M, moe_pairs, moe_tiles
 
 from .strategies import DEVICE, LARGE
 from .test_moe import MOE_EXAMPLES, MoECase, check_against_reference
@@ -59,6 +67,27 @@ def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
     return table + [[-1, 0, 0, 0]] * idle, tokens + [[0] * TILE_M] * idle
 
 
+def pairs_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
+    """:func:`moe_pairs` as its docstring defines it, one pair at a time on the host."""
+    ids, experts, padded = (t.cpu().tolist() for t in blocks)
+    enabled = enabled.cpu().tolist()
+    table, tokens = [], []
+    for l, row in enumerate(ids):
+        if enabled[l] == 0:
+            continue
+        for b in range(min(len(experts[l]), -(-max(padded[l], 0) // block_size))):
+            e = experts[l][b]
+            if not 0 <= e < num_experts:
+                continue
+            for p in row[b * block_size : (b + 1) * block_size]:
+                if 0 <= p < num_pairs:
+                    table.append([l * num_experts + e, len(table), 1, p])
+                    tokens.append(p)
+    table, tokens = table[:num_pairs], tokens[:num_pairs]
+    idle = num_pairs - len(table)
+    return table + [[-1, 0, 0, 0]] * idle, tokens + [0] * idle
+
+
 @settings(max_examples=min(settings().max_examples, 30))
 @given(
     st.integers(1, 3),  # slots
@@ -74,7 +103,8 @@ def test_the_blocks_as_the_dense_tile_table(
 ):
     """On drawn routings, with and without expert parallelism: the align step over every
     expert, ``expert_map`` naming the local ones, and the tiles over the local ones (whose
-    count is the stacks', while the other experts' runs take blocks of -1)."""
+    count is the stacks', while the other experts' runs take blocks of -1); and the pairs of
+    the same blocks as one-token tiles."""
     gen = torch.Generator().manual_seed(seed)
     local = max(1, experts - remote)
     top_k = min(2, experts)
@@ -109,6 +139,13 @@ def test_the_blocks_as_the_dense_tile_table(
         and enabled[token_slots[t]] != 0
     ]
     assert sorted(p for pairs in live for p in pairs) == routed
+    # The same pairs, a tile each, in the tiles' order.
+    pair_table, pair_tokens = moe_pairs(*blocks, enabled.to(DEVICE), block_size, num_pairs, local)
+    want_table, want_tokens = pairs_by_loops(blocks, enabled, block_size, num_pairs, local)
+    assert pair_table.dtype == pair_tokens.dtype == torch.int32
+    assert pair_table.cpu().tolist() == want_table
+    assert pair_tokens.cpu().tolist() == want_tokens
+    assert [p for pairs in live for p in pairs] == [p for s, _, _, p in want_table if s >= 0]
 
 
 @st.composite
@@ -213,13 +250,65 @@ def test_version_8_takes_version_7s_kernels_from_its_threshold(dense_from, dense
     assert (tiles.call_count, shrink.call_count) == ((1, 1) if dense else (0, 0))
 
 
-def test_the_tiles_of_blocks_off_the_kernels_device_are_refused_before_a_launch():
+@pytest.mark.parametrize("table", [moe_tiles, moe_pairs])
+def test_the_tiles_of_blocks_off_the_kernels_device_are_refused_before_a_launch(table):
     """Blocks where the kernels cannot read them (on a GPU a host pointer would be an illegal
     address, and the context lost) are a ValueError naming them."""
     meta = dict(dtype=torch.int32, device="meta")
     blocks = torch.empty(1, 16, **meta), torch.empty(1, 1, **meta), torch.empty(1, **meta)
     with pytest.raises(ValueError, match="sorted_token_ids"):
-        moe_tiles(*blocks, torch.ones(1, dtype=torch.int32), 16, 4, 2)
+        table(*blocks, torch.ones(1, dtype=torch.int32), 16, 4, 2)
+
+
+def test_a_pair_named_twice_takes_no_row_past_p():
+    """Metadata that names pair 0 twice among P = 2 pairs: the rows are P, each a pair in
+    the blocks' order (0, 1, then 0 again, which has no row); none idle."""
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([[0, 1, 0, 2]], **i32)  # (2 is padding)
+    table, tokens = moe_pairs(ids, torch.tensor([[1, 0]], **i32), torch.tensor([4], **i32),
+                              torch.ones(1, **i32), 2, 2, 2)  # fmt: skip
+    assert table.tolist() == [[1, 0, 1, 0], [1, 1, 1, 1]]
+    assert tokens.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("dense_from, dense", [(1, True), (2, False)])
+def test_version_9_takes_the_row_kernels_below_the_threshold(dense_from, dense, monkeypatch):
+    """The small call (w2, bf16: 1.67 pairs a (slot, expert)) at version 9, with
+    DENSE_FROM_PAIRS at 1 or 2: version 7's tiles and kernels from it on; below it the pairs
+    as one-token tiles and the dense op's row kernels. Each gives the reference."""
+    monkeypatch.setattr(moe_ops, "DENSE_FROM_PAIRS", dense_from)
+    launched = []
+    real = moe_dense.launcher_of
+
+    def recording(kernel):
+        launched.append(getattr(kernel, "__name__", None) or kernel.py_func.__name__)
+        return real(kernel)
+
+    spies = {name: mock.Mock(wraps=getattr(moe_ops, name)) for name in
+             ("moe_tiles", "moe_pairs", "row_shrink", "row_expand")}  # fmt: skip
+    monkeypatch.setattr(moe_dense, "launcher_of", recording)
+    with mock.patch.multiple(moe_ops, **spies):
+        y, want = _small_call(torch.bfloat16, True, 16, version=9)
+    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+    counts = [spies[name].call_count for name in ("moe_tiles", "moe_pairs", "row_shrink")]
+    assert counts == ([1, 0, 0] if dense else [0, 1, 1]), counts
+    assert spies["row_expand"].call_count == (0 if dense else 1)
+    if not dense:  # the pairs' kernel, the row shrink, then a row or lane-split expand
+        assert launched[:2] == ["pairs", "shrink"], launched
+        assert launched[2] == "expand", launched  # (the row and the lane-split kernels' name)
+
+
+def test_x_rows_takes_only_the_row_shrink_of_one_token_tiles():
+    """Pairs that share a row of x (w13's) read it by ``t // x_rows`` in the row shrink of
+    one-token tiles only: any other configuration with ``x_rows`` is refused."""
+    x = torch.zeros(2, 8, dtype=torch.bfloat16, device=DEVICE)
+    a = check_stack("a", torch.zeros(1, 4, 8, dtype=torch.bfloat16, device=DEVICE))
+    buffer = torch.zeros(1, 4, 4, dtype=torch.float32, device=DEVICE)
+    for config in (LaunchConfig("rows", 16, 4, 4), LaunchConfig("mma", 64, 16, 8)):
+        with pytest.raises(ValueError, match="x_rows"):
+            choose_shrink(x, [a], buffer, None, False, config=config, x_rows=2)
+    rows = LaunchConfig("rows", 16, 1, 4, spread=False)
+    assert choose_shrink(x, [a], buffer, None, False, config=rows, x_rows=2).config == rows
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

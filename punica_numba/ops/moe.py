@@ -33,6 +33,12 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    cb9702d, its tiles one kernel, 0.56-1.62x (h100_moe_v7_cb9702d.json).
 8. 7's kernels where the pairs average a tile of the dense op or more a (slot, expert)
    (:data:`DENSE_FROM_PAIRS`), else 6's. The default.
+9. 8's from :data:`DENSE_FROM_PAIRS` on; below it, the dense op's row kernels of one-token
+   tiles (:func:`.moe_dense.row_shrink`, :func:`.moe_dense.row_expand`), a pair a tile of
+   the packed table of pairs (:func:`.moe_dense.moe_pairs`), each (slot, expert) one slot
+   of the dense op, the router's weights multiplied into the buffer before the expand:
+   where each (slot, expert) has a pair or two, as the dense op's slots have a token or two
+   where it takes these kernels. Not yet timed on a GPU.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -63,7 +69,15 @@ from ..kernels.moe_expand import build_moe_expand_kernel
 from ..kernels.moe_shrink import build_moe_shrink_kernel
 from ..moe_meta import check_adapter_enabled
 from .launching import launcher_of
-from .moe_dense import TILE_M, dense_expand, dense_shrink, moe_tiles
+from .moe_dense import (
+    TILE_M,
+    dense_expand,
+    dense_shrink,
+    moe_pairs,
+    moe_tiles,
+    row_expand,
+    row_shrink,
+)
 from .operands import rows_start_at, words
 
 __all__ = ["fused_moe_lora"]
@@ -74,7 +88,7 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 #: The version a call takes unless it asks for another: 8. On an H200 at 0635975 (``bench
 #: --moe`` of versions 8 and 6 on one machine; docs/benchmarks/h200_moe_v8_0635975.json,
 #: h200_moe_v6_0635975.json) it took 0.46-0.85x version 6's time on the 6 of 30 cases where
@@ -438,7 +452,9 @@ def fused_moe_lora(
     5's shrinks and 3's expand); 7, the dense op's tensor-core shrink and expand on the
     blocks' pairs (:mod:`.moe_dense`), the router's weights multiplied into the buffer
     before the expand, else 6's kernels; 8, 7's where the pairs average at least
-    :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's. The
+    :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's; 9,
+    8's from that threshold, below it the dense op's row kernels of one-token tiles on the
+    pairs (:func:`.moe_dense.moe_pairs`), the router's weights in the buffer as for 7. The
     same sums in other orders; :data:`DEFAULT_VERSION` (8) unless asked.
 
     Raises:
@@ -521,10 +537,17 @@ def fused_moe_lora(
         average = pairs_per_block(num_pairs, L, E)  # (versions 5 to 8 choose by it)
         mma = version == 4 or (version >= 5 and average >= MMA_SHRINK_FROM_PAIRS)
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
-        sixth = version >= 6  # (7 and 8 take 6's kernels where the dense op's do not run)
-        dense_op = version == 7 or (version == 8 and average >= DENSE_FROM_PAIRS)
-        tiles = moe_tiles(*metadata, block_size, num_pairs, E) if dense_op else None
+        sixth = version >= 6  # (7 to 9 take 6's kernels where the dense op's do not run)
+        dense_op = version == 7 or (version >= 8 and average >= DENSE_FROM_PAIRS)
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
+        if version == 9 and not dense_op:  # the dense op's row kernels, a pair a tile
+            pairs = moe_pairs(*metadata, block_size, num_pairs, E)
+            row_shrink(buffer, x, a, pairs, x_rows, average)
+            if mul_routed_weight:
+                buffer.mul_(weights.view(1, num_pairs, 1))
+            row_expand(out, buffer, b, pairs, offset, add_inputs, average)
+            return
+        tiles = moe_tiles(*metadata, block_size, num_pairs, E) if dense_op else None
         dense = tiles is not None and dense_shrink(buffer, x, a, tiles, x_rows, average)
         tensor_cores = tensor_core_words(x, a, b) if mma and not dense else None
         if not dense and tensor_cores is not None:

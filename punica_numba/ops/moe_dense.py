@@ -40,7 +40,10 @@ import torch
 
 from .._checks import check_device, check_same_device, check_stack
 from .._cuda import SIMULATOR
-from ..kernels import MAX_SLICES, build_mma_shrink_kernel
+from ..kernels import MAX_SLICES, build_mma_shrink_kernel, splits
+from ..kernels.dtypes import packing
+from ..kernels.moe_blocks import slots_at_once
+from ..kernels.moe_pairs import MOE_PAIRS_THREADS, build_moe_pairs_kernel
 from ..kernels.moe_tiles import (
     MOE_TILE_M,
     MOE_TILES_THREADS,
@@ -49,10 +52,18 @@ from ..kernels.moe_tiles import (
 )
 from ..launch import LaunchConfig, choose_launch_config, launch_configs
 from . import operands
-from .choice import choose_expand, column_blocks
+from .choice import ExpandChoice, choose_expand, choose_shrink, column_blocks
 from .launching import launcher_of
 
-__all__ = ["TILE_M", "dense_expand", "dense_shrink", "moe_tiles"]
+__all__ = [
+    "TILE_M",
+    "dense_expand",
+    "dense_shrink",
+    "moe_pairs",
+    "moe_tiles",
+    "row_expand",
+    "row_shrink",
+]
 
 #: Pairs a tile of the dense tensor-core expand holds.
 TILE_M = MOE_TILE_M
@@ -94,14 +105,56 @@ def moe_tiles(
     table = torch.empty((count, 4), dtype=torch.int32, device=device)
     tokens = torch.empty((count, TILE_M), dtype=torch.int32, device=device)
     if count:
-        enabled = adapter_enabled[:slots].to(device)
-        if enabled.dtype == torch.bool:  # (the kernel reads bytes)
-            enabled = enabled.view(torch.uint8)
+        enabled = _flags(adapter_enabled, slots, device)
         arguments = (sorted_token_ids, expert_ids, num_tokens_post_padded, enabled)
         arguments += (block_size, num_pairs, num_experts, table, tokens)
         grid = (-(-count // MOE_TILES_THREADS), 1, 1)
         launcher_of(build_moe_tiles_kernel())(grid, MOE_TILES_THREADS, arguments)
     return table, tokens
+
+
+def moe_pairs(
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    adapter_enabled: torch.Tensor,
+    block_size: int,
+    num_pairs: int,
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs of the MoE blocks in use as the dense op's table of one-token tiles ``[P,
+    4]`` with their tokens ``[P]`` (int32; the row kernels' ``sorted_tokens``), made by one
+    kernel of one CUDA block (:mod:`..kernels.moe_pairs`).
+
+    Semantics:
+        the blocks in use: for each slot l in order with adapter_enabled[l] != 0, its blocks
+            b < min(NB, ceil(num_tokens_post_padded[l] / bs)) in order
+        their pairs: for each such block with 0 <= e = expert_ids[l, b] < E, the entries of
+            sorted_token_ids[l, b*bs : (b+1)*bs] below num_pairs, in their order
+        row i of the i-th pair p, of (slot l, expert e): table (l*E + e, i, 1, p), tokens p
+        rows past the last pair: (-1, 0, 0, 0) and 0; pairs past P rows (a pair named
+        twice): none
+    """
+    slots = sorted_token_ids.shape[0]
+    device = check_device("sorted_token_ids.device", sorted_token_ids.device)
+    check_same_device(dict(sorted_token_ids=sorted_token_ids, expert_ids=expert_ids,
+                           num_tokens_post_padded=num_tokens_post_padded))  # fmt: skip
+    table = torch.empty((num_pairs, 4), dtype=torch.int32, device=device)
+    tokens = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    if num_pairs:
+        enabled = _flags(adapter_enabled, slots, device)
+        arguments = (sorted_token_ids, expert_ids, num_tokens_post_padded, enabled)
+        arguments += (block_size, num_pairs, num_experts, table, tokens)
+        kernel = build_moe_pairs_kernel(slots_at_once(slots))
+        launcher_of(kernel)((1, 1, 1), MOE_PAIRS_THREADS, arguments)
+    return table, tokens
+
+
+def _flags(adapter_enabled: torch.Tensor, slots: int, device) -> torch.Tensor:
+    """The first ``slots`` of ``adapter_enabled`` on ``device`` as the kernels read them
+    (bytes, where they are bool)."""
+    enabled = adapter_enabled[:slots].to(device)
+    return enabled.view(torch.uint8) if enabled.dtype == torch.bool else enabled
 
 
 def _flat(stacked: torch.Tensor, name: str, s: int):
@@ -112,13 +165,14 @@ def _flat(stacked: torch.Tensor, name: str, s: int):
 
 def _config(op: str, rows: int, average_pairs: float, rank: int, slices: int, key: dict, runs):
     """The dense op's configuration of ``op`` for ``rows`` rows at ``average_pairs`` a slot
-    (its active slots ``rows / average_pairs``) where this module ``runs`` it, else the first
-    of the table that ``runs`` takes at any rank (``runs(c, any_rank=True)``) and that the
-    heuristic may pick."""
+    (its active slots ``rows / average_pairs``) where this module ``runs`` it, with the
+    tensor cores or else without them, else the first of the table that ``runs`` takes at
+    any rank (``runs(c, any_rank=True)``) and that the heuristic may pick."""
     active = max(1, round(rows / max(average_pairs, 1.0)))
-    config = choose_launch_config(op, rows, active, rank, True, slices, **key)
-    if runs(config):
-        return config
+    for tensor_cores in (True, False):
+        config = choose_launch_config(op, rows, active, rank, tensor_cores, slices, **key)
+        if runs(config):
+            return config
     return next(c for c in launch_configs(op) if runs(c, any_rank=True) and not c.tuned_only)
 
 
@@ -133,6 +187,21 @@ def _shrink_runs(c: LaunchConfig, any_rank: bool = False, rank: int = 0) -> bool
 def _expand_runs(c: LaunchConfig, any_rank: bool = False) -> bool:
     """A tensor-core expand of 16-token tiles (:func:`dense_expand`), at any rank."""
     return c.kernel == "mma" and c.tile_m == TILE_M
+
+
+def _one_token_rows(c: LaunchConfig, any_rank: bool = False) -> bool:
+    """A row kernel of one-token tiles (:func:`row_shrink`, :func:`row_expand`): the row
+    shrink, the row or lane-split expand, at any rank."""
+    return c.kernel in ("rows", "lanes") and c.tile_m == 1
+
+
+def _live(table: torch.Tensor, tokens: torch.Tensor):
+    """The table's rows and their tokens, on the simulator only the live ones (every CUDA
+    thread is a Python thread there: no idle tile)."""
+    if not SIMULATOR:
+        return table, tokens
+    keep = table[:, 0] >= 0
+    return table[keep].contiguous(), tokens[keep].contiguous()
 
 
 def dense_shrink(
@@ -163,10 +232,8 @@ def dense_shrink(
     kernel = build_mma_shrink_kernel(
         x.dtype, torch.float32, config.threads, 1, n_tiles, False, wide, x_rows=x_rows
     )
-    table, pairs = tiles
-    sorted_pairs = pairs.view(-1)  # (a tile's position: where its row starts)
-    if SIMULATOR:  # (every CUDA thread a Python thread: no idle tile)
-        table = table[table[:, 0] >= 0].contiguous()
+    sorted_pairs = tiles[1].view(-1)  # (a tile's position: where its row starts)
+    table = _live(tiles[0], tiles[1])[0]
     if table.shape[0] == 0:
         return True
     groups = -(-rank // config.tile_n) if config.tile_n else 1
@@ -204,21 +271,72 @@ def dense_expand(
     chosen = choose_expand(buffer, stacks, out, None, offset, config=config)
     if chosen.config.kernel != "mma":
         return False
-    table, tokens = tiles
-    if SIMULATOR:  # (every CUDA thread a Python thread: no idle tile)
-        keep = table[:, 0] >= 0
-        table, tokens = table[keep].contiguous(), tokens[keep].contiguous()
+    _launch_expand(chosen, width, *_live(*tiles), add_inputs)
+    return True
+
+
+def row_shrink(
+    buffer: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    pairs: tuple[torch.Tensor, torch.Tensor],
+    x_rows: int,
+    average_pairs: float,
+) -> None:
+    """The shrink of a checked MoE call by the dense op's row kernel of one-token tiles, a
+    pair a tile: as :func:`dense_shrink`, ``pairs`` from :func:`moe_pairs`. The
+    configuration is the dense op's for P rows of ``P / average_pairs`` slots where that is
+    such a kernel, else the first such of the table. Every dtype."""
+    stacks = [_flat(a, "lora_a_stacked", s) for s, a in enumerate(lora_a)]
+    rank, hidden = stacks[0].rows, stacks[0].cols
+    key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
+    config = _config("shrink", buffer.shape[1], average_pairs, rank, len(stacks), key,
+                     _one_token_rows)  # fmt: skip
+    chosen = choose_shrink(x, stacks, buffer, None, False, config=config, x_rows=x_rows)
+    table, tokens = _live(*pairs)
     if table.shape[0] == 0:
-        return True
-    launch = launcher_of(chosen.kernel)
+        return
+    weights = list(chosen.weights)
+    grid = (table.shape[0], len(weights), chosen.rank_groups)
+    weights += [weights[0]] * (MAX_SLICES - len(weights))  # unused: never read
+    arguments = (chosen.x, *weights, buffer, 0, table, tokens, np.float32(1.0))
+    launcher_of(chosen.kernel)(grid, config.threads, arguments)
+
+
+def row_expand(
+    out: torch.Tensor,
+    buffer: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    pairs: tuple[torch.Tensor, torch.Tensor],
+    offset: int,
+    add_inputs: bool,
+    average_pairs: float,
+) -> None:
+    """The expand of a checked MoE call by the dense op's row or lane-split kernel of
+    one-token tiles, a pair a tile: as :func:`dense_expand`, ``pairs`` from
+    :func:`moe_pairs`, the configuration chosen as :func:`row_shrink`'s. Every dtype."""
+    stacks = [_flat(b, "lora_b_stacked", s) for s, b in enumerate(lora_b)]
+    width, rank = stacks[0].rows, stacks[0].cols
+    packed = operands.weight_words(stacks) is not None
+    lanes = splits(rank // packing(stacks[0].dtype, packed))  # (rows of B over lanes)
+    key = dict(dtype=stacks[0].dtype, K=rank, N=width, lane_split=lanes)
+    config = _config("expand", buffer.shape[1], average_pairs, rank, len(stacks), key,
+                     _one_token_rows)  # fmt: skip
+    chosen = choose_expand(buffer, stacks, out, None, offset, config=config)
+    _launch_expand(chosen, width, *_live(*pairs), add_inputs)
+
+
+def _launch_expand(
+    chosen: ExpandChoice, width: int, table: torch.Tensor, tokens: torch.Tensor, add_inputs
+) -> None:
+    """Launch a chosen dense expand over the rows of ``table`` (slices of ``width``
+    columns), its tiles' tokens ``tokens`` (rows of them, or the sorted list)."""
+    if table.shape[0] == 0:
+        return
     weights = list(chosen.weights)
     starts = list(chosen.columns)
     grid = (table.shape[0], len(weights), column_blocks(chosen.config, width, chosen.per_block))
     weights += [weights[0]] * (MAX_SLICES - len(weights))  # unused slots: never read
     starts += [0] * (MAX_SLICES - len(starts))
-    launch(
-        grid,
-        chosen.config.threads,
-        (chosen.x, *weights, chosen.out, 0, *starts, table, tokens, add_inputs),
-    )
-    return True
+    arguments = (chosen.x, *weights, chosen.out, 0, *starts, table, tokens, add_inputs)
+    launcher_of(chosen.kernel)(grid, chosen.config.threads, arguments)
