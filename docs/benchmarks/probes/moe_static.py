@@ -112,10 +112,12 @@ def _for_the_h200():
 
     import punica_numba._cuda
     from punica_numba.kernels import dependent_launch
+    from punica_numba.tuning import table
 
     numba.cuda.dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
     punica_numba._cuda.dependent_launch = lambda: True
     dependent_launch.dependent_launch = lambda: True
+    table.gpu_name = lambda: "NVIDIA H200"  # (its tuned table: the dense op's picks there)
 
 
 def _reading(name, folder):
@@ -238,26 +240,34 @@ def bench_builds(version, cases=None):
 
     import punica_numba._checks
     from punica_numba import bench_moe
+    from punica_numba.ops import choice, moe_dense, operands
     from punica_numba.ops import moe as moe_ops
 
     punica_numba._checks.SIMULATOR = True  # (host tensors pass the op's checks)
+    operands.SIMULATOR = True  # (the dense op's weights as tensors, not launch descriptors)
     built = {}  # id of a kernel -> the builder's name and arguments
 
     def recording(builder):
         @functools.cache
-        def recorded(*args):
-            kernel = builder(*args)
-            built[id(kernel)] = f"{builder.__name__}{args}"
+        def recorded(*args, **options):
+            kernel = builder(*args, **options)
+            built[id(kernel)] = f"{builder.__name__}{args}{options or ''}"
             return kernel
 
         return recorded
 
     for module in (moe_ops.columns_expand, moe_ops.mma_expand, moe_ops.outer_expand,
-                   moe_ops.mma_shrink, moe_ops.split_shrink, moe_ops.tiled_shrink):  # fmt: skip
+                   moe_ops.mma_shrink, moe_ops.split_shrink, moe_ops.tiled_shrink,
+                   choice, moe_dense):  # fmt: skip
         for name in [n for n in dir(module) if n.startswith("build_")]:
             setattr(module, name, recording(getattr(module, name)))
     launched = []
-    moe_ops.launcher_of = lambda kernel: lambda grid, block, args: launched.append((kernel, args))
+
+    def recorded_launch(kernel):
+        return lambda grid, block, args: launched.append((kernel, args))
+
+    for module in (moe_ops, moe_dense):  # (versions 7 to 9 launch the dense op's kernels)
+        module.launcher_of = recorded_launch
     kernels, found = {}, {}
     for case in cases if cases is not None else bench_moe.default_cases():
         args = bench_moe.argument_set(case, torch.Generator().manual_seed(0), "cpu")
