@@ -410,3 +410,29 @@ for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
     kernels = 7 if average >= DENSE_FROM_PAIRS else 6
     print(f"{T:5d} tokens over {loras:2d} adapters: {average:5g} pairs a (slot, expert), "
           f"version {kernels}'s kernels")  # fmt: skip
+
+# %% [markdown]
+# Below that threshold each (slot, expert) has a pair or two, and version 6's kernels run far
+# from the copy bandwidth. The dense op meets the same shape where each slot has a token or
+# two, and takes its row kernels there, one token a tile. Version 9 (asked for with
+# `version=9`; not yet timed on a GPU) hands those calls to them: every pair a one-token tile
+# of dense slot `l * E + e`. The align step pads each run of pairs to whole blocks, so the
+# pairs are packed first, one kernel making a table of P rows (`moe_pairs`: a running sum of
+# each block's pairs), that no CUDA block of the row kernels finds nothing. Here it is for
+# the call above, then the call itself:
+
+# %%
+from punica_numba.ops.moe_dense import moe_pairs
+
+table, pair_rows = moe_pairs(*blocks, adapter_enabled, block_size, M * top_k, E)
+live = table[:, 0] >= 0
+print("dense slot (l * E + e) of each pair:", table[live, 0].tolist())
+print("the pairs, in that order:          ", pair_rows[live].tolist())
+
+y = torch.zeros(M, top_k, 2 * N7, device=DEVICE, dtype=torch.bfloat16)
+fused_moe_lora(
+    y, x13.to(torch.bfloat16), a7, b7, topk_weights, *blocks, adapter_enabled,
+    block_size=block_size, version=9,
+)  # fmt: skip
+torch.testing.assert_close(y.float(), result[6], rtol=2e-2, atol=2e-2)
+print("version 9 gives version 6's outputs, within bf16's rounding")
