@@ -534,7 +534,7 @@ def fused_moe_lora(
     out = y.view(num_pairs, columns)  # [P, W]
     if version >= 3:
         # The tensor-core shrink: version 4's, and 5's where its blocks are full enough.
-        average = pairs_per_block(num_pairs, L, E)  # (versions 5 to 8 choose by it)
+        average = pairs_per_block(num_pairs, L, E)  # (versions 5 to 9 choose by it)
         mma = version == 4 or (version >= 5 and average >= MMA_SHRINK_FROM_PAIRS)
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
         sixth = version >= 6  # (7 to 9 take 6's kernels where the dense op's do not run)
