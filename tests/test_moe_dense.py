@@ -271,6 +271,30 @@ def test_a_pair_named_twice_takes_no_row_past_p():
     assert tokens.tolist() == [0, 1]
 
 
+@pytest.mark.gpu
+def test_more_blocks_in_use_than_the_pairs_kernels_threads_take_rounds():
+    """On a GPU the pairs kernel is one CUDA block of 1024 threads: some 3,000 blocks in use of
+    0 to 2 pairs each (three slots, the second turned off, a few experts -1), in blocks of 4,
+    take rounds of its running sum; the table and the tokens against the definition."""
+    gen = torch.Generator().manual_seed(5)
+    L, NB, bs, E = 3, 1500, 4, 64
+    counts = torch.randint(0, 3, (L, NB), generator=gen)
+    P = int(counts.sum())
+    ids = torch.full((L, NB * bs), P, dtype=torch.int32)
+    order = torch.randperm(P, generator=gen).tolist()
+    for (l, b), c in zip(((l, b) for l in range(L) for b in range(NB)), counts.view(-1).tolist()):
+        for j in range(c):
+            ids[l, b * bs + j] = order.pop()
+    experts = torch.randint(-1, E, (L, NB), generator=gen, dtype=torch.int32)
+    padded = torch.tensor([NB * bs, NB * bs, NB * bs - 5], dtype=torch.int32)
+    enabled = torch.tensor([1, 0, 1], dtype=torch.int32)
+    blocks = tuple(t.to(DEVICE) for t in (ids, experts, padded))
+    table, tokens = moe_pairs(*blocks, enabled.to(DEVICE), bs, P, E)
+    want_table, want_tokens = pairs_by_loops(blocks, enabled, bs, P, E)
+    assert table.cpu().tolist() == want_table
+    assert tokens.cpu().tolist() == want_tokens
+
+
 @pytest.mark.parametrize("dense_from, dense", [(1, True), (2, False)])
 def test_version_9_takes_the_row_kernels_below_the_threshold(dense_from, dense, monkeypatch):
     """The small call (w2, bf16: 1.67 pairs a (slot, expert)) at version 9, with
