@@ -63,6 +63,7 @@ KERNEL_MODULES = {
     "moe_shrink_mma",
     "moe_shrink_split",
     "moe_shrink_tiled",
+    "moe_pairs",
     "moe_tiles",
     "shrink",
     "shrink_mma",
