@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from punica_numba import reference
 from punica_numba._checks import check_stack
+from punica_numba.kernels.moe_pairs import pairs_threads
 from punica_numba.launch import LaunchConfig
 from punica_numba.moe_meta import align_pairs
 from punica_numba.ops import moe as moe_ops
@@ -269,6 +270,15 @@ def test_a_pair_named_twice_takes_no_row_past_p():
                               torch.ones(1, **i32), 2, 2, 2)  # fmt: skip
     assert table.tolist() == [[1, 0, 1, 0], [1, 1, 1, 1]]
     assert tokens.tolist() == [0, 1]
+
+
+def test_the_pairs_kernel_takes_a_warp_or_more_up_to_the_blocks_in_use():
+    """Its threads: a power of two from 32 that holds every block the call's pairs can use
+    (at most P, at most NB a slot), up to the most."""
+    assert pairs_threads(8, 16, 135, most=1024) == 32  # one token of top-8
+    assert pairs_threads(100, 2, 40, most=1024) == 128  # 80 blocks at most
+    assert pairs_threads(16384, 16, 1143, most=1024) == 1024
+    assert pairs_threads(8, 16, 135, most=4) == 4  # (the simulator's)
 
 
 @pytest.mark.gpu

@@ -48,11 +48,25 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .moe_blocks import unit_walker
 
-__all__ = ["MOE_PAIRS_THREADS", "build_moe_pairs_kernel"]
+__all__ = ["MOE_PAIRS_THREADS", "build_moe_pairs_kernel", "pairs_threads"]
 
-#: The one CUDA block's threads: the blocks in use one round takes. On the simulator, where
-#: each is a Python thread, a few (so that test calls take several rounds).
+#: The most threads of the one CUDA block: the blocks in use one round takes. On the
+#: simulator, where each is a Python thread, a few (so that test calls take several rounds).
 MOE_PAIRS_THREADS = 4 if SIMULATOR else 1024
+
+
+def pairs_threads(
+    num_pairs: int, slots: int, row_blocks: int, most: int = MOE_PAIRS_THREADS
+) -> int:
+    """The threads of the pairs kernel for a call: enough for every block in use in one
+    round where there can be no more than ``most`` of them, a power of two from a warp's 32
+    (or ``most``, if fewer). Each block in use holds a pair, so they are at most P, and at
+    most ``row_blocks`` (NB) a slot: at one token of top-8, 32 threads and five steps of
+    the running sum, not 1024 and ten."""
+    threads = min(32, most)
+    while threads < min(num_pairs, slots * row_blocks, most):
+        threads *= 2
+    return threads
 
 
 @functools.cache

@@ -43,7 +43,7 @@ from .._cuda import SIMULATOR
 from ..kernels import MAX_SLICES, build_mma_shrink_kernel, splits
 from ..kernels.dtypes import packing
 from ..kernels.moe_blocks import slots_at_once
-from ..kernels.moe_pairs import MOE_PAIRS_THREADS, build_moe_pairs_kernel
+from ..kernels.moe_pairs import build_moe_pairs_kernel, pairs_threads
 from ..kernels.moe_tiles import (
     MOE_TILE_M,
     MOE_TILES_THREADS,
@@ -124,7 +124,8 @@ def moe_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs of the MoE blocks in use as the dense op's table of one-token tiles ``[P,
     4]`` with their tokens ``[P]`` (int32; the row kernels' ``sorted_tokens``), made by one
-    kernel of one CUDA block (:mod:`..kernels.moe_pairs`).
+    kernel of one CUDA block (:mod:`..kernels.moe_pairs`; its threads
+    :func:`..kernels.moe_pairs.pairs_threads`).
 
     Semantics:
         the blocks in use: for each slot l in order with adapter_enabled[l] != 0, its blocks
@@ -145,8 +146,9 @@ def moe_pairs(
         enabled = _flags(adapter_enabled, slots, device)
         arguments = (sorted_token_ids, expert_ids, num_tokens_post_padded, enabled)
         arguments += (block_size, num_pairs, num_experts, table, tokens)
-        kernel = build_moe_pairs_kernel(slots_at_once(slots))
-        launcher_of(kernel)((1, 1, 1), MOE_PAIRS_THREADS, arguments)
+        threads = pairs_threads(num_pairs, slots, expert_ids.shape[1])
+        kernel = build_moe_pairs_kernel(slots_at_once(slots), threads)
+        launcher_of(kernel)((1, 1, 1), threads, arguments)
     return table, tokens
 
 
