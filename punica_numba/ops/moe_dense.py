@@ -265,12 +265,7 @@ def dense_expand(
 
     The configuration is the dense op's for P rows of ``P / average_pairs`` slots where
     that is a tensor-core one of 16-token tiles, else the first such of the table."""
-    stacks = [_flat(b, "lora_b_stacked", s) for s, b in enumerate(lora_b)]
-    width, rank = stacks[0].rows, stacks[0].cols
-    num_pairs = buffer.shape[1]
-    key = dict(dtype=stacks[0].dtype, K=rank, N=width)
-    config = _config("expand", num_pairs, average_pairs, rank, len(stacks), key, _expand_runs)
-    chosen = choose_expand(buffer, stacks, out, None, offset, config=config)
+    chosen, width = _chosen_expand(out, buffer, lora_b, offset, average_pairs, _expand_runs)
     if chosen.config.kernel != "mma":
         return False
     _launch_expand(chosen, width, *_live(*tiles), add_inputs)
@@ -317,15 +312,23 @@ def row_expand(
     """The expand of a checked MoE call by the dense op's row or lane-split kernel of
     one-token tiles, a pair a tile: as :func:`dense_expand`, ``pairs`` from
     :func:`moe_pairs`, the configuration chosen as :func:`row_shrink`'s. Every dtype."""
+    chosen, width = _chosen_expand(out, buffer, lora_b, offset, average_pairs, _one_token_rows)
+    _launch_expand(chosen, width, *_live(*pairs), add_inputs)
+
+
+def _chosen_expand(out, buffer, lora_b, offset, average_pairs, runs) -> tuple[ExpandChoice, int]:
+    """The dense op's expand of a checked MoE call (as :func:`dense_expand` describes it),
+    its configuration one that ``runs`` takes (:func:`_config`), and the slices' width. The
+    row kernels' configurations are chosen knowing whether the rows of B split over lanes
+    (the lane-split expand's condition); the tensor-core ones do not ask."""
     stacks = [_flat(b, "lora_b_stacked", s) for s, b in enumerate(lora_b)]
     width, rank = stacks[0].rows, stacks[0].cols
-    packed = operands.weight_words(stacks) is not None
-    lanes = splits(rank // packing(stacks[0].dtype, packed))  # (rows of B over lanes)
-    key = dict(dtype=stacks[0].dtype, K=rank, N=width, lane_split=lanes)
-    config = _config("expand", buffer.shape[1], average_pairs, rank, len(stacks), key,
-                     _one_token_rows)  # fmt: skip
-    chosen = choose_expand(buffer, stacks, out, None, offset, config=config)
-    _launch_expand(chosen, width, *_live(*pairs), add_inputs)
+    key = dict(dtype=stacks[0].dtype, K=rank, N=width)
+    if runs is _one_token_rows:
+        packed = operands.weight_words(stacks) is not None
+        key["lane_split"] = splits(rank // packing(stacks[0].dtype, packed))
+    config = _config("expand", buffer.shape[1], average_pairs, rank, len(stacks), key, runs)
+    return choose_expand(buffer, stacks, out, None, offset, config=config), width
 
 
 def _launch_expand(
