@@ -305,12 +305,14 @@ def test_more_blocks_in_use_than_the_pairs_kernels_threads_take_rounds():
     assert tokens.cpu().tolist() == want_tokens
 
 
-@pytest.mark.parametrize("dense_from, dense", [(1, True), (2, False)])
-def test_version_9_takes_the_row_kernels_below_the_threshold(dense_from, dense, monkeypatch):
+@pytest.mark.parametrize("mma_from, dense", [(1, True), (2, False)])
+def test_version_9_takes_the_row_kernels_below_the_threshold(mma_from, dense, monkeypatch):
     """The small call (w2, bf16: 1.67 pairs a (slot, expert)) at version 9, with
-    DENSE_FROM_PAIRS at 1 or 2: version 7's tiles and kernels from it on; below it the pairs
-    as one-token tiles and the dense op's row kernels. Each gives the reference."""
-    monkeypatch.setattr(moe_ops, "DENSE_FROM_PAIRS", dense_from)
+    MMA_SHRINK_FROM_PAIRS at 1 or 2 (and DENSE_FROM_PAIRS at 1): version 8's kernels from it
+    on (here version 7's tiles and kernels); below it the pairs as one-token tiles and the
+    dense op's row kernels. Each gives the reference."""
+    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", mma_from)
+    monkeypatch.setattr(moe_ops, "DENSE_FROM_PAIRS", 1)
     launched = []
     real = moe_dense.launcher_of
 

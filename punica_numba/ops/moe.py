@@ -33,12 +33,15 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    cb9702d, its tiles one kernel, 0.56-1.62x (h100_moe_v7_cb9702d.json).
 8. 7's kernels where the pairs average a tile of the dense op or more a (slot, expert)
    (:data:`DENSE_FROM_PAIRS`), else 6's. The default.
-9. 8's from :data:`DENSE_FROM_PAIRS` on; below it, the dense op's row kernels of one-token
-   tiles (:func:`.moe_dense.row_shrink`, :func:`.moe_dense.row_expand`), a pair a tile of
-   the packed table of pairs (:func:`.moe_dense.moe_pairs`), each (slot, expert) one slot
-   of the dense op, the router's weights multiplied into the buffer before the expand:
-   where each (slot, expert) has a pair or two, as the dense op's slots have a token or two
-   where it takes these kernels. Not yet timed on a GPU.
+9. 8's, but where the pairs average fewer than :data:`MMA_SHRINK_FROM_PAIRS` (4) a (slot,
+   expert), the dense op's row kernels of one-token tiles (:func:`.moe_dense.row_shrink`,
+   :func:`.moe_dense.row_expand`), a pair a tile of the packed table of pairs
+   (:func:`.moe_dense.moe_pairs`), each (slot, expert) one slot of the dense op, the router's
+   weights multiplied into the buffer before the expand: where each (slot, expert) has a
+   pair or two, as the dense op's slots have a token or two where it takes these kernels.
+   On an H100 at a4b05b8, taking them below 16 pairs, it took 0.60-0.92x version 8's time
+   at w13 below 4 pairs and 1.13-1.96x from 4 on, where version 8 has the tensor-core shrink
+   (docs/benchmarks/h100_moe_v9_a4b05b8.json): so they are taken below 4.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -453,8 +456,9 @@ def fused_moe_lora(
     blocks' pairs (:mod:`.moe_dense`), the router's weights multiplied into the buffer
     before the expand, else 6's kernels; 8, 7's where the pairs average at least
     :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's; 9,
-    8's from that threshold, below it the dense op's row kernels of one-token tiles on the
-    pairs (:func:`.moe_dense.moe_pairs`), the router's weights in the buffer as for 7. The
+    8's, but below :data:`MMA_SHRINK_FROM_PAIRS` (4) the dense op's row kernels of
+    one-token tiles on the pairs (:func:`.moe_dense.moe_pairs`), the router's weights in the
+    buffer as for 7. The
     same sums in other orders; :data:`DEFAULT_VERSION` (8) unless asked.
 
     Raises:
@@ -540,7 +544,7 @@ def fused_moe_lora(
         sixth = version >= 6  # (7 to 9 take 6's kernels where the dense op's do not run)
         dense_op = version == 7 or (version >= 8 and average >= DENSE_FROM_PAIRS)
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
-        if version == 9 and not dense_op:  # the dense op's row kernels, a pair a tile
+        if version == 9 and not mma:  # the dense op's row kernels, a pair a tile
             pairs = moe_pairs(*metadata, block_size, num_pairs, E)
             row_shrink(buffer, x, a, pairs, x_rows, average)
             if mul_routed_weight:
