@@ -412,14 +412,15 @@ for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
           f"version {kernels}'s kernels")  # fmt: skip
 
 # %% [markdown]
-# Below that threshold each (slot, expert) has a pair or two, and version 6's kernels run far
-# from the copy bandwidth. The dense op meets the same shape where each slot has a token or
-# two, and takes its row kernels there, one token a tile. Version 9 (asked for with
-# `version=9`; not yet timed on a GPU) hands those calls to them: every pair a one-token tile
-# of dense slot `l * E + e`. The align step pads each run of pairs to whole blocks, so the
-# pairs are packed first, one kernel making a table of P rows (`moe_pairs`: a running sum of
-# each block's pairs), that no CUDA block of the row kernels finds nothing. Here it is for
-# the call above, then the call itself:
+# Below it each (slot, expert) has a few pairs, and where it has a pair or two version 6's
+# kernels run far from the copy bandwidth. The dense op meets the same shape where each slot
+# has a token or two, and takes its row kernels there, one token a tile. Version 9 (asked for with
+# `version=9`) hands those calls to them below 4 pairs a (slot, expert), the threshold of
+# version 6's tensor-core shrink: every pair a one-token tile of dense slot `l * E + e`. On an
+# H100 they took 0.60-0.96x version 8's time at w13 there, and up to 1.96x above it. The
+# align step pads each run of pairs to whole blocks, so the pairs are packed first, one kernel
+# making a table of P rows (`moe_pairs`: a running sum of each block's pairs), that no CUDA
+# block of the row kernels finds nothing. Here it is for the call above, then the call itself:
 
 # %%
 from punica_numba.ops.moe_dense import moe_pairs

@@ -39,9 +39,10 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    (:func:`.moe_dense.moe_pairs`), each (slot, expert) one slot of the dense op, the router's
    weights multiplied into the buffer before the expand: where each (slot, expert) has a
    pair or two, as the dense op's slots have a token or two where it takes these kernels.
-   On an H100 at a4b05b8, taking them below 16 pairs, it took 0.60-0.92x version 8's time
-   at w13 below 4 pairs and 1.13-1.96x from 4 on, where version 8 has the tensor-core shrink
-   (docs/benchmarks/h100_moe_v9_a4b05b8.json): so they are taken below 4.
+   On an H100 at a4b05b8, taking them below 16 pairs, it took 0.60-0.96x version 8's time
+   at w13 below 4 pairs (0.72-1.15x at w2) and 1.12-1.96x from 4 to 16, where version 8 has
+   the tensor-core shrink (docs/benchmarks/h100_moe_v9_a4b05b8.json): so they are taken
+   below 4.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
