@@ -29,6 +29,12 @@ at 2048 on one and four adapters, 1.58-1.91x over 16 (not measured apart). With 
 kernel, at cb9702d, it took 0.56-0.90x version 6's time where the pairs average a tile (16)
 or more a (slot, expert), and 0.85-1.62x below (``h100_moe_v7_cb9702d.json``): version 8
 takes these kernels only there (:data:`.moe.DENSE_FROM_PAIRS`).
+
+Where each (slot, expert) has a pair or two, version 9 takes the dense op's row kernels of
+one-token tiles instead (:func:`row_shrink`, :func:`row_expand`; the row shrink reads row
+``p // x_rows`` of x as the tensor-core one does): each pair a tile, the pairs packed into a
+table of P rows by one kernel (:func:`moe_pairs`, :mod:`..kernels.moe_pairs`), since a tile
+for every entry of the blocks would be mostly the align step's padding.
 """
 
 from __future__ import annotations
