@@ -459,8 +459,8 @@ def fused_moe_lora(
     :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's; 9,
     8's, but below :data:`MMA_SHRINK_FROM_PAIRS` (4) the dense op's row kernels of
     one-token tiles on the pairs (:func:`.moe_dense.moe_pairs`), the router's weights in the
-    buffer as for 7. The
-    same sums in other orders; :data:`DEFAULT_VERSION` (8) unless asked.
+    buffer as for 7. The same sums in other orders; :data:`DEFAULT_VERSION` (8) unless
+    asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any

@@ -103,19 +103,14 @@ def moe_tiles(
         no row. So a tile's position is where its row starts in the tokens taken as one
         sorted list (``tokens.view(-1)``: the shrink's ``sorted_tokens``).
     """
-    slots = sorted_token_ids.shape[0]
-    count = moe_tile_rows(num_pairs, slots, block_size, expert_ids.shape[1])
-    device = check_device("sorted_token_ids.device", sorted_token_ids.device)
-    check_same_device(dict(sorted_token_ids=sorted_token_ids, expert_ids=expert_ids,
-                           num_tokens_post_padded=num_tokens_post_padded))  # fmt: skip
-    table = torch.empty((count, 4), dtype=torch.int32, device=device)
-    tokens = torch.empty((count, TILE_M), dtype=torch.int32, device=device)
+    blocks = (sorted_token_ids, expert_ids, num_tokens_post_padded)
+    count = moe_tile_rows(num_pairs, sorted_token_ids.shape[0], block_size, expert_ids.shape[1])
+    table, tokens = _empty_table(blocks, (count, TILE_M))
     if count:
-        enabled = _flags(adapter_enabled, slots, device)
-        arguments = (sorted_token_ids, expert_ids, num_tokens_post_padded, enabled)
-        arguments += (block_size, num_pairs, num_experts, table, tokens)
         grid = (-(-count // MOE_TILES_THREADS), 1, 1)
-        launcher_of(build_moe_tiles_kernel())(grid, MOE_TILES_THREADS, arguments)
+        sizes = (block_size, num_pairs, num_experts)
+        _make_table(build_moe_tiles_kernel(), grid, MOE_TILES_THREADS, blocks, adapter_enabled,
+                    sizes, table, tokens)  # fmt: skip
     return table, tokens
 
 
@@ -142,27 +137,38 @@ def moe_pairs(
         rows past the last pair: (-1, 0, 0, 0) and 0; pairs past P rows (a pair named
         twice): none
     """
-    slots = sorted_token_ids.shape[0]
-    device = check_device("sorted_token_ids.device", sorted_token_ids.device)
-    check_same_device(dict(sorted_token_ids=sorted_token_ids, expert_ids=expert_ids,
-                           num_tokens_post_padded=num_tokens_post_padded))  # fmt: skip
-    table = torch.empty((num_pairs, 4), dtype=torch.int32, device=device)
-    tokens = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    blocks = (sorted_token_ids, expert_ids, num_tokens_post_padded)
+    table, tokens = _empty_table(blocks, (num_pairs,))
     if num_pairs:
-        enabled = _flags(adapter_enabled, slots, device)
-        arguments = (sorted_token_ids, expert_ids, num_tokens_post_padded, enabled)
-        arguments += (block_size, num_pairs, num_experts, table, tokens)
+        slots = sorted_token_ids.shape[0]
         threads = pairs_threads(num_pairs, slots, expert_ids.shape[1])
         kernel = build_moe_pairs_kernel(slots_at_once(slots), threads)
-        launcher_of(kernel)((1, 1, 1), threads, arguments)
+        sizes = (block_size, num_pairs, num_experts)
+        _make_table(kernel, (1, 1, 1), threads, blocks, adapter_enabled, sizes, table, tokens)
     return table, tokens
 
 
-def _flags(adapter_enabled: torch.Tensor, slots: int, device) -> torch.Tensor:
-    """The first ``slots`` of ``adapter_enabled`` on ``device`` as the kernels read them
-    (bytes, where they are bool)."""
-    enabled = adapter_enabled[:slots].to(device)
-    return enabled.view(torch.uint8) if enabled.dtype == torch.bool else enabled
+def _empty_table(blocks: tuple, token_shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int32 table ``[token_shape[0], 4]`` and its tokens ``token_shape``, uninitialised,
+    on the device of the blocks (``sorted_token_ids``, ``expert_ids``,
+    ``num_tokens_post_padded``), which must be the kernels' and one (else a ValueError
+    naming them, before any launch)."""
+    sorted_token_ids, expert_ids, num_tokens_post_padded = blocks
+    device = check_device("sorted_token_ids.device", sorted_token_ids.device)
+    check_same_device(dict(sorted_token_ids=sorted_token_ids, expert_ids=expert_ids,
+                           num_tokens_post_padded=num_tokens_post_padded))  # fmt: skip
+    table = torch.empty((token_shape[0], 4), dtype=torch.int32, device=device)
+    return table, torch.empty(token_shape, dtype=torch.int32, device=device)
+
+
+def _make_table(kernel, grid, threads, blocks, adapter_enabled, sizes, table, tokens) -> None:
+    """Launch a kernel that makes a table from the blocks: its arguments the blocks, the
+    first L flags of ``adapter_enabled`` on their device (bytes, where they are bool), the
+    ``sizes`` (block size, P, E), the table and its tokens."""
+    enabled = adapter_enabled[: blocks[0].shape[0]].to(table.device)
+    if enabled.dtype == torch.bool:  # (the kernels read bytes)
+        enabled = enabled.view(torch.uint8)
+    launcher_of(kernel)(grid, threads, (*blocks, enabled, *sizes, table, tokens))
 
 
 def _flat(stacked: torch.Tensor, name: str, s: int):
