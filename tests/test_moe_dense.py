@@ -345,6 +345,35 @@ def test_x_rows_takes_only_the_row_shrink_of_one_token_tiles():
             choose_shrink(x, [a], buffer, None, False, config=config, x_rows=2)
     rows = LaunchConfig("rows", 16, 1, 4, spread=False)
     assert choose_shrink(x, [a], buffer, None, False, config=rows, x_rows=2).config == rows
+    with pytest.raises(ValueError, match="row_scaled"):  # a factor a row: the same kernel only
+        choose_shrink(x, [a], buffer, None, False, config=LaunchConfig("rows", 16, 4, 4),
+                      row_scaled=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("x_rows", [1, 2])
+def test_the_router_weights_in_the_row_shrink_are_a_multiply_of_its_rows(x_rows):
+    """The row shrink given the router's weights stores each pair's products times its
+    weight: the bits of the shrink without them and the buffer multiplied after (the launch
+    version 9 spares at w2). 6 pairs over 2 slots of 2 experts; the pairs the blocks do not
+    name keep the buffer's old rows."""
+    gen = torch.Generator().manual_seed(11)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    P, E, r, K = 6, 2, 4, 16
+    ids = torch.tensor([[0, 3, 2, 6], [1, 5, 6, 6]], **i32)  # (6 is padding; pair 4 unnamed)
+    pairs = moe_pairs(ids, torch.tensor([[1, 0], [0, -1]], **i32), torch.tensor([4, 4], **i32),
+                      torch.ones(2, **i32), 2, P, E)  # fmt: skip
+    x = torch.randn(P // x_rows, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    a = [torch.randn(2, E, r, K, generator=gen).to(torch.bfloat16).to(DEVICE)]
+    router = (torch.rand(P, generator=gen) + 0.5).to(DEVICE)
+    plain = torch.full((1, P, r), 7.0, device=DEVICE)
+    folded = plain.clone()
+    moe_dense.row_shrink(plain, x, a, pairs, x_rows, 1.5)
+    moe_dense.row_shrink(folded, x, a, pairs, x_rows, 1.5, router)
+    named = torch.tensor([0, 1, 2, 3, 5])
+    want = plain[:, named] * router[named].view(1, -1, 1)
+    assert torch.equal(folded[:, named], want)
+    assert (folded[:, 4] == 7.0).all()
+    assert not torch.equal(folded[:, named], plain[:, named])  # (the weights are not all 1)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

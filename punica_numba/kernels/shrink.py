@@ -118,6 +118,19 @@ def block_sum(threads: int, partials: int):
     return add_up, TREE_WIDTH
 
 
+@cuda.jit(device=True, inline="always")
+def number_factor(scaling, row):
+    """The shrink's factor of every output row: the call's ``scaling``."""
+    return scaling
+
+
+@cuda.jit(device=True, inline="always")
+def row_factor(scaling, row):
+    """The shrink's factor of output row ``row``, with the call's scaling of 1: the
+    router's weight of a pair (``scaling``, fp32 [rows])."""
+    return scaling[row]
+
+
 @functools.cache
 def word_products(dtype: torch.dtype, packed: bool, threads: int, tile_m: int, tile_n: int):
     """``(add_products, x_words, w_words)``: the device function
@@ -171,6 +184,7 @@ def build_shrink_kernel(
     one_pass: bool = False,
     one_slot: bool = False,
     x_rows: int = 1,
+    row_scaled: bool = False,
 ):
     """Compile-time specialisation: the dtypes of x and A and of the output, threads per
     block, tile sizes, whether x and A arrive as packed int64 words, whether the
@@ -182,7 +196,10 @@ def build_shrink_kernel(
     1). The kernel's ``tiles`` argument is then ``token_lora_mapping``, and the grid has
     a block per token. ``x_rows``: the output rows that share a row of x, row ``t`` of the
     output reading row ``t // x_rows`` (MoE LoRA's pairs of a token, its ``top_k``:
-    :mod:`..ops.moe_dense`); 1 for the dense op.
+    :mod:`..ops.moe_dense`); 1 for the dense op. ``row_scaled``: the kernel's ``scaling`` is
+    an fp32 array of a factor an output row, by which row ``t``'s products are multiplied
+    after the call's scaling of 1 (MoE LoRA's router weights at w2, a launch spared); a
+    number otherwise.
 
     They must be constants because they size local (register) and shared arrays and
     the loops over them, which Numba unrolls only when the trip count is known.
@@ -193,6 +210,8 @@ def build_shrink_kernel(
         raise ValueError(f"threads must be a power of two for the tree reduction, got {threads}")
     if one_slot and tile_m != 1:
         raise ValueError(f"one_slot needs tiles of one token, got tile_m={tile_m}")
+    if row_scaled and (accumulate or one_slot):
+        raise ValueError("row_scaled takes a kernel that stores, on the tile table")
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, TILE_M, TILE_N = threads, tile_m, tile_n
     PARTIALS = TILE_M * TILE_N  # dot products one block computes per rank group
@@ -211,6 +230,7 @@ def build_shrink_kernel(
     # first load of every block.
     ONE_PASS_STEP = 1 << 40
 
+    scaled = row_factor if row_scaled else number_factor  # the factor of an output row
     begin = prologue()
 
     @jit_kernel(THREADS)
@@ -273,7 +293,8 @@ def build_shrink_kernel(
                 # (one slot: a token of no LoRA stores nothing; tested here, the slot
                 # holds back no load: module notes)
                 if j < rows and n < rank and (not ONE_SLOT or slot != -1):
-                    out[out_slice, token[j], n] = store_out(old + scaling * tree[tid, 0])
+                    total = scaled(scaling, token[j]) * tree[tid, 0]
+                    out[out_slice, token[j], n] = store_out(old + total)
             cuda.syncthreads()  # the tree is reused by the next rank group
 
     return shrink

@@ -37,8 +37,9 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    expert), the dense op's row kernels of one-token tiles (:func:`.moe_dense.row_shrink`,
    :func:`.moe_dense.row_expand`), a pair a tile of the packed table of pairs
    (:func:`.moe_dense.moe_pairs`), each (slot, expert) one slot of the dense op, the router's
-   weights multiplied into the buffer before the expand: where each (slot, expert) has a
-   pair or two, as the dense op's slots have a token or two where it takes these kernels.
+   weights multiplied in as the shrink stores its rows (at a4b05b8, 9's first build, by a
+   launch of their own into the buffer): where each (slot, expert) has a pair or two, as
+   the dense op's slots have a token or two where it takes these kernels.
    On an H100 at a4b05b8, taking them below 16 pairs, it took 0.60-0.96x version 8's time
    at w13 below 4 pairs (0.72-1.15x at w2) and 1.12-1.96x from 4 to 16, where version 8 has
    the tensor-core shrink (docs/benchmarks/h100_moe_v9_a4b05b8.json): so they are taken
@@ -547,9 +548,8 @@ def fused_moe_lora(
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
         if version == 9 and not mma:  # the dense op's row kernels, a pair a tile
             pairs = moe_pairs(*metadata, block_size, num_pairs, E)
-            row_shrink(buffer, x, a, pairs, x_rows, average)
-            if mul_routed_weight:
-                buffer.mul_(weights.view(1, num_pairs, 1))
+            routed = weights if mul_routed_weight else None  # (multiplied as it stores)
+            row_shrink(buffer, x, a, pairs, x_rows, average, routed)
             row_expand(out, buffer, b, pairs, offset, add_inputs, average)
             return
         tiles = moe_tiles(*metadata, block_size, num_pairs, E) if dense_op else None

@@ -34,7 +34,9 @@ Where each (slot, expert) has a pair or two, version 9 takes the dense op's row 
 one-token tiles instead (:func:`row_shrink`, :func:`row_expand`; the row shrink reads row
 ``p // x_rows`` of x as the tensor-core one does): each pair a tile, the pairs packed into a
 table of P rows by one kernel (:func:`moe_pairs`, :mod:`..kernels.moe_pairs`), since a tile
-for every entry of the blocks would be mostly the align step's padding.
+for every entry of the blocks would be mostly the align step's padding. The router's
+weights go in as the row shrink stores a pair's row (``row_scaled``), not by a launch of
+their own as the tiles' path multiplies them into the buffer.
 """
 
 from __future__ import annotations
@@ -291,24 +293,31 @@ def row_shrink(
     pairs: tuple[torch.Tensor, torch.Tensor],
     x_rows: int,
     average_pairs: float,
+    router_weights: torch.Tensor | None = None,
 ) -> None:
     """The shrink of a checked MoE call by the dense op's row kernel of one-token tiles, a
     pair a tile: as :func:`dense_shrink`, ``pairs`` from :func:`moe_pairs`. The
     configuration is the dense op's for P rows of ``P / average_pairs`` slots where that is
-    such a kernel, else the first such of the table. Every dtype."""
+    such a kernel, else the first such of the table. Every dtype. ``router_weights`` (fp32
+    [P]), where given, multiply each pair's row as the kernel stores it: the products and
+    then the weight, as a multiply of the stored buffer would, without its launch."""
     stacks = [_flat(a, "lora_a_stacked", s) for s, a in enumerate(lora_a)]
     rank, hidden = stacks[0].rows, stacks[0].cols
     key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
     config = _config("shrink", buffer.shape[1], average_pairs, rank, len(stacks), key,
                      _one_token_rows)  # fmt: skip
-    chosen = choose_shrink(x, stacks, buffer, None, False, config=config, x_rows=x_rows)
+    scaled = router_weights is not None
+    chosen = choose_shrink(
+        x, stacks, buffer, None, False, config=config, x_rows=x_rows, row_scaled=scaled
+    )
     table, tokens = _live(*pairs)
     if table.shape[0] == 0:
         return
     weights = list(chosen.weights)
     grid = (table.shape[0], len(weights), chosen.rank_groups)
     weights += [weights[0]] * (MAX_SLICES - len(weights))  # unused: never read
-    arguments = (chosen.x, *weights, buffer, 0, table, tokens, np.float32(1.0))
+    scaling = router_weights if scaled else np.float32(1.0)
+    arguments = (chosen.x, *weights, buffer, 0, table, tokens, scaling)
     launcher_of(chosen.kernel)(grid, config.threads, arguments)
 
 
