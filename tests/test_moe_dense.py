@@ -49,6 +49,8 @@ def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
     bound = min(num_pairs, len(ids) * row_blocks)  # (a block in use holds a pair)
     table, tokens = [], []
     for l, row in enumerate(ids):
+        if enabled[l] == 0:  # (a slot turned off has no blocks in use)
+            continue
         for b in range(min(row_blocks, -(-max(padded[l], 0) // block_size))):
             e = experts[l][b]
             for j in range(per_block):
@@ -57,7 +59,7 @@ def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
                     b * block_size + min(TILE_M * (j + 1), block_size),
                 )
                 pairs = [p for p in row[lo:hi] if 0 <= p < num_pairs]
-                if 0 <= e < num_experts and enabled[l] != 0 and pairs:
+                if 0 <= e < num_experts and pairs:
                     table.append([l * num_experts + e, TILE_M * len(table), len(pairs), pairs[0]])
                     tokens.append(pairs + [pairs[-1]] * (TILE_M - len(pairs)))
                 else:
@@ -98,14 +100,16 @@ def pairs_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
     st.integers(0, 2**31 - 1),  # seed
     st.sampled_from((torch.int32, torch.bool)),  # adapter_enabled's flags
     st.integers(0, 4),  # experts that are not local (expert parallelism), at most all but one
+    st.booleans(),  # the align step told which slots are off (else their pairs take blocks)
 )
 def test_the_blocks_as_the_dense_tile_table(
-    slots, experts, block_size, tokens, seed, flags, remote
+    slots, experts, block_size, tokens, seed, flags, remote, aligned_knowing
 ):
     """On drawn routings, with and without expert parallelism: the align step over every
     expert, ``expert_map`` naming the local ones, and the tiles over the local ones (whose
     count is the stacks', while the other experts' runs take blocks of -1); and the pairs of
-    the same blocks as one-token tiles."""
+    the same blocks as one-token tiles. The align step is told which slots are off, or not
+    (their pairs then sit in blocks that the tiles and the pairs skip)."""
     gen = torch.Generator().manual_seed(seed)
     local = max(1, experts - remote)
     top_k = min(2, experts)
@@ -117,9 +121,10 @@ def test_the_blocks_as_the_dense_tile_table(
     enabled = (torch.rand(slots, generator=gen) < 0.8).to(flags)
     expert_map = torch.full((experts,), -1, dtype=torch.int64)  # global -> local, -1 remote
     expert_map[torch.randperm(experts, generator=gen)[:local]] = torch.arange(local)
+    told = enabled if aligned_knowing else torch.ones_like(enabled)
     blocks = align_pairs(
         topk_ids.to(DEVICE), token_slots.to(DEVICE), experts, block_size, slots,
-        enabled.to(DEVICE), expert_map=expert_map.to(DEVICE) if local < experts else None,
+        told.to(DEVICE), expert_map=expert_map.to(DEVICE) if local < experts else None,
     )  # fmt: skip
     num_pairs = tokens * top_k
     table, rows = moe_tiles(*blocks, enabled.to(DEVICE), block_size, num_pairs, local)

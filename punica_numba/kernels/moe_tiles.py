@@ -12,16 +12,18 @@ use first and rows only up to a bound on them (on an H100 at cb9702d version 7 t
 0.56-1.62x version 6's time, at one token within 1.44x):
 
 * the blocks in use are, slot by slot, the first ``ceil(num_tokens_post_padded[l] /
-  block_size)`` of each row (at most its ``NB``), taken in order: thread ``i`` is tile ``j =
-  i % per_block`` of the ``i // per_block``-th of them, block ``b`` of slot ``l``, found by
-  a walk over the slots' counts;
+  block_size)`` of each row (at most its ``NB``), none of a slot ``adapter_enabled`` turns
+  off, taken in order: thread ``i`` is tile ``j = i % per_block`` of the ``i //
+  per_block``-th of them, block ``b`` of slot ``l``, found by the walk over the slots'
+  counts that :mod:`.moe_pairs` and version 6's compact grids take
+  (:func:`.moe_blocks.unit_walker`);
 * it walks the block's entries ``16 j ..`` of ``sorted_token_ids[l]`` (at most 16, not past
   the block or the row), keeps those that name a pair (``0 <= p < P``: the padding names
   ``P``) in their order, and writes them into its row of tile tokens, then the last one
   again up to 16;
 * its table row is ``(l * E + e, 16 i, pairs, first pair)`` where the block's expert is one
-  of the E, the slot is on and the tile holds a pair; else, and past the blocks in use,
-  ``(-1, 0, 0, 0)`` and a row of zeros.
+  of the E and the tile holds a pair; else, and past the blocks in use, ``(-1, 0, 0, 0)``
+  and a row of zeros.
 
 The table's rows are a bound the host knows without a look at the device
 (:func:`moe_tile_rows`): however P pairs are aligned, each block in use holds at least one
@@ -41,6 +43,7 @@ import functools
 
 from .._cuda import cuda, jit_kernel
 from .dependent_launch import prologue
+from .moe_blocks import unit_walker
 
 __all__ = ["MOE_TILES_THREADS", "MOE_TILE_M", "build_moe_tiles_kernel", "moe_tile_rows"]
 
@@ -58,12 +61,14 @@ def moe_tile_rows(num_pairs: int, slots: int, block_size: int, row_blocks: int) 
 
 
 @functools.cache
-def build_moe_tiles_kernel():
+def build_moe_tiles_kernel(batch: int):
     """The kernel ``tiles(sorted_token_ids, expert_ids, num_tokens_post_padded,
     adapter_enabled, block_size, num_pairs, num_experts, table, tokens)``: ``table`` [R, 4]
     and ``tokens`` [R, 16] int32 (R: :func:`moe_tile_rows`), a thread a row (module notes),
-    ``MOE_TILES_THREADS`` a block."""
+    ``MOE_TILES_THREADS`` a block; ``batch`` the slots the walk reads at once
+    (:func:`.moe_blocks.slots_at_once`)."""
     TILE_M = MOE_TILE_M
+    unit_of = unit_walker(batch)
     begin = prologue()
 
     @jit_kernel(MOE_TILES_THREADS)
@@ -83,18 +88,14 @@ def build_moe_tiles_kernel():
         if i >= table.shape[0]:
             return
         per_block = (block_size + TILE_M - 1) // TILE_M
-        row_blocks = expert_ids.shape[1]
-        j, b = i % per_block, i // per_block
-        l = -1  # the slot of the (i // per_block)-th block in use, and b its block there
-        for s in range(expert_ids.shape[0]):
-            padded = max(num_tokens_post_padded[s], 0)
-            in_use = min(row_blocks, (padded + block_size - 1) // block_size)
-            if b < in_use:
-                l = s
-                break
-            b -= in_use
+        j = i % per_block
+        # the slot of the (i // per_block)-th block in use, and b its block there
+        l, b = unit_of(
+            i // per_block, num_tokens_post_padded, adapter_enabled, block_size,
+            sorted_token_ids, 1,
+        )  # fmt: skip
         slot, rows = -1, 0
-        if l >= 0 and adapter_enabled[l] != 0:
+        if l >= 0:
             e = expert_ids[l, b]
             if 0 <= e < num_experts:
                 slot = l * num_experts + e

@@ -92,12 +92,13 @@ def moe_tiles(
     (:mod:`..kernels.moe_tiles`).
 
     Semantics:
-        the blocks in use: for each slot l in order, its blocks b < min(NB, ceil(
-            num_tokens_post_padded[l] / bs)) in order; each ceil(bs / 16) tiles, j = 0, 1, ..
+        the blocks in use: for each slot l in order with adapter_enabled[l] != 0, its blocks
+            b < min(NB, ceil(num_tokens_post_padded[l] / bs)) in order; each ceil(bs / 16)
+            tiles, j = 0, 1, ..
         for the i-th tile of those, tile j of block b of slot l (pairs j*16 .. of it):
             pairs = the entries of sorted_token_ids[l, b*bs + 16 j : b*bs + min(16 (j+1), bs)]
                     that are below num_pairs, in their order
-            live = 0 <= e = expert_ids[l, b] < E, adapter_enabled[l] != 0, pairs not empty
+            live = 0 <= e = expert_ids[l, b] < E, pairs not empty
             table row i = (l*E + e, 16 i, len(pairs), pairs[0]) if live else (-1, 0, 0, 0)
             tokens row i = pairs, then pairs[-1] repeated (zeros for a tile not live)
         rows past the blocks in use: (-1, 0, 0, 0) and zeros; a tile past R (only where
@@ -111,7 +112,8 @@ def moe_tiles(
     if count:
         grid = (-(-count // MOE_TILES_THREADS), 1, 1)
         sizes = (block_size, num_pairs, num_experts)
-        _make_table(build_moe_tiles_kernel(), grid, MOE_TILES_THREADS, blocks, adapter_enabled,
+        kernel = build_moe_tiles_kernel(slots_at_once(sorted_token_ids.shape[0]))
+        _make_table(kernel, grid, MOE_TILES_THREADS, blocks, adapter_enabled,
                     sizes, table, tokens)  # fmt: skip
     return table, tokens
 
