@@ -282,8 +282,8 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # 3's, and 3's expand always (timed kernel by kernel on an H200, 4's shrink lost with one
 # pair a block and 4's expand on every case). On the H200 version 5 takes 0.53-0.87x
 # version 3's time where its blocks are full enough for the tensor cores, and version 3's
-# kernels elsewhere. Version 6 (whose kernels the wrapper's call above ran: the default,
-# version 8 below, takes them where a call's blocks hold few pairs) waits on
+# kernels elsewhere. Version 6 (whose kernels the default, version 9 below, still takes
+# where a call's (slot, expert) blocks hold 4 to 16 pairs on average) waits on
 # memory less where blocks are full: its expand takes a chunk of a block's pairs at once,
 # asking for all their old outputs together and forming the sums as outer products, rank
 # by rank (`kernels.moe_expand_outer`); its tensor-core shrink reads each row of x once for
@@ -397,7 +397,7 @@ print("version 7 gives version 6's outputs, within bf16's rounding")
 # The dense kernels' tiles are 16 rows whatever a block holds, so they pay only where the
 # blocks are full. On an H100 (at cb9702d, `bench --moe`) version 7 took 0.56-0.90x version
 # 6's time where the pairs average a tile (16) or more a (slot, expert), and up to 1.62x
-# below. Version 8, the op's default, chooses by that average (`pairs_per_block`, from the
+# below. Version 8 chooses by that average (`pairs_per_block`, from the
 # shapes alone: no sync): version 7's kernels from `DENSE_FROM_PAIRS` on, version 6's below.
 # On an H200 it took 0.46-0.85x version 6's time where it takes version 7's kernels.
 # At Qwen3-30B-A3B's shape (128 experts, top-8):
@@ -414,10 +414,12 @@ for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
 # %% [markdown]
 # Below it each (slot, expert) has a few pairs, and where it has a pair or two version 6's
 # kernels run far from the copy bandwidth. The dense op meets the same shape where each slot
-# has a token or two, and takes its row kernels there, one token a tile. Version 9 (asked for with
-# `version=9`) hands those calls to them below 4 pairs a (slot, expert), the threshold of
-# version 6's tensor-core shrink: every pair a one-token tile of dense slot `l * E + e`. On an
-# H100 they took 0.60-0.96x version 8's time at w13 there, and up to 1.96x above it. The
+# has a token or two, and takes its row kernels there, one token a tile. Version 9, the op's
+# default, hands those calls to them below 4 pairs a (slot, expert), the threshold of
+# version 6's tensor-core shrink: every pair a one-token tile of dense slot `l * E + e`, the
+# router's weights multiplied in as the shrink stores a pair's row. On an H100 (at 6426c98)
+# it took 0.54-0.99x version 8's time there and the same elsewhere; taken above the
+# threshold too (at a4b05b8), the row kernels took up to 1.96x. The
 # align step pads each run of pairs to whole blocks, so the pairs are packed first, one kernel
 # making a table of P rows (`moe_pairs`: a running sum of each block's pairs), that no CUDA
 # block of the row kernels finds nothing. Here it is for the call above, then the call itself:

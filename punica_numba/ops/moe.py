@@ -32,7 +32,7 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    (docs/benchmarks/h100_moe_v7_61de306.json; lab notes, "MoE LoRA version 7"); at
    cb9702d, its tiles one kernel, 0.56-1.62x (h100_moe_v7_cb9702d.json).
 8. 7's kernels where the pairs average a tile of the dense op or more a (slot, expert)
-   (:data:`DENSE_FROM_PAIRS`), else 6's. The default.
+   (:data:`DENSE_FROM_PAIRS`), else 6's. The default from 0635975 until version 9.
 9. 8's, but where the pairs average fewer than :data:`MMA_SHRINK_FROM_PAIRS` (4) a (slot,
    expert), the dense op's row kernels of one-token tiles (:func:`.moe_dense.row_shrink`,
    :func:`.moe_dense.row_expand`), a pair a tile of the packed table of pairs
@@ -43,7 +43,7 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    On an H100 at a4b05b8, taking them below 16 pairs, it took 0.60-0.96x version 8's time
    at w13 below 4 pairs (0.72-1.15x at w2) and 1.12-1.96x from 4 to 16, where version 8 has
    the tensor-core shrink (docs/benchmarks/h100_moe_v9_a4b05b8.json): so they are taken
-   below 4.
+   below 4. The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -94,7 +94,12 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
 VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
-#: The version a call takes unless it asks for another: 8. On an H200 at 0635975 (``bench
+#: The version a call takes unless it asks for another: 9. On an H100 at 6426c98 (``bench
+#: --moe`` of versions 9 and 8 on one machine; docs/benchmarks/h100_moe_v9_6426c98.json,
+#: h100_moe_v8_6426c98.json) it took 0.54-0.99x version 8's time on the 18 of 30 cases
+#: below 4 pairs a (slot, expert), where it launches the row kernels, and within 0.4 % of
+#: it on the 12 others, where it launches version 8's: nowhere slower. Not timed on an H200.
+#: Version 8, the default from 0635975 until version 9. On an H200 at 0635975 (``bench
 #: --moe`` of versions 8 and 6 on one machine; docs/benchmarks/h200_moe_v8_0635975.json,
 #: h200_moe_v6_0635975.json) it took 0.46-0.85x version 6's time on the 6 of 30 cases where
 #: it takes version 7's kernels (one adapter from 256 tokens, four at 2048) and 0.92-1.01x
@@ -109,7 +114,7 @@ VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 #: 0.96-1.08x elsewhere (h200_moe_v3.json at 282eaa9); version 3 took 0.06-0.23x version
 #: 1's (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
 #: measured kernel by kernel; version 2 is not timed on a GPU.
-DEFAULT_VERSION = 8
+DEFAULT_VERSION = 9
 
 #: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
 #: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
@@ -460,7 +465,7 @@ def fused_moe_lora(
     :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's; 9,
     8's, but below :data:`MMA_SHRINK_FROM_PAIRS` (4) the dense op's row kernels of
     one-token tiles on the pairs (:func:`.moe_dense.moe_pairs`), the router's weights in the
-    buffer as for 7. The same sums in other orders; :data:`DEFAULT_VERSION` (8) unless
+    row shrink's stores. The same sums in other orders; :data:`DEFAULT_VERSION` (9) unless
     asked.
 
     Raises:
