@@ -418,7 +418,7 @@ for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
 # default, hands those calls to them below 4 pairs a (slot, expert), the threshold of
 # version 6's tensor-core shrink: every pair a one-token tile of dense slot `l * E + e`, the
 # router's weights multiplied in as the shrink stores a pair's row. On an H100 (at 6426c98)
-# it took 0.54-0.99x version 8's time there and the same elsewhere; taken above the
+# it took 0.54-0.99x version 8's time there and 0.98-1.003x elsewhere; taken above the
 # threshold too (at a4b05b8), the row kernels took up to 1.96x. The
 # align step pads each run of pairs to whole blocks, so the pairs are packed first, one kernel
 # making a table of P rows (`moe_pairs`: a running sum of each block's pairs), that no CUDA
