@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from punica_numba import reference
 from punica_numba._checks import check_stack
 from punica_numba.kernels.moe_pairs import pairs_threads
+from punica_numba.kernels.shrink_mma import build_mma_shrink_kernel
 from punica_numba.launch import LaunchConfig
 from punica_numba.moe_meta import align_pairs
 from punica_numba.ops import moe as moe_ops
@@ -353,27 +354,33 @@ def test_x_rows_takes_only_the_row_shrink_of_one_token_tiles():
     with pytest.raises(ValueError, match="row_scaled"):  # a factor a row: the same kernel only
         choose_shrink(x, [a], buffer, None, False, config=LaunchConfig("rows", 16, 4, 4),
                       row_scaled=True)  # fmt: skip
+    with pytest.raises(ValueError, match="row_scaled"):  # (a kernel that stores)
+        build_mma_shrink_kernel(torch.bfloat16, torch.float32, 32, 1, 1, True, row_scaled=True)
 
 
 @pytest.mark.parametrize("x_rows", [1, 2])
-def test_the_router_weights_in_the_row_shrink_are_a_multiply_of_its_rows(x_rows):
-    """The row shrink given the router's weights stores each pair's products times its
-    weight: the bits of the shrink without them and the buffer multiplied after (the launch
-    version 9 spares at w2). 6 pairs over 2 slots of 2 experts; the pairs the blocks do not
-    name keep the buffer's old rows."""
+@pytest.mark.parametrize("shrink", ["row_shrink", "dense_shrink"])
+def test_the_router_weights_in_a_shrink_are_a_multiply_of_its_rows(shrink, x_rows):
+    """The row shrink (on the pairs) and the dense tensor-core shrink (on the tiles), given
+    the router's weights, store each pair's products times its weight: the bits of the same
+    shrink without them and the buffer multiplied after (the launch version 9 spares at w2).
+    6 pairs over 2 slots of 2 experts in blocks of 2; the pairs the blocks do not name keep
+    the buffer's old rows."""
     gen = torch.Generator().manual_seed(11)
     i32 = dict(dtype=torch.int32, device=DEVICE)
     P, E, r, K = 6, 2, 4, 16
     ids = torch.tensor([[0, 3, 2, 6], [1, 5, 6, 6]], **i32)  # (6 is padding; pair 4 unnamed)
-    pairs = moe_pairs(ids, torch.tensor([[1, 0], [0, -1]], **i32), torch.tensor([4, 4], **i32),
-                      torch.ones(2, **i32), 2, P, E)  # fmt: skip
+    blocks = (ids, torch.tensor([[1, 0], [0, -1]], **i32), torch.tensor([4, 4], **i32))
+    table = moe_pairs if shrink == "row_shrink" else moe_tiles
+    work = table(*blocks, torch.ones(2, **i32), 2, P, E)
     x = torch.randn(P // x_rows, K, generator=gen).to(torch.bfloat16).to(DEVICE)
     a = [torch.randn(2, E, r, K, generator=gen).to(torch.bfloat16).to(DEVICE)]
     router = (torch.rand(P, generator=gen) + 0.5).to(DEVICE)
     plain = torch.full((1, P, r), 7.0, device=DEVICE)
     folded = plain.clone()
-    moe_dense.row_shrink(plain, x, a, pairs, x_rows, 1.5)
-    moe_dense.row_shrink(folded, x, a, pairs, x_rows, 1.5, router)
+    run = getattr(moe_dense, shrink)
+    assert run(plain, x, a, work, x_rows, 1.5) is not False  # (False: the tensor cores declined)
+    run(folded, x, a, work, x_rows, 1.5, router)
     named = torch.tensor([0, 1, 2, 3, 5])
     want = plain[:, named] * router[named].view(1, -1, 1)
     assert torch.equal(folded[:, named], want)

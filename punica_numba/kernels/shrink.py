@@ -63,7 +63,14 @@ from .dependent_launch import prologue
 from .dtypes import loader, memory_type, packing, storer, word_loader
 from .segments import read_tile, tile_token, token_of_block
 
-__all__ = ["MAX_SLICES", "block_sum", "build_shrink_kernel", "word_products"]
+__all__ = [
+    "MAX_SLICES",
+    "block_sum",
+    "build_shrink_kernel",
+    "number_factor",
+    "row_factor",
+    "word_products",
+]
 
 #: Slices one launch covers. The weights of each slice arrive as separate arguments
 #: (Numba kernels take no arrays of arrays), so the number is fixed; vLLM's layers use

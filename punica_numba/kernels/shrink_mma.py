@@ -94,6 +94,7 @@ from .dependent_launch import prologue
 from .dtypes import loader, storer, word_halves, words_loader
 from .mma import FRAGMENT_WORDS, mma_into
 from .segments import joint_place, read_tile, tile_and_slice, tile_token
+from .shrink import number_factor, row_factor
 
 __all__ = ["MmaShrinkParts", "build_mma_shrink_kernel", "mma_shrink_parts"]
 
@@ -296,6 +297,7 @@ def build_mma_shrink_kernel(
     wide: bool = True,
     x_rows: int = 1,
     ahead: int = 1,
+    row_scaled: bool = False,
 ):
     """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
     warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles per block
@@ -307,7 +309,12 @@ def build_mma_shrink_kernel(
     elements (K a multiple of 8). ``x_rows``: the output rows that share a row of x, row
     ``t`` of the output reading row ``t // x_rows`` (MoE LoRA's pairs of a token, its
     ``top_k``: :mod:`..ops.moe_dense`); 1 for the dense op (the same code: a division by
-    one is no instruction). ``ahead``: the passes of loads on their way ("Passes ahead")."""
+    one is no instruction). ``ahead``: the passes of loads on their way ("Passes ahead").
+    ``row_scaled``: ``scaling`` is an fp32 array, a factor an output row (MoE LoRA's router
+    weights, as the row shrink's build of :mod:`.shrink` takes them), in a kernel that
+    stores."""
+    if row_scaled and accumulate:
+        raise ValueError("row_scaled takes a kernel that stores")
     parts = mma_shrink_parts(dtype, threads, m_tiles, n_tiles, wide, ahead=ahead)
     walk, tile_to_shared, warps_total = parts.walk, parts.tile_to_shared, parts.warps_total
     load_out, store_out = loader(out_dtype), storer(out_dtype)
@@ -315,6 +322,7 @@ def build_mma_shrink_kernel(
     TILE_M, TILE_N, PER_THREAD = parts.tile_m, parts.tile_n, parts.per_thread
     SCRATCH_WARPS = parts.scratch_warps
     ACCUMULATE, X_ROWS = accumulate, x_rows
+    scaled = row_factor if row_scaled else number_factor  # the factor of an output row
 
     begin = prologue()
 
@@ -372,7 +380,7 @@ def build_mma_shrink_kernel(
             e = tid + THREADS * j
             row, n = e // TILE_N, e % TILE_N
             if e < TILE_M * TILE_N and row < rows and n0 + n < rank:
-                total = warps_total(partials, row, n)
-                out[out_slice, out_token[j], n0 + n] = store_out(old[j] + scaling * total)
+                total = scaled(scaling, out_token[j]) * warps_total(partials, row, n)
+                out[out_slice, out_token[j], n0 + n] = store_out(old[j] + total)
 
     return shrink

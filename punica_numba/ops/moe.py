@@ -43,7 +43,8 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    On an H100 at a4b05b8, taking them below 16 pairs, it took 0.60-0.96x version 8's time
    at w13 below 4 pairs (0.72-1.15x at w2) and 1.12-1.96x from 4 to 16, where version 8 has
    the tensor-core shrink (docs/benchmarks/h100_moe_v9_a4b05b8.json): so they are taken
-   below 4. The default.
+   below 4. From 4 on, 8's kernels, but where 7's dense tensor-core shrink runs the router's
+   weights go in as it stores, as in the row shrink (not timed on a GPU). The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -465,8 +466,8 @@ def fused_moe_lora(
     :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's; 9,
     8's, but below :data:`MMA_SHRINK_FROM_PAIRS` (4) the dense op's row kernels of
     one-token tiles on the pairs (:func:`.moe_dense.moe_pairs`), the router's weights in the
-    row shrink's stores. The same sums in other orders; :data:`DEFAULT_VERSION` (9) unless
-    asked.
+    stores of the row shrink or of 7's dense shrink. The same sums in other orders;
+    :data:`DEFAULT_VERSION` (9) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
@@ -551,21 +552,22 @@ def fused_moe_lora(
         sixth = version >= 6  # (7 to 9 take 6's kernels where the dense op's do not run)
         dense_op = version == 7 or (version >= 8 and average >= DENSE_FROM_PAIRS)
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
+        # (9: the router's weights multiplied in as a dense-op shrink stores, no launch)
+        routed = weights if version == 9 and mul_routed_weight else None
         if version == 9 and not mma:  # the dense op's row kernels, a pair a tile
             pairs = moe_pairs(*metadata, block_size, num_pairs, E)
-            routed = weights if mul_routed_weight else None  # (multiplied as it stores)
             row_shrink(buffer, x, a, pairs, x_rows, average, routed)
             row_expand(out, buffer, b, pairs, offset, add_inputs, average)
             return
         tiles = moe_tiles(*metadata, block_size, num_pairs, E) if dense_op else None
-        dense = tiles is not None and dense_shrink(buffer, x, a, tiles, x_rows, average)
+        dense = tiles is not None and dense_shrink(buffer, x, a, tiles, x_rows, average, routed)
         tensor_cores = tensor_core_words(x, a, b) if mma and not dense else None
         if not dense and tensor_cores is not None:
             _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=sixth)
         elif not dense:
             _split_shrink(shrink, x, a, compact=sixth and COMPACT_SPLIT_SHRINK)
         if tiles is not None:  # the router's weights into the buffer, then the dense expand
-            if mul_routed_weight:
+            if mul_routed_weight and not (dense and routed is not None):
                 buffer.mul_(weights.view(1, num_pairs, 1))
             if dense_expand(out, buffer, b, tiles, offset, add_inputs, average):
                 return

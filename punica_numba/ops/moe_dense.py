@@ -34,9 +34,9 @@ Where each (slot, expert) has a pair or two, version 9 takes the dense op's row 
 one-token tiles instead (:func:`row_shrink`, :func:`row_expand`; the row shrink reads row
 ``p // x_rows`` of x as the tensor-core one does): each pair a tile, the pairs packed into a
 table of P rows by one kernel (:func:`moe_pairs`, :mod:`..kernels.moe_pairs`), since a tile
-for every entry of the blocks would be mostly the align step's padding. The router's
-weights go in as the row shrink stores a pair's row (``row_scaled``), not by a launch of
-their own as the tiles' path multiplies them into the buffer.
+for every entry of the blocks would be mostly the align step's padding. In version 9 the
+router's weights go in as either shrink stores a pair's row (``row_scaled``), not by a
+launch of their own into the buffer as versions 7 and 8 multiply them.
 """
 
 from __future__ import annotations
@@ -229,13 +229,14 @@ def dense_shrink(
     tiles: tuple[torch.Tensor, torch.Tensor],
     x_rows: int,
     average_pairs: float,
+    router_weights: torch.Tensor | None = None,
 ) -> bool:
     """The shrink of a checked MoE call by the dense op's tensor-core kernel: ``buffer`` [S, P,
     r] fp32 (each pair in a tile's row stored, the others untouched), ``x`` [P / x_rows, K],
     ``lora_a[s]`` [L, E, r, K], ``tiles`` from :func:`moe_tiles`, ``x_rows`` the pairs that
     share a row of x (``top_k`` for w13, 1 for w2), ``average_pairs`` as for
-    :func:`dense_expand`. False, with nothing launched, where the tensor cores cannot take
-    the call."""
+    :func:`dense_expand`; ``router_weights`` as :func:`row_shrink` takes them. False, with
+    nothing launched, where the tensor cores cannot take the call."""
     stacks = [_flat(a, "lora_a_stacked", s) for s, a in enumerate(lora_a)]
     rank, hidden = stacks[0].rows, stacks[0].cols
     num_pairs = buffer.shape[1]
@@ -247,9 +248,11 @@ def dense_shrink(
         return False
     x_words, a_words, wide = mma
     n_tiles = -(-min(rank, config.tile_n or rank) // 8)
+    scaled = router_weights is not None
     kernel = build_mma_shrink_kernel(
-        x.dtype, torch.float32, config.threads, 1, n_tiles, False, wide, x_rows=x_rows
-    )
+        x.dtype, torch.float32, config.threads, 1, n_tiles, False, wide, x_rows=x_rows,
+        row_scaled=scaled,
+    )  # fmt: skip
     sorted_pairs = tiles[1].view(-1)  # (a tile's position: where its row starts)
     table = _live(tiles[0], tiles[1])[0]
     if table.shape[0] == 0:
@@ -257,7 +260,8 @@ def dense_shrink(
     groups = -(-rank // config.tile_n) if config.tile_n else 1
     weights = list(a_words) + [a_words[0]] * (MAX_SLICES - len(a_words))  # unused: never read
     grid = (table.shape[0] * len(a_words), groups, 1)
-    arguments = (x_words, *weights, buffer, 0, len(a_words), table, sorted_pairs, np.float32(1.0))
+    scaling = router_weights if scaled else np.float32(1.0)
+    arguments = (x_words, *weights, buffer, 0, len(a_words), table, sorted_pairs, scaling)
     launcher_of(kernel)(grid, config.threads, arguments)
     return True
 
