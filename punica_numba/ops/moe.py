@@ -566,7 +566,7 @@ def fused_moe_lora(
             _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=sixth)
         elif not dense:
             _split_shrink(shrink, x, a, compact=sixth and COMPACT_SPLIT_SHRINK)
-        if tiles is not None:  # the router's weights into the buffer, then the dense expand
+        if tiles is not None:  # the router's weights (where no shrink took them), the expand
             if mul_routed_weight and not (dense and routed is not None):
                 buffer.mul_(weights.view(1, num_pairs, 1))
             if dense_expand(out, buffer, b, tiles, offset, add_inputs, average):
