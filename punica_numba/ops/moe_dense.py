@@ -213,6 +213,14 @@ def _one_token_rows(c: LaunchConfig, any_rank: bool = False) -> bool:
     return c.kernel in ("rows", "lanes") and c.tile_m == 1
 
 
+def _factors(router_weights: torch.Tensor | None) -> tuple[bool, object]:
+    """``(row_scaled, scaling)`` of a shrink's build and launch: the router's weights as a
+    factor an output row where given, else the scaling of 1."""
+    if router_weights is None:
+        return False, np.float32(1.0)
+    return True, router_weights
+
+
 def _live(table: torch.Tensor, tokens: torch.Tensor):
     """The table's rows and their tokens, on the simulator only the live ones (every CUDA
     thread is a Python thread there: no idle tile)."""
@@ -248,7 +256,7 @@ def dense_shrink(
         return False
     x_words, a_words, wide = mma
     n_tiles = -(-min(rank, config.tile_n or rank) // 8)
-    scaled = router_weights is not None
+    scaled, scaling = _factors(router_weights)
     kernel = build_mma_shrink_kernel(
         x.dtype, torch.float32, config.threads, 1, n_tiles, False, wide, x_rows=x_rows,
         row_scaled=scaled,
@@ -260,7 +268,6 @@ def dense_shrink(
     groups = -(-rank // config.tile_n) if config.tile_n else 1
     weights = list(a_words) + [a_words[0]] * (MAX_SLICES - len(a_words))  # unused: never read
     grid = (table.shape[0] * len(a_words), groups, 1)
-    scaling = router_weights if scaled else np.float32(1.0)
     arguments = (x_words, *weights, buffer, 0, len(a_words), table, sorted_pairs, scaling)
     launcher_of(kernel)(grid, config.threads, arguments)
     return True
@@ -312,7 +319,7 @@ def row_shrink(
     key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
     config = _config("shrink", buffer.shape[1], average_pairs, rank, len(stacks), key,
                      _one_token_rows)  # fmt: skip
-    scaled = router_weights is not None
+    scaled, scaling = _factors(router_weights)
     chosen = choose_shrink(
         x, stacks, buffer, None, False, config=config, x_rows=x_rows, row_scaled=scaled
     )
@@ -322,7 +329,6 @@ def row_shrink(
     weights = list(chosen.weights)
     grid = (table.shape[0], len(weights), chosen.rank_groups)
     weights += [weights[0]] * (MAX_SLICES - len(weights))  # unused: never read
-    scaling = router_weights if scaled else np.float32(1.0)
     arguments = (chosen.x, *weights, buffer, 0, table, tokens, scaling)
     launcher_of(chosen.kernel)(grid, config.threads, arguments)
 
