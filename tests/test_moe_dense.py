@@ -71,34 +71,25 @@ def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
     return table + [[-1, 0, 0, 0]] * idle, tokens + [[0] * TILE_M] * idle
 
 
-def pairs_by_loops(blocks, enabled, block_size, num_pairs, num_experts, tile=1):
-    """:func:`moe_pairs` as its docstring defines it, one pair at a time on the host: the
-    pairs in order, and a row for each run of up to ``tile`` pairs of a block, up to
-    ``rows`` (the bound of any alignment), then idle rows."""
+def pairs_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
+    """:func:`moe_pairs` as its docstring defines it, one pair at a time on the host."""
     ids, experts, padded = (t.cpu().tolist() for t in blocks)
     enabled = enabled.cpu().tolist()
-    row_blocks = len(experts[0])
-    in_use = min(num_pairs, len(ids) * row_blocks)  # blocks that can hold a pair, at most
-    rows = min(num_pairs, (num_pairs + (tile - 1) * in_use) // tile)
     table, tokens = [], []
     for l, row in enumerate(ids):
         if enabled[l] == 0:
             continue
-        for b in range(min(row_blocks, -(-max(padded[l], 0) // block_size))):
+        for b in range(min(len(experts[l]), -(-max(padded[l], 0) // block_size))):
             e = experts[l][b]
             if not 0 <= e < num_experts:
                 continue
-            pairs = [p for p in row[b * block_size : (b + 1) * block_size] if 0 <= p < num_pairs]
-            for k in range(0, len(pairs), tile):
-                run = pairs[k : k + tile]
-                if len(tokens) + k < num_pairs:  # its first pair has a place
-                    table.append([l * num_experts + e, len(tokens) + k, len(run), run[0]])
-                else:
-                    table.append([-1, 0, 0, 0])
-            tokens += pairs
-    assert len(table) <= rows or len(tokens) > num_pairs, "the bound is too small"
-    table, tokens = table[:rows], tokens[:num_pairs]
-    return table + [[-1, 0, 0, 0]] * (rows - len(table)), tokens + [0] * (num_pairs - len(tokens))
+            for p in row[b * block_size : (b + 1) * block_size]:
+                if 0 <= p < num_pairs:
+                    table.append([l * num_experts + e, len(table), 1, p])
+                    tokens.append(p)
+    table, tokens = table[:num_pairs], tokens[:num_pairs]
+    idle = num_pairs - len(table)
+    return table + [[-1, 0, 0, 0]] * idle, tokens + [0] * idle
 
 
 @settings(max_examples=min(settings().max_examples, 30))
@@ -111,17 +102,15 @@ def pairs_by_loops(blocks, enabled, block_size, num_pairs, num_experts, tile=1):
     st.sampled_from((torch.int32, torch.bool)),  # adapter_enabled's flags
     st.integers(0, 4),  # experts that are not local (expert parallelism), at most all but one
     st.booleans(),  # the align step told which slots are off (else their pairs take blocks)
-    st.sampled_from((1, 2, 4)),  # pairs a tile of the pairs' table
 )
 def test_the_blocks_as_the_dense_tile_table(
-    slots, experts, block_size, tokens, seed, flags, remote, aligned_knowing, tile
+    slots, experts, block_size, tokens, seed, flags, remote, aligned_knowing
 ):
     """On drawn routings, with and without expert parallelism: the align step over every
     expert, ``expert_map`` naming the local ones, and the tiles over the local ones (whose
     count is the stacks', while the other experts' runs take blocks of -1); and the pairs of
-    the same blocks in tiles of ``tile`` pairs (1: a pair a tile). The align step is told
-    which slots are off, or not (their pairs then sit in blocks that the tiles and the pairs
-    skip)."""
+    the same blocks as one-token tiles. The align step is told which slots are off, or not
+    (their pairs then sit in blocks that the tiles and the pairs skip)."""
     gen = torch.Generator().manual_seed(seed)
     local = max(1, experts - remote)
     top_k = min(2, experts)
@@ -157,16 +146,13 @@ def test_the_blocks_as_the_dense_tile_table(
         and enabled[token_slots[t]] != 0
     ]
     assert sorted(p for pairs in live for p in pairs) == routed
-    # The same pairs in the tiles' order, in runs of up to `tile` pairs of a block.
-    sizes = (block_size, num_pairs, local, tile)
-    pair_table, pair_tokens = moe_pairs(*blocks, enabled.to(DEVICE), *sizes)
-    want_table, want_tokens = pairs_by_loops(blocks, enabled, *sizes)
+    # The same pairs, a tile each, in the tiles' order.
+    pair_table, pair_tokens = moe_pairs(*blocks, enabled.to(DEVICE), block_size, num_pairs, local)
+    want_table, want_tokens = pairs_by_loops(blocks, enabled, block_size, num_pairs, local)
     assert pair_table.dtype == pair_tokens.dtype == torch.int32
     assert pair_table.cpu().tolist() == want_table
     assert pair_tokens.cpu().tolist() == want_tokens
-    assert [p for pairs in live for p in pairs] == want_tokens[: len(routed)]
-    runs = [want_tokens[i : i + n] for s, i, n, _ in want_table if s >= 0]
-    assert [p for run in runs for p in run] == want_tokens[: len(routed)]
+    assert [p for pairs in live for p in pairs] == [p for s, _, _, p in want_table if s >= 0]
 
 
 @st.composite
@@ -283,16 +269,12 @@ def test_the_tiles_of_blocks_off_the_kernels_device_are_refused_before_a_launch(
 
 def test_a_pair_named_twice_takes_no_row_past_p():
     """Metadata that names pair 0 twice among P = 2 pairs: the rows are P, each a pair in
-    the blocks' order (0, 1, then 0 again, which has no row); none idle. In tiles of two,
-    the first block's run, and none for the second's, whose pair has no place."""
+    the blocks' order (0, 1, then 0 again, which has no row); none idle."""
     i32 = dict(dtype=torch.int32, device=DEVICE)
     ids = torch.tensor([[0, 1, 0, 2]], **i32)  # (2 is padding)
-    blocks = ids, torch.tensor([[1, 0]], **i32), torch.tensor([4], **i32), torch.ones(1, **i32)
-    table, tokens = moe_pairs(*blocks, 2, 2, 2)
+    table, tokens = moe_pairs(ids, torch.tensor([[1, 0]], **i32), torch.tensor([4], **i32),
+                              torch.ones(1, **i32), 2, 2, 2)  # fmt: skip
     assert table.tolist() == [[1, 0, 1, 0], [1, 1, 1, 1]]
-    assert tokens.tolist() == [0, 1]
-    table, tokens = moe_pairs(*blocks, 2, 2, 2, 2)
-    assert table.tolist() == [[1, 0, 2, 0], [-1, 0, 0, 0]]
     assert tokens.tolist() == [0, 1]
 
 
@@ -323,34 +305,20 @@ def test_more_blocks_in_use_than_the_pairs_kernels_threads_take_rounds():
     padded = torch.tensor([NB * bs, NB * bs, NB * bs - 5], dtype=torch.int32)
     enabled = torch.tensor([1, 0, 1], dtype=torch.int32)
     blocks = tuple(t.to(DEVICE) for t in (ids, experts, padded))
-    for tile in (1, 3):
-        table, tokens = moe_pairs(*blocks, enabled.to(DEVICE), bs, P, E, tile)
-        want_table, want_tokens = pairs_by_loops(blocks, enabled, bs, P, E, tile)
-        assert table.cpu().tolist() == want_table
-        assert tokens.cpu().tolist() == want_tokens
+    table, tokens = moe_pairs(*blocks, enabled.to(DEVICE), bs, P, E)
+    want_table, want_tokens = pairs_by_loops(blocks, enabled, bs, P, E)
+    assert table.cpu().tolist() == want_table
+    assert tokens.cpu().tolist() == want_tokens
 
 
-@pytest.mark.parametrize(
-    "version, mma_from, dense_from, takes",
-    [
-        (9, 1, 1, "dense"),
-        (9, 2, 1, 1),
-        (9, 1, 2, "sixth"),
-        (10, 1, 1, "dense"),
-        (10, 2, 1, 1),
-        (10, 1, 2, 4),
-    ],
-)
-def test_versions_9_and_10_take_the_row_kernels_between_thresholds(
-    version, mma_from, dense_from, takes, monkeypatch
-):
-    """The small call (w2, bf16: 1.67 pairs a (slot, expert)) with MMA_SHRINK_FROM_PAIRS and
-    DENSE_FROM_PAIRS moved about it: from DENSE_FROM_PAIRS on both versions take version 7's
-    tiles and kernels; below MMA_SHRINK_FROM_PAIRS the pairs as one-token tiles and the dense
-    op's row kernels; between the two, version 9 version 6's kernels (no table of the dense
-    op) and version 10 the row kernels on tiles of 4 pairs. Each gives the reference."""
+@pytest.mark.parametrize("mma_from, dense", [(1, True), (2, False)])
+def test_version_9_takes_the_row_kernels_below_the_threshold(mma_from, dense, monkeypatch):
+    """The small call (w2, bf16: 1.67 pairs a (slot, expert)) at version 9, with
+    MMA_SHRINK_FROM_PAIRS at 1 or 2 (and DENSE_FROM_PAIRS at 1): version 8's kernels from it
+    on (here version 7's tiles and kernels); below it the pairs as one-token tiles and the
+    dense op's row kernels. Each gives the reference."""
     monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", mma_from)
-    monkeypatch.setattr(moe_ops, "DENSE_FROM_PAIRS", dense_from)
+    monkeypatch.setattr(moe_ops, "DENSE_FROM_PAIRS", 1)
     launched = []
     real = moe_dense.launcher_of
 
@@ -362,70 +330,57 @@ def test_versions_9_and_10_take_the_row_kernels_between_thresholds(
              ("moe_tiles", "moe_pairs", "row_shrink", "row_expand")}  # fmt: skip
     monkeypatch.setattr(moe_dense, "launcher_of", recording)
     with mock.patch.multiple(moe_ops, **spies):
-        y, want = _small_call(torch.bfloat16, True, 16, version=version)
+        y, want = _small_call(torch.bfloat16, True, 16, version=9)
     torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
     counts = [spies[name].call_count for name in ("moe_tiles", "moe_pairs", "row_shrink")]
-    rows = takes in (1, 4)
-    assert counts == [int(takes == "dense"), int(rows), int(rows)], counts
-    assert spies["row_expand"].call_count == int(rows)
-    if rows:  # the pairs' kernel, the row shrink, then a row or lane-split expand, of a tile
-        assert spies["moe_pairs"].call_args.args[-1] == takes
-        assert spies["row_shrink"].call_args.args[-1] == takes
-        assert spies["row_expand"].call_args.args[-1] == takes
+    assert counts == ([1, 0, 0] if dense else [0, 1, 1]), counts
+    assert spies["row_expand"].call_count == (0 if dense else 1)
+    if not dense:  # the pairs' kernel, the row shrink, then a row or lane-split expand
         assert launched[:2] == ["pairs", "shrink"], launched
         assert launched[2] == "expand", launched  # (the row and the lane-split kernels' name)
-    if takes == "sixth":
-        assert launched == [], launched  # (none of the dense op's)
 
 
-def test_x_rows_takes_only_the_row_shrink():
-    """Pairs that share a row of x (w13's) read it by ``t // x_rows``, and the router's
-    weights go in as a factor a row (``row_scaled``), in the row shrink of any tile (the
-    tensor-core one has builds of its own, :func:`.moe_dense.dense_shrink`): any other
-    configuration with either is refused."""
+def test_x_rows_takes_only_the_row_shrink_of_one_token_tiles():
+    """Pairs that share a row of x (w13's) read it by ``t // x_rows`` in the row shrink of
+    one-token tiles only: any other configuration with ``x_rows`` is refused."""
     x = torch.zeros(2, 8, dtype=torch.bfloat16, device=DEVICE)
     a = check_stack("a", torch.zeros(1, 4, 8, dtype=torch.bfloat16, device=DEVICE))
     buffer = torch.zeros(1, 4, 4, dtype=torch.float32, device=DEVICE)
-    for config in (LaunchConfig("mma", 64, 16, 8), LaunchConfig("split", 16, 2, 4, splits=3)):
+    for config in (LaunchConfig("rows", 16, 4, 4), LaunchConfig("mma", 64, 16, 8)):
         with pytest.raises(ValueError, match="x_rows"):
             choose_shrink(x, [a], buffer, None, False, config=config, x_rows=2)
-        with pytest.raises(ValueError, match="row_scaled"):
-            choose_shrink(x, [a], buffer, None, False, config=config, row_scaled=True)
-    for rows in (LaunchConfig("rows", 16, 1, 4, spread=False), LaunchConfig("rows", 16, 4, 4)):
-        chosen = choose_shrink(x, [a], buffer, None, False, config=rows, x_rows=2,
-                               row_scaled=True)  # fmt: skip
-        assert chosen.config == rows
+    rows = LaunchConfig("rows", 16, 1, 4, spread=False)
+    assert choose_shrink(x, [a], buffer, None, False, config=rows, x_rows=2).config == rows
+    with pytest.raises(ValueError, match="row_scaled"):  # a factor a row: the same kernel only
+        choose_shrink(x, [a], buffer, None, False, config=LaunchConfig("rows", 16, 4, 4),
+                      row_scaled=True)  # fmt: skip
     with pytest.raises(ValueError, match="row_scaled"):  # (a kernel that stores)
         build_mma_shrink_kernel(torch.bfloat16, torch.float32, 32, 1, 1, True, row_scaled=True)
 
 
 @pytest.mark.parametrize("x_rows", [1, 2])
-@pytest.mark.parametrize(
-    "shrink, tile", [("row_shrink", 1), ("row_shrink", 4), ("dense_shrink", 0)]
-)
-def test_the_router_weights_in_a_shrink_are_a_multiply_of_its_rows(shrink, tile, x_rows):
-    """The row shrink (on the pairs, a pair a tile or a block's pairs in tiles of up to 4)
-    and the dense tensor-core shrink (on the tiles), given the router's weights, store each
-    pair's products times its weight: the bits of the same shrink without them and the
-    buffer multiplied after (the launch versions 9 and 10 spare at w2). 6 pairs over 2 slots
-    of 2 experts in blocks of 2; the pairs the blocks do not name keep the buffer's old
-    rows."""
+@pytest.mark.parametrize("shrink", ["row_shrink", "dense_shrink"])
+def test_the_router_weights_in_a_shrink_are_a_multiply_of_its_rows(shrink, x_rows):
+    """The row shrink (on the pairs) and the dense tensor-core shrink (on the tiles), given
+    the router's weights, store each pair's products times its weight: the bits of the same
+    shrink without them and the buffer multiplied after (the launch version 9 spares at w2).
+    6 pairs over 2 slots of 2 experts in blocks of 2; the pairs the blocks do not name keep
+    the buffer's old rows."""
     gen = torch.Generator().manual_seed(11)
     i32 = dict(dtype=torch.int32, device=DEVICE)
     P, E, r, K = 6, 2, 4, 16
     ids = torch.tensor([[0, 3, 2, 6], [1, 5, 6, 6]], **i32)  # (6 is padding; pair 4 unnamed)
     blocks = (ids, torch.tensor([[1, 0], [0, -1]], **i32), torch.tensor([4, 4], **i32))
-    on = torch.ones(2, **i32)
-    work = moe_pairs(*blocks, on, 2, P, E, tile) if tile else moe_tiles(*blocks, on, 2, P, E)
+    table = moe_pairs if shrink == "row_shrink" else moe_tiles
+    work = table(*blocks, torch.ones(2, **i32), 2, P, E)
     x = torch.randn(P // x_rows, K, generator=gen).to(torch.bfloat16).to(DEVICE)
     a = [torch.randn(2, E, r, K, generator=gen).to(torch.bfloat16).to(DEVICE)]
     router = (torch.rand(P, generator=gen) + 0.5).to(DEVICE)
     plain = torch.full((1, P, r), 7.0, device=DEVICE)
     folded = plain.clone()
     run = getattr(moe_dense, shrink)
-    more = dict(tile=tile) if tile else {}
-    assert run(plain, x, a, work, x_rows, 1.5, **more) is not False  # (False: no tensor cores)
-    run(folded, x, a, work, x_rows, 1.5, router, **more)
+    assert run(plain, x, a, work, x_rows, 1.5) is not False  # (False: the tensor cores declined)
+    run(folded, x, a, work, x_rows, 1.5, router)
     named = torch.tensor([0, 1, 2, 3, 5])
     want = plain[:, named] * router[named].view(1, -1, 1)
     assert torch.equal(folded[:, named], want)

@@ -36,17 +36,6 @@ kernels read them (``sorted_tokens`` at the row's position), are the pairs in th
 order: ``tokens[i] = p``, and 0 for an idle row. Fixed sizes, no read-back: the launch can
 be captured in a CUDA graph. Every entry is read by one thread, every output written by
 one.
-
-**Tiles of several pairs** (``tile``, version 10 of the op). Where a (slot, expert) has a
-few pairs, 4 to 16, a row a pair has the row kernels read its rows of A once a pair. Built
-with ``tile`` > 1, the kernel makes a row of the table for each run of up to ``tile`` pairs
-of one block, in order: ``(l * E + e, i, n, p)`` with ``i`` where the tile's first pair
-``p`` sits in ``tokens`` and ``n`` its pairs, for the dense op's row kernels of
-``tile``-token tiles (:mod:`.shrink`, :mod:`.expand`), which read A once a tile. ``tokens``
-is the same list of pairs; the table's rows are a second running sum (each block's
-``ceil(pairs / tile)``), beside the first. Its rows: :func:`tile_rows`, a bound below P
-where the blocks in use may be fewer than the pairs. Tiles of one pair are the table
-above.
 """
 
 from __future__ import annotations
@@ -59,7 +48,7 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .moe_blocks import unit_walker
 
-__all__ = ["MOE_PAIRS_THREADS", "build_moe_pairs_kernel", "pairs_threads", "tile_rows"]
+__all__ = ["MOE_PAIRS_THREADS", "build_moe_pairs_kernel", "pairs_threads"]
 
 #: The most threads of the one CUDA block: the blocks in use one round takes. On the
 #: simulator, where each is a Python thread, a few (so that test calls take several rounds).
@@ -80,29 +69,15 @@ def pairs_threads(
     return threads
 
 
-def tile_rows(num_pairs: int, slots: int, row_blocks: int, tile: int) -> int:
-    """The rows of the table of tiles of up to ``tile`` pairs, a bound the host knows: a
-    block in use with ``c`` pairs makes ``ceil(c / tile) <= (c + tile - 1) / tile`` tiles,
-    and the blocks in use are at most ``min(P, slots * row_blocks)`` (each holds a pair), so
-    the tiles are at most ``(P + (tile - 1) * blocks) / tile``, and at most P. Tiles of one
-    pair: P."""
-    blocks = min(num_pairs, slots * row_blocks)
-    return min(num_pairs, (num_pairs + (tile - 1) * blocks) // tile)
-
-
 @functools.cache
-def build_moe_pairs_kernel(batch: int, threads: int = MOE_PAIRS_THREADS, tile: int = 1):
+def build_moe_pairs_kernel(batch: int, threads: int = MOE_PAIRS_THREADS):
     """The kernel ``pairs(sorted_token_ids, expert_ids, num_tokens_post_padded,
-    adapter_enabled, block_size, num_pairs, num_experts, table, tokens)``: ``table`` [R, 4]
-    (R: :func:`tile_rows`) and ``tokens`` [P] int32, launched as one CUDA block of
-    ``threads`` (a power of two); ``batch`` the slots the walk reads at once
-    (:func:`.moe_blocks.slots_at_once`); ``tile`` the most pairs of a block a row of the
-    table takes (module notes, "Tiles of several pairs")."""
+    adapter_enabled, block_size, num_pairs, num_experts, table, tokens)``: ``table`` [P, 4]
+    and ``tokens`` [P] int32, launched as one CUDA block of ``threads`` (a power of two);
+    ``batch`` the slots the walk reads at once (:func:`.moe_blocks.slots_at_once`)."""
     if threads & (threads - 1):
         raise ValueError(f"threads must be a power of two for the running sum, got {threads}")
-    if tile < 1:
-        raise ValueError(f"tile must be at least 1, got {tile}")
-    THREADS, TILE = threads, tile
+    THREADS = threads
     unit_of = unit_walker(batch)
     begin = prologue()
 
@@ -123,9 +98,7 @@ def build_moe_pairs_kernel(batch: int, threads: int = MOE_PAIRS_THREADS, tile: i
         rows = table.shape[0]
         entries = sorted_token_ids.shape[1]
         running = cuda.shared.array(THREADS, int32)  # the round's running sum of pairs
-        running_tiles = cuda.shared.array(THREADS, int32)  # and of tiles
-        done = 0  # pairs written by the rounds before
-        tiles_done = 0  # and rows of the table
+        done = 0  # rows written by the rounds before
         first = 0  # the round's first block in use
         while True:
             l, b = unit_of(
@@ -143,49 +116,33 @@ def build_moe_pairs_kernel(batch: int, threads: int = MOE_PAIRS_THREADS, tile: i
                         p = sorted_token_ids[l, q]
                         if 0 <= p < num_pairs:
                             count += 1
-            count_tiles = (count + TILE - 1) // TILE
-            # The running sums over the round's threads (inclusive), in log2(THREADS) steps.
+            # The running sum over the round's threads (inclusive), in log2(THREADS) steps.
             running[t] = count
-            running_tiles[t] = count_tiles
             cuda.syncthreads()
             step = 1
             while step < THREADS:
                 before = running[t - step] if t >= step else 0
-                before_tiles = running_tiles[t - step] if t >= step else 0
                 cuda.syncthreads()
                 running[t] += before
-                running_tiles[t] += before_tiles
                 cuda.syncthreads()
                 step *= 2
-            at = done + running[t] - count  # where the block's first pair goes
-            row = tiles_done + running_tiles[t] - count_tiles  # and its first tile
+            row = done + running[t] - count  # where the block's first pair goes
             if count > 0:
-                taken = 0  # the block's pairs written so far
                 for q in range(start, end):
                     p = sorted_token_ids[l, q]
-                    if 0 <= p < num_pairs:
-                        if taken % TILE == 0 and row < rows:  # a tile starts at this pair
-                            if at < tokens.shape[0]:
-                                table[row, 0], table[row, 1] = slot, at
-                                table[row, 2], table[row, 3] = min(TILE, count - taken), p
-                            else:  # (past P: a pair named twice) an idle row
-                                table[row, 0], table[row, 1] = -1, 0
-                                table[row, 2], table[row, 3] = 0, 0
-                            row += 1
-                        if at < tokens.shape[0]:
-                            tokens[at] = p
-                        at += 1
-                        taken += 1
+                    if 0 <= p < num_pairs and row < rows:
+                        table[row, 0], table[row, 1] = slot, row
+                        table[row, 2], table[row, 3] = 1, p
+                        tokens[row] = p
+                        row += 1
             done += running[THREADS - 1]
-            tiles_done += running_tiles[THREADS - 1]
             # Every thread found a block in use: there may be more. (Also the barrier
             # before the next round writes the running sums again.)
             if cuda.syncthreads_and(int32(1 if l >= 0 else 0)) == 0:
                 break
             first += THREADS
-        for i in range(min(tiles_done, rows) + t, rows, THREADS):  # the idle rows
+        for i in range(min(done, rows) + t, rows, THREADS):  # the idle rows
             table[i, 0], table[i, 1], table[i, 2], table[i, 3] = -1, 0, 0, 0
-        for i in range(min(done, tokens.shape[0]) + t, tokens.shape[0], THREADS):
             tokens[i] = 0
 
     return pairs

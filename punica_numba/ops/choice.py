@@ -104,15 +104,15 @@ def choose_shrink(
     heuristic's pick (as :func:`choose_expand` takes it). ``x_rows``: the output rows that
     share a row of x, row ``t`` reading row ``t // x_rows`` (MoE LoRA's pairs of a token,
     :mod:`.moe_dense`), and ``row_scaled``: a factor an output row in place of the scaling
-    (MoE LoRA's router weights), which only the row shrink takes."""
+    (MoE LoRA's router weights), which only the row shrink of one-token tiles takes."""
     num_tokens, rank = inputs.shape[0], weights[0].rows
     active = facts and facts.active_slots
     slices = len(weights)
     key = dict(dtype=weights[0].dtype, K=inputs.shape[1], N=rank)  # the tuned tables' key
     config = config or choose_launch_config("shrink", num_tokens, active, rank, True, slices, **key)
-    if (x_rows != 1 or row_scaled) and config.kernel != "rows":
+    if (x_rows != 1 or row_scaled) and (config.kernel != "rows" or config.tile_m != 1):
         asked = f"x_rows={x_rows}" + (", row_scaled" if row_scaled else "")
-        raise ValueError(f"{asked} takes the row shrink, not {config}")
+        raise ValueError(f"{asked} takes the row shrink of one-token tiles, not {config}")
     mma = None
     if config.kernel == "mma":
         mma = operands.mma_shrink_operands(inputs, weights, config.tile_n)

@@ -45,12 +45,6 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    the tensor-core shrink (docs/benchmarks/h100_moe_v9_a4b05b8.json): so they are taken
    below 4. From 4 on, 8's kernels, but where 7's dense tensor-core shrink runs the router's
    weights go in as it stores, as in the row shrink (not timed on a GPU). The default.
-10. 9's, but from 4 pairs a (slot, expert) to 16, where 8's kernels are version 6's, the
-    same row kernels on tiles of up to :data:`ROW_TILE_PAIRS` (4) pairs of a block
-    (:func:`.moe_dense.moe_pairs` with ``tile``): the dense op's row kernels of 4-token
-    tiles, which read a (slot, expert)'s rows of A and B once a tile, not once a pair (9's
-    row kernels at 4 to 16 pairs read them 4 to 16 times, and took 1.12-1.96x version 8's
-    time there). Not timed on a GPU.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -100,7 +94,7 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 #: The version a call takes unless it asks for another: 9. On an H100 at 6426c98 (``bench
 #: --moe`` of versions 9 and 8 on one machine; docs/benchmarks/h100_moe_v9_6426c98.json,
 #: h100_moe_v8_6426c98.json) it took 0.54-0.99x version 8's time on the 18 of 30 cases
@@ -131,15 +125,6 @@ DEFAULT_VERSION = 9
 #: 16 and 128 (256 and 2048 tokens on one) the tensor cores win too. Nothing between 1 and 8
 #: was measured: 4 is a point between them, not a measured crossing.
 MMA_SHRINK_FROM_PAIRS = 4
-
-
-#: Version 10 hands the pairs of a (slot, expert) that averages from
-#: :data:`MMA_SHRINK_FROM_PAIRS` to :data:`DENSE_FROM_PAIRS` pairs to the dense op's row
-#: kernels in tiles of up to this many pairs of a block (:func:`.moe_dense.moe_pairs`), which
-#: read A and B once a tile: the tile of the dense op's row kernels for many tokens a slot
-#: (:data:`punica_numba.launch.launch_configs`' ``tile_m=4`` rows, in both ops, on the GPU and
-#: on the simulator).
-ROW_TILE_PAIRS = 4
 
 
 #: Version 8 takes version 7's kernels from this many pairs a (slot, expert) on average
@@ -567,16 +552,12 @@ def fused_moe_lora(
         sixth = version >= 6  # (7 to 9 take 6's kernels where the dense op's do not run)
         dense_op = version == 7 or (version >= 8 and average >= DENSE_FROM_PAIRS)
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
-        # (9, 10: the router's weights multiplied in as a dense-op shrink stores, no launch)
-        routed = weights if version >= 9 and mul_routed_weight else None
-        # (9, 10: the dense op's row kernels, a pair a tile; 10: tiles of a block's pairs)
-        tile = 1 if version >= 9 and not mma else 0
-        if version == 10 and mma and not dense_op:
-            tile = ROW_TILE_PAIRS
-        if tile:
-            pairs = moe_pairs(*metadata, block_size, num_pairs, E, tile)
-            row_shrink(buffer, x, a, pairs, x_rows, average, routed, tile)
-            row_expand(out, buffer, b, pairs, offset, add_inputs, average, tile)
+        # (9: the router's weights multiplied in as a dense-op shrink stores, no launch)
+        routed = weights if version == 9 and mul_routed_weight else None
+        if version == 9 and not mma:  # the dense op's row kernels, a pair a tile
+            pairs = moe_pairs(*metadata, block_size, num_pairs, E)
+            row_shrink(buffer, x, a, pairs, x_rows, average, routed)
+            row_expand(out, buffer, b, pairs, offset, add_inputs, average)
             return
         tiles = moe_tiles(*metadata, block_size, num_pairs, E) if dense_op else None
         dense = tiles is not None and dense_shrink(buffer, x, a, tiles, x_rows, average, routed)

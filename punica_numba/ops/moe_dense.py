@@ -51,7 +51,7 @@ from .._cuda import SIMULATOR
 from ..kernels import MAX_SLICES, build_mma_shrink_kernel, splits
 from ..kernels.dtypes import packing
 from ..kernels.moe_blocks import slots_at_once
-from ..kernels.moe_pairs import build_moe_pairs_kernel, pairs_threads, tile_rows
+from ..kernels.moe_pairs import build_moe_pairs_kernel, pairs_threads
 from ..kernels.moe_tiles import (
     MOE_TILE_M,
     MOE_TILES_THREADS,
@@ -126,11 +126,9 @@ def moe_pairs(
     block_size: int,
     num_pairs: int,
     num_experts: int,
-    tile: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs of the MoE blocks in use as the dense op's table of tiles of up to ``tile``
-    pairs ``[R, 4]`` with their tokens ``[P]`` (int32; the row kernels' ``sorted_tokens``),
-    R from :func:`..kernels.moe_pairs.tile_rows` (P for tiles of one pair), made by one
+    """The pairs of the MoE blocks in use as the dense op's table of one-token tiles ``[P,
+    4]`` with their tokens ``[P]`` (int32; the row kernels' ``sorted_tokens``), made by one
     kernel of one CUDA block (:mod:`..kernels.moe_pairs`; its threads
     :func:`..kernels.moe_pairs.pairs_threads`).
 
@@ -139,20 +137,16 @@ def moe_pairs(
             b < min(NB, ceil(num_tokens_post_padded[l] / bs)) in order
         their pairs: for each such block with 0 <= e = expert_ids[l, b] < E, the entries of
             sorted_token_ids[l, b*bs : (b+1)*bs] below num_pairs, in their order
-        tokens[i] = the i-th pair of those; 0 past the last
-        each block's pairs in runs of ``tile`` (the last maybe shorter), one row each, in
-            order: the k-th run, of (slot l, expert e), whose first pair p sits at tokens[i]
-            and which holds n pairs: table row k = (l*E + e, i, n, p)
-        rows past the last run, and of a run whose first pair is past P (a pair named
-            twice): (-1, 0, 0, 0); runs past R rows and pairs past P: none
+        row i of the i-th pair p, of (slot l, expert e): table (l*E + e, i, 1, p), tokens p
+        rows past the last pair: (-1, 0, 0, 0) and 0; pairs past P rows (a pair named
+        twice): none
     """
     blocks = (sorted_token_ids, expert_ids, num_tokens_post_padded)
-    slots, row_blocks = sorted_token_ids.shape[0], expert_ids.shape[1]
     table, tokens = _empty_table(blocks, (num_pairs,))
-    table = table[: tile_rows(num_pairs, slots, row_blocks, tile)]
     if num_pairs:
-        threads = pairs_threads(num_pairs, slots, row_blocks)
-        kernel = build_moe_pairs_kernel(slots_at_once(slots), threads, tile)
+        slots = sorted_token_ids.shape[0]
+        threads = pairs_threads(num_pairs, slots, expert_ids.shape[1])
+        kernel = build_moe_pairs_kernel(slots_at_once(slots), threads)
         sizes = (block_size, num_pairs, num_experts)
         _make_table(kernel, (1, 1, 1), threads, blocks, adapter_enabled, sizes, table, tokens)
     return table, tokens
@@ -213,14 +207,10 @@ def _expand_runs(c: LaunchConfig, any_rank: bool = False) -> bool:
     return c.kernel == "mma" and c.tile_m == TILE_M
 
 
-def row_tiles(tile: int):
-    """The test of a row kernel of ``tile``-token tiles (:func:`row_shrink`,
-    :func:`row_expand`): the row shrink, the row or lane-split expand, at any rank."""
-
-    def runs(c: LaunchConfig, any_rank: bool = False) -> bool:
-        return c.kernel in ("rows", "lanes") and c.tile_m == tile
-
-    return runs
+def _one_token_rows(c: LaunchConfig, any_rank: bool = False) -> bool:
+    """A row kernel of one-token tiles (:func:`row_shrink`, :func:`row_expand`): the row
+    shrink, the row or lane-split expand, at any rank."""
+    return c.kernel in ("rows", "lanes") and c.tile_m == 1
 
 
 def _factors(router_weights: torch.Tensor | None) -> tuple[bool, object]:
@@ -233,13 +223,11 @@ def _factors(router_weights: torch.Tensor | None) -> tuple[bool, object]:
 
 def _live(table: torch.Tensor, tokens: torch.Tensor):
     """The table's rows and their tokens, on the simulator only the live ones (every CUDA
-    thread is a Python thread there: no idle tile). Tokens in rows of their own (version 7's
-    tiles, ``[R, 16]``) are kept with their rows; a list of them (the pairs', ``[P]``), where
-    the rows name positions, whole."""
+    thread is a Python thread there: no idle tile)."""
     if not SIMULATOR:
         return table, tokens
     keep = table[:, 0] >= 0
-    return table[keep].contiguous(), tokens[keep].contiguous() if tokens.dim() == 2 else tokens
+    return table[keep].contiguous(), tokens[keep].contiguous()
 
 
 def dense_shrink(
@@ -319,20 +307,18 @@ def row_shrink(
     x_rows: int,
     average_pairs: float,
     router_weights: torch.Tensor | None = None,
-    tile: int = 1,
 ) -> None:
-    """The shrink of a checked MoE call by the dense op's row kernel of ``tile``-token tiles,
-    a run of up to ``tile`` pairs of a block a tile: as :func:`dense_shrink`, ``pairs`` from
-    :func:`moe_pairs` with the same ``tile``. The configuration is the dense op's for P rows
-    of ``P / average_pairs`` slots where that is such a kernel, else the first such of the
-    table. Every dtype. ``router_weights`` (fp32 [P]), where given, multiply each pair's row
-    as the kernel stores it: the products and then the weight, as a multiply of the stored
-    buffer would, without its launch."""
+    """The shrink of a checked MoE call by the dense op's row kernel of one-token tiles, a
+    pair a tile: as :func:`dense_shrink`, ``pairs`` from :func:`moe_pairs`. The
+    configuration is the dense op's for P rows of ``P / average_pairs`` slots where that is
+    such a kernel, else the first such of the table. Every dtype. ``router_weights`` (fp32
+    [P]), where given, multiply each pair's row as the kernel stores it: the products and
+    then the weight, as a multiply of the stored buffer would, without its launch."""
     stacks = [_flat(a, "lora_a_stacked", s) for s, a in enumerate(lora_a)]
     rank, hidden = stacks[0].rows, stacks[0].cols
     key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
     config = _config("shrink", buffer.shape[1], average_pairs, rank, len(stacks), key,
-                     row_tiles(tile))  # fmt: skip
+                     _one_token_rows)  # fmt: skip
     scaled, scaling = _factors(router_weights)
     chosen = choose_shrink(
         x, stacks, buffer, None, False, config=config, x_rows=x_rows, row_scaled=scaled
@@ -355,28 +341,23 @@ def row_expand(
     offset: int,
     add_inputs: bool,
     average_pairs: float,
-    tile: int = 1,
 ) -> None:
     """The expand of a checked MoE call by the dense op's row or lane-split kernel of
-    ``tile``-token tiles: as :func:`dense_expand`, ``pairs`` from :func:`moe_pairs` with the
-    same ``tile``, the configuration chosen as :func:`row_shrink`'s. Every dtype."""
-    chosen, width = _chosen_expand(
-        out, buffer, lora_b, offset, average_pairs, row_tiles(tile), rows=True
-    )
+    one-token tiles, a pair a tile: as :func:`dense_expand`, ``pairs`` from
+    :func:`moe_pairs`, the configuration chosen as :func:`row_shrink`'s. Every dtype."""
+    chosen, width = _chosen_expand(out, buffer, lora_b, offset, average_pairs, _one_token_rows)
     _launch_expand(chosen, width, *_live(*pairs), add_inputs)
 
 
-def _chosen_expand(
-    out, buffer, lora_b, offset, average_pairs, runs, rows: bool = False
-) -> tuple[ExpandChoice, int]:
+def _chosen_expand(out, buffer, lora_b, offset, average_pairs, runs) -> tuple[ExpandChoice, int]:
     """The dense op's expand of a checked MoE call (as :func:`dense_expand` describes it),
     its configuration one that ``runs`` takes (:func:`_config`), and the slices' width. The
-    row kernels' configurations (``rows``) are chosen knowing whether the rows of B split
-    over lanes (the lane-split expand's condition); the tensor-core ones do not ask."""
+    row kernels' configurations are chosen knowing whether the rows of B split over lanes
+    (the lane-split expand's condition); the tensor-core ones do not ask."""
     stacks = [_flat(b, "lora_b_stacked", s) for s, b in enumerate(lora_b)]
     width, rank = stacks[0].rows, stacks[0].cols
     key = dict(dtype=stacks[0].dtype, K=rank, N=width)
-    if rows:
+    if runs is _one_token_rows:
         packed = operands.weight_words(stacks) is not None
         key["lane_split"] = splits(rank // packing(stacks[0].dtype, packed))
     config = _config("expand", buffer.shape[1], average_pairs, rank, len(stacks), key, runs)
