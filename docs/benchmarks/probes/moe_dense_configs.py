@@ -20,8 +20,9 @@ Run on a GPU from the repository root::
 
     python docs/benchmarks/probes/moe_dense_configs.py [--cases w13 T=2048 ...] [--json PATH]
 
-``--cases`` keeps the cases whose name contains one of the words given (``w2``, ``T=256``,
-``loras=16``: all must match). ``--quick`` runs ``bench --moe --quick``'s tiny cases (on the
+``--cases`` keeps the cases whose name contains every word given (``w2``, ``T=256``,
+``loras=16``). ``--json`` is written again after each case, so a run that a time limit stops
+keeps the cases it finished. ``--quick`` runs ``bench --moe --quick``'s tiny cases (on the
 simulator too, where the times mean nothing).
 """
 
@@ -129,12 +130,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=[], help="words a case's name must hold")
     parser.add_argument("--quick", action="store_true", help="bench --moe --quick's tiny cases")
-    parser.add_argument("--json", help="also write the line to this file")
+    parser.add_argument("--json", help="also write the line to this file, after each case")
     args = parser.parse_args(argv)
     from punica_numba import bench_moe
     from punica_numba._cuda import SIMULATOR
 
-    records = []
+    records, commit = [], _commit()
     for case in bench_moe.default_cases(quick=args.quick):
         if path_of(case) is None or not all(word in case.name for word in args.cases):
             continue
@@ -142,11 +143,11 @@ def main(argv=None) -> int:
         records.append(weigh(case))
         seconds = time.perf_counter() - start
         print(f"{case.name}: {records[-1]['path']}, {seconds:.0f} s", file=sys.stderr)
-    line = json.dumps({"commit": _commit(), "simulator": SIMULATOR, "cases": records})
-    print(line)
-    if args.json:
-        with open(args.json, "w") as out:
-            out.write(line + "\n")
+        line = json.dumps({"commit": commit, "simulator": SIMULATOR, "cases": records})
+        if args.json:  # after each case: a run a time limit stops keeps the cases done
+            with open(args.json, "w") as out:
+                out.write(line + "\n")
+    print(json.dumps({"commit": commit, "simulator": SIMULATOR, "cases": records}))
     return 0
 
 
