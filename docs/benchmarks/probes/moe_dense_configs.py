@@ -31,17 +31,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import subprocess
 import sys
 import time
 
 #: None of its own kernels: it forces the op's configurations (the tests build each VARIANT).
 VARIANTS: dict = {}
-
-
-def _commit() -> str | None:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or None
 
 
 def path_of(case) -> str | None:
@@ -132,10 +126,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="bench --moe --quick's tiny cases")
     parser.add_argument("--json", help="also write the line to this file, after each case")
     args = parser.parse_args(argv)
-    from punica_numba import bench_moe
+    from punica_numba import bench, bench_moe
     from punica_numba._cuda import SIMULATOR
 
-    records, commit = [], _commit()
+    records, commit = [], bench._commit()  # (the benchmarks' own reading of HEAD)
     for case in bench_moe.default_cases(quick=args.quick):
         if path_of(case) is None or not all(word in case.name for word in args.cases):
             continue
