@@ -72,7 +72,7 @@ def weigh(case) -> dict:
 
     path = path_of(case)
     record = {"case": case.name, "path": path}
-    first, pool, check = bench_moe.checked_pool(case)
+    _, pool, check = bench_moe.checked_pool(case)
     taken = {}
     real = moe_dense._config
 
@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     from punica_numba import bench, bench_moe
     from punica_numba._cuda import SIMULATOR
 
-    records, commit = [], bench._commit()  # (the benchmarks' own reading of HEAD)
+    records = []
+    doc = {"commit": bench._commit(), "simulator": SIMULATOR, "cases": records}
     for case in bench_moe.default_cases(quick=args.quick):
         if path_of(case) is None or not all(word in case.name for word in args.cases):
             continue
@@ -137,11 +138,10 @@ def main(argv=None) -> int:
         records.append(weigh(case))
         seconds = time.perf_counter() - start
         print(f"{case.name}: {records[-1]['path']}, {seconds:.0f} s", file=sys.stderr)
-        line = json.dumps({"commit": commit, "simulator": SIMULATOR, "cases": records})
         if args.json:  # after each case: a run a time limit stops keeps the cases done
             with open(args.json, "w") as out:
-                out.write(line + "\n")
-    print(json.dumps({"commit": commit, "simulator": SIMULATOR, "cases": records}))
+                out.write(json.dumps(doc) + "\n")
+    print(json.dumps(doc))
     return 0
 
 
