@@ -340,9 +340,11 @@ def test_version_9_takes_the_row_kernels_below_the_threshold(mma_from, dense, mo
         assert launched[2] == "expand", launched  # (the row and the lane-split kernels' name)
 
 
-def test_x_rows_takes_only_the_row_shrink_of_one_token_tiles():
-    """Pairs that share a row of x (w13's) read it by ``t // x_rows`` in the row shrink of
-    one-token tiles only: any other configuration with ``x_rows`` is refused."""
+def test_x_rows_and_row_scaled_take_only_the_row_shrink_of_one_token_tiles():
+    """Pairs that share a row of x (w13's) read it by ``t // x_rows``, and the router's
+    weights go in as a factor a row (``row_scaled``), in the row shrink of one-token tiles
+    only: any other configuration with either is refused (the tensor-core shrink has builds
+    of its own, which refuse ``row_scaled`` where they add instead of store)."""
     x = torch.zeros(2, 8, dtype=torch.bfloat16, device=DEVICE)
     a = check_stack("a", torch.zeros(1, 4, 8, dtype=torch.bfloat16, device=DEVICE))
     buffer = torch.zeros(1, 4, 4, dtype=torch.float32, device=DEVICE)
