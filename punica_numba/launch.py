@@ -764,6 +764,7 @@ def choose_launch_config(
     N: int | None = None,
     machine: str | None = None,
     staged_expand: bool = True,
+    moe_kernels: tuple[str, ...] | None = None,
 ) -> LaunchConfig:
     """Pick a configuration from the tokens per active slot, the row count, the rank and
     the number of slices (host-side facts only): the last tensor-core one whose
@@ -793,6 +794,10 @@ def choose_launch_config(
     ``staged_expand``: whether the call's operands allow a staged tensor-core expand (an
     fp32 buffer and B in aligned 16-byte pieces: :mod:`.kernels.expand_mma_staged`); a
     forced or tuned one is not taken where they do not.
+
+    ``moe_kernels``: the call is the MoE op's (:mod:`punica_numba.ops.moe_dense`), whose
+    path runs configurations of these kernels alone; the table's MoE entries (``tune
+    --moe``) of those kernels are consulted before its dense ones.
     """
     configs = launch_configs(op, machine)
     forced = _forced.get(op)
@@ -800,9 +805,12 @@ def choose_launch_config(
     if forced is not None and _can_take(forced, tensor_cores, lane_split, rank, staged):
         return forced
     if machine is None and dtype is not None and K is not None and N is not None:
-        tuned = tuned_config(op, dtype, slices, K, N, rank, num_tokens, active_slots)
-        if tuned is not None and _can_take(tuned, tensor_cores, lane_split, rank, staged):
-            return tuned
+        key = (op, dtype, slices, K, N, rank, num_tokens, active_slots)
+        layers = ([("moe", moe_kernels)] if moe_kernels else []) + [("dense", None)]
+        for layer, kernels in layers:
+            tuned = tuned_config(*key, layer=layer, kernels=kernels)
+            if tuned is not None and _can_take(tuned, tensor_cores, lane_split, rank, staged):
+                return tuned
     usable = {"mma": tensor_cores, "lanes": lane_split}
     per_slot = num_tokens / active_slots if active_slots else 1.0
     slots = active_slots or num_tokens  # (foreign metadata: a slot a token)

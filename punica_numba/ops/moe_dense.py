@@ -37,10 +37,20 @@ table of P rows by one kernel (:func:`moe_pairs`, :mod:`..kernels.moe_pairs`), s
 for every entry of the blocks would be mostly the align step's padding. In version 9 the
 router's weights go in as either shrink stores a pair's row (``row_scaled``), not by a
 launch of their own into the buffer as versions 7 and 8 multiply them.
+
+Each launch takes the dense op's choice of configuration (:func:`_config`) for P rows over
+``P / average`` slots: first the tuned table's MoE entries, which ``python -m punica_numba tune
+--moe`` (:mod:`..tuning.moe_sweep`) measures on this op's own calls, then its dense entries
+(tuned on linear layers of other sizes), then the heuristic. On an H100 at a949933, with no
+table, the heuristic's shrink of 16-pair tiles took 1.18-1.77x the op's time under the fastest
+configuration (w13 at 2048 tokens over four adapters: 177.9 µs, ``mma_t128_m16_n0`` 107.1);
+on the pairs its picks were within 2 % (``docs/benchmarks/h100_moe_dense_configs_a949933.json``).
+:func:`recorded_launches` tells which configuration each launch took.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -181,17 +191,56 @@ def _flat(stacked: torch.Tensor, name: str, s: int):
     return check_stack(name, stacked.view(slots * experts, rows, cols), s)
 
 
-def _config(op: str, rows: int, average_pairs: float, rank: int, slices: int, key: dict, runs):
+#: The dicts of the :func:`recorded_launches` blocks open now.
+_records: list[dict] = []
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Within the block, each launch of the dense op's kernels by this module is recorded in
+    the dict it yields, ``op -> LaunchConfig`` ("shrink", "expand"; the last of each), so
+    that a caller forcing a configuration (the tuner) can tell whether it ran."""
+    record: dict = {}
+    _records.append(record)
+    try:
+        yield record
+    finally:
+        _records.remove(record)
+
+
+def _record(op: str, config: LaunchConfig) -> None:
+    for record in _records:
+        record[op] = config
+
+
+def active_slots(rows: int, average_pairs: float) -> int:
+    """The slots a call of ``rows`` pairs at ``average_pairs`` a (slot, expert) is taken to
+    use, for the choice of configuration: ``rows / average_pairs``, rounded, at least 1."""
+    return max(1, round(rows / max(average_pairs, 1.0)))
+
+
+def _config(
+    op: str, rows: int, average_pairs: float, rank: int, slices: int, key: dict, runs, kernels
+):
     """The dense op's configuration of ``op`` for ``rows`` rows at ``average_pairs`` a slot
-    (its active slots ``rows / average_pairs``) where this module ``runs`` it, with the
-    tensor cores or else without them, else the first of the table that ``runs`` takes at
-    any rank (``runs(c, any_rank=True)``) and that the heuristic may pick."""
-    active = max(1, round(rows / max(average_pairs, 1.0)))
+    (:func:`active_slots`) where this module ``runs`` it, with the tensor cores or else
+    without them, else the first of the table that ``runs`` takes at any rank
+    (``runs(c, any_rank=True)``) and that the heuristic may pick. The tuned table's MoE
+    entries (``tune --moe``) of the path's ``kernels`` (:data:`TILE_KERNELS` or
+    :data:`ROW_KERNELS`) come before its dense ones."""
+    active = active_slots(rows, average_pairs)
+    key = dict(key, moe_kernels=kernels)
     for tensor_cores in (True, False):
         config = choose_launch_config(op, rows, active, rank, tensor_cores, slices, **key)
         if runs(config):
             return config
     return next(c for c in launch_configs(op) if runs(c, any_rank=True) and not c.tuned_only)
+
+
+#: The kernels of each path's configurations: the tiles' (:func:`dense_shrink`,
+#: :func:`dense_expand`) and the pairs' (:func:`row_shrink`, :func:`row_expand`).
+TILE_KERNELS = ("mma",)
+ROW_KERNELS = ("rows", "lanes")
 
 
 def _shrink_runs(c: LaunchConfig, any_rank: bool = False, rank: int = 0) -> bool:
@@ -210,7 +259,7 @@ def _expand_runs(c: LaunchConfig, any_rank: bool = False) -> bool:
 def _one_token_rows(c: LaunchConfig, any_rank: bool = False) -> bool:
     """A row kernel of one-token tiles (:func:`row_shrink`, :func:`row_expand`): the row
     shrink, the row or lane-split expand, at any rank."""
-    return c.kernel in ("rows", "lanes") and c.tile_m == 1
+    return c.kernel in ROW_KERNELS and c.tile_m == 1
 
 
 def _factors(router_weights: torch.Tensor | None) -> tuple[bool, object]:
@@ -250,7 +299,8 @@ def dense_shrink(
     num_pairs = buffer.shape[1]
     key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
     runs = functools.partial(_shrink_runs, rank=rank)
-    config = _config("shrink", num_pairs, average_pairs, rank, len(stacks), key, runs)
+    config = _config("shrink", num_pairs, average_pairs, rank, len(stacks), key, runs,
+                     TILE_KERNELS)  # fmt: skip
     mma = operands.mma_shrink_operands(x, stacks, config.tile_n)
     if mma is None:
         return False
@@ -269,6 +319,7 @@ def dense_shrink(
     weights = list(a_words) + [a_words[0]] * (MAX_SLICES - len(a_words))  # unused: never read
     grid = (table.shape[0] * len(a_words), groups, 1)
     arguments = (x_words, *weights, buffer, 0, len(a_words), table, sorted_pairs, scaling)
+    _record("shrink", config)
     launcher_of(kernel)(grid, config.threads, arguments)
     return True
 
@@ -318,7 +369,7 @@ def row_shrink(
     rank, hidden = stacks[0].rows, stacks[0].cols
     key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
     config = _config("shrink", buffer.shape[1], average_pairs, rank, len(stacks), key,
-                     _one_token_rows)  # fmt: skip
+                     _one_token_rows, ROW_KERNELS)  # fmt: skip
     scaled, scaling = _factors(router_weights)
     chosen = choose_shrink(
         x, stacks, buffer, None, False, config=config, x_rows=x_rows, row_scaled=scaled
@@ -330,6 +381,7 @@ def row_shrink(
     grid = (table.shape[0], len(weights), chosen.rank_groups)
     weights += [weights[0]] * (MAX_SLICES - len(weights))  # unused: never read
     arguments = (chosen.x, *weights, buffer, 0, table, tokens, scaling)
+    _record("shrink", config)
     launcher_of(chosen.kernel)(grid, config.threads, arguments)
 
 
@@ -360,7 +412,9 @@ def _chosen_expand(out, buffer, lora_b, offset, average_pairs, runs) -> tuple[Ex
     if runs is _one_token_rows:
         packed = operands.weight_words(stacks) is not None
         key["lane_split"] = splits(rank // packing(stacks[0].dtype, packed))
-    config = _config("expand", buffer.shape[1], average_pairs, rank, len(stacks), key, runs)
+    kernels = ROW_KERNELS if runs is _one_token_rows else TILE_KERNELS
+    config = _config("expand", buffer.shape[1], average_pairs, rank, len(stacks), key, runs,
+                     kernels)  # fmt: skip
     return choose_expand(buffer, stacks, out, None, offset, config=config), width
 
 
@@ -377,4 +431,5 @@ def _launch_expand(
     weights += [weights[0]] * (MAX_SLICES - len(weights))  # unused slots: never read
     starts += [0] * (MAX_SLICES - len(starts))
     arguments = (chosen.x, *weights, chosen.out, 0, *starts, table, tokens, add_inputs)
+    _record("expand", chosen.config)
     launcher_of(chosen.kernel)(grid, chosen.config.threads, arguments)

@@ -12,6 +12,10 @@ apart, as *not timed*.
 
 The ratios are in-sample wherever thresholds were set from the same table: they say how
 well the rules fit these problems, not how they do on others.
+
+A MoE entry (``tune --moe``) is weighed by its own ``heuristic``, the configuration the op
+took when it was tuned (the dense entries' or the heuristic's), and reported apart, as "moe
+shrink" and "moe expand".
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import math
 
 from ..launch import choose_launch_config, config_name
-from .table import table_machine
+from .table import layer_of, table_machine
 
 __all__ = ["heuristic_ratios", "report"]
 
@@ -36,6 +40,13 @@ def heuristic_ratios(doc: dict) -> tuple[list[tuple[float, dict, str]], list[tup
     for entry in doc["entries"]:
         times = entry.get("times_us")
         if not times:
+            continue
+        if layer_of(entry) == "moe":  # (the op's own pick, recorded as it was tuned)
+            name = entry.get("heuristic")
+            if name in times:
+                timed.append((times[name] / min(times.values()), entry, name))
+            elif name is not None:
+                not_timed.append((entry, name))
             continue
         kinds = {name.split("_", 1)[0] for name in times}
         config = choose_launch_config(
@@ -57,6 +68,11 @@ def heuristic_ratios(doc: dict) -> tuple[list[tuple[float, dict, str]], list[tup
     return timed, not_timed
 
 
+def _group(entry: dict) -> str:
+    """``"shrink"``, ``"expand"``, ``"moe shrink"`` or ``"moe expand"``."""
+    return entry["op"] if layer_of(entry) == "dense" else f"{layer_of(entry)} {entry['op']}"
+
+
 def _describe(entry: dict) -> str:
     sizes = f"K={entry['K']} N={entry['N']} r={entry['rank']} T={entry['T']}"
     loras = entry.get("loras", "?")
@@ -70,8 +86,8 @@ def report(doc: dict, worst: int = 5) -> str:
         f"the heuristic of this package against {doc['gpu']}'s table (tuned at "
         f"{doc['package']['commit']}): its time over the fastest, per problem"
     ]
-    for op in sorted({entry["op"] for _, entry, _ in timed}):
-        mine = sorted((t for t in timed if t[1]["op"] == op), key=lambda t: -t[0])
+    for op in sorted({_group(entry) for _, entry, _ in timed}):
+        mine = sorted((t for t in timed if _group(t[1]) == op), key=lambda t: -t[0])
         ratios = [r for r, _, _ in mine]
         geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
         misses = ", ".join(f"{sum(r > m for r in ratios)} over {m:.2f}x" for m in MISSES)

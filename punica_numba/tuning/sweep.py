@@ -45,6 +45,11 @@ them took 1.3 s a problem on the quick grid, 163 s for 128, and 2.6 s on 80 fp16
 A table of another GPU, copied under this one's name to weigh its picks here, keeps in each
 entry timed again only this run's times: the others were the other GPU's.
 
+``--moe`` tunes the MoE op's calls of the dense op's kernels instead (:mod:`.moe_sweep`: the
+MoE layers of real models; ``--quick``, ``--ranks``, ``--dtypes``, ``--part``, ``--budget-s``
+and ``--resume`` as above), into the same table as entries of their own (``"layer": "moe"``),
+which MoE calls consult before the dense ones. ``--retime`` leaves MoE entries as they are.
+
 ``--report TABLE`` runs nothing: it weighs this package's heuristic against a table made
 before, on any machine (:mod:`.report`).
 """
@@ -72,6 +77,7 @@ from .table import (
     TunedTableError,
     entry_key,
     gpu_name,
+    layer_of,
     new_table,
     read_table,
     table_file_name,
@@ -88,6 +94,7 @@ __all__ = [
     "main",
     "quick_grid",
     "retime_entry",
+    "stop_if_the_context_is_lost",
     "tune_case",
 ]
 
@@ -147,11 +154,11 @@ def model_layers(hiddens=MODEL_HIDDENS) -> tuple[Layer, ...]:
 
 
 def case_key(case: bench.Case) -> tuple:
-    """The table key of ``case`` (:data:`.table.KEY_FIELDS`): K and N are the shrink's
-    hidden and rank, the expand's rank and widest slice."""
+    """The table key of ``case`` (:data:`.table.KEY_FIELDS`, then the layer, ``"dense"``): K
+    and N are the shrink's hidden and rank, the expand's rank and widest slice."""
     K, N = (case.hidden, case.rank) if case.op == "shrink" else (case.rank, max(case.slices))
     per_lora = tokens_per_lora(case.T, case.num_loras)
-    return (case.op, case.dtype, len(case.slices), K, N, case.rank, case.T, per_lora)
+    return (case.op, case.dtype, len(case.slices), K, N, case.rank, case.T, per_lora, "dense")
 
 
 def lora_counts(num_tokens: int) -> list[int]:
@@ -220,11 +227,11 @@ def _measure(case, config, pool, meta, slots, repeats: int):
             return "timed", max(round(bench.time_calls(calls, repeats), 3), 0.001)
         except Exception as error:  # a wrong result, or a kernel that does not run
             if not isinstance(error, AssertionError):
-                _stop_if_the_context_is_lost(case, config)
+                stop_if_the_context_is_lost(case, config)
             return "failed", f"{type(error).__name__}: {error}"[:REASON_CHARS]
 
 
-def _stop_if_the_context_is_lost(case, config) -> None:
+def stop_if_the_context_is_lost(case, config) -> None:
     """After a kernel raised: go on if the GPU still works (a launch refused for its
     resources leaves it working); stop the run if not (a fault loses the CUDA context, and
     every later measurement would fail). The problem is not written, so ``--resume``
@@ -277,6 +284,7 @@ def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
     start = time.perf_counter()
     configs = launch_configs(case.op)
     times, failed, skipped, usable = _measure_all(case, configs, repeats, seed)
+    # (zip stops before the layer: a dense entry is written without one, its default)
     entry = dict(zip(KEY_FIELDS, case_key(case)), loras=case.num_loras, widths=case.slices)
     order = {config_name(c): i for i, c in enumerate(configs)}
     ranked = sorted(times, key=lambda name: (times[name], order[name]))
@@ -382,6 +390,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"where this GPU's table goes (default: ${CONFIG_DIR_VARIABLE})",
     )
     parser.add_argument("--quick", action="store_true", help="the quick grid (128 problems)")
+    parser.add_argument(
+        "--moe", action="store_true", help="the MoE op's calls of the dense kernels' instead"
+    )
     parser.add_argument("--resume", action="store_true", help="add to the table; skip its keys")
     parser.add_argument("--part", type=_part, metavar="I/N", help="the I-th of N parts")
     parser.add_argument(
@@ -414,9 +425,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _grid(args) -> list[SweepCase]:
+def _grid(args) -> list:
     """The problems asked for: the grid (the smoke grid on the simulator), its part."""
-    if SIMULATOR:
+    if args.moe:
+        from . import moe_sweep
+
+        if SIMULATOR:
+            cases = moe_sweep.smoke_grid()
+        else:
+            build = moe_sweep.quick_grid if args.quick else moe_sweep.full_grid
+            cases = build(
+                **{k: v for k, v in (("ranks", args.ranks), ("dtypes", args.dtypes)) if v}
+            )
+    elif SIMULATOR:
         cases = smoke_grid()
     else:
         build = quick_grid if args.quick else full_grid
@@ -424,7 +445,7 @@ def _grid(args) -> list[SweepCase]:
         if args.hiddens:
             options["hiddens"] = tuple(args.hiddens)
         cases = build(**options)
-    if args.slices:
+    if args.slices and not args.moe:
         cases = [case for case in cases if len(case.slices) in args.slices]
     if args.part:
         index, count = args.part
@@ -450,6 +471,7 @@ def _retime(args, parser, path: Path) -> int:
         k
         for k, e in enumerate(doc["entries"])
         if names_of[e["op"]]
+        and layer_of(e) == "dense"
         and "widths" in e
         and "loras" in e
         and (not args.ranks or e["rank"] in args.ranks)
@@ -523,6 +545,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"give --out DIR or set {CONFIG_DIR_VARIABLE}")
     if args.hiddens and args.quick:
         parser.error("--hiddens picks models of the full grid; the quick grid has one")
+    for given, flag in (
+        (args.hiddens, "--hiddens"),
+        (args.slices, "--slices"),
+        (args.retime, "--retime"),
+    ):
+        if given and args.moe:
+            parser.error(f"{flag} is not an option of --moe (its grid: tuning/moe_sweep.py)")
     unknown = sorted(set(args.hiddens or ()) - set(MODEL_HIDDENS))
     if unknown:
         parser.error(f"--hiddens {unknown}: choose from {MODEL_HIDDENS}")
@@ -531,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.retime:
         return _retime(args, parser, path)
     cases = _grid(args)
+    if args.moe:
+        from .moe_sweep import problem_key as key_of
+        from .moe_sweep import tune_problem as tune
+    else:
+        key_of, tune = case_key, tune_case
     if args.dry_run:
         print(f"tune: {len(cases)} problems for {path}")
         return 0
@@ -546,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = new_table(gpu, __version__, commit)
     done = {entry_key(e) for e in doc["entries"] + doc.get("unresolved", [])}
     doc.setdefault("unresolved", [])
-    todo = [case for case in cases if case_key(case) not in done]
+    todo = [case for case in cases if key_of(case) not in done]
     print(f"tune: {len(todo)} of {len(cases)} problems to measure into {path}")
     from tqdm import tqdm
 
@@ -556,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.budget_s and time.monotonic() - started + longest > args.budget_s:
                 break
             begun = time.monotonic()
-            entry = tune_case(case, repeats=args.repeats)
+            entry = tune(case, repeats=args.repeats)
             doc["entries" if "config" in entry else "unresolved"].append(entry)
             write_table(path, doc)
             longest, left = max(longest, time.monotonic() - begun), left - 1

@@ -27,15 +27,19 @@ The format (:data:`FORMAT` 1)::
                   "runner_up": "rows_t256_m4_n4", "runner_up_us": 8.47, ...}],
      "unresolved": []}
 
-An entry's key is ``op, dtype, slices, K, N, rank, T, tokens_per_lora`` (:data:`KEY_FIELDS`):
-K and N are the product's inner and outer sizes (shrink: hidden and rank; expand: rank
-and the widest slice), ``tokens_per_lora`` the bucket of :func:`tokens_per_lora`. It
+An entry's key is ``op, dtype, slices, K, N, rank, T, tokens_per_lora`` (:data:`KEY_FIELDS`)
+and its ``layer`` (:data:`LAYERS`): K and N are the product's inner and outer sizes (shrink:
+hidden and rank; expand: rank and the widest slice), ``tokens_per_lora`` the bucket of
+:func:`tokens_per_lora`. ``layer`` is ``"moe"`` for an entry that ``tune --moe`` measured on
+the MoE op's calls of the dense op's kernels (:mod:`punica_numba.ops.moe_dense`: T is the
+call's (token, expert) pairs, ``tokens_per_lora`` their bucket a (slot, expert)), and
+``"dense"`` (the default: an entry without the field) for one of a linear layer's. It
 names the fastest configuration by :func:`~punica_numba.launch.config_name` with its
 device µs per call, and the runner-up's; what else the tuner recorded
 (:data:`OPTIONAL_FIELDS`) is checked too. ``unresolved`` holds the keys on which every
 configuration failed its check or could not run (the tuner does not try them again).
 
-Nearest: an entry matches a call only on the same op and slice count, on its dtype (but
+Nearest: an entry matches a call only on the same layer, op and slice count, on its dtype (but
 see below), and where its configuration takes the call's rank (its ``to_rank``: a
 configuration made for small ranks, picked at r=32, says nothing of r=64, and an entry the
 call cannot run would leave it to the heuristic though a usable entry is near); among those
@@ -51,6 +55,9 @@ heuristic (the H200's table, bf16 only at ad02648: there the fp16 expand of 256 
 on its own LoRA, at r=16 took 23.13 µs by the heuristic and 15.43 by the bf16 entry's pick;
 its fp16 entries since 684ac42 cover the quick grid's r=16 and r=64 one-slice problems and
 r=16's QKV).
+A MoE call looks among the MoE entries first, and among them only at the configurations of
+the kernels its path runs (``kernels``); where none is near, among the dense ones as any call
+(:func:`punica_numba.launch.choose_launch_config`).
 """
 
 from __future__ import annotations
@@ -70,12 +77,14 @@ __all__ = [
     "CONFIG_DIR_VARIABLE",
     "FORMAT",
     "KEY_FIELDS",
+    "LAYERS",
     "MAX_DISTANCE",
     "TunedTableError",
     "distance",
     "entry_key",
     "find_table",
     "gpu_name",
+    "layer_of",
     "new_table",
     "read_table",
     "reload_tuned_tables",
@@ -95,6 +104,8 @@ CONFIG_DIR_VARIABLE = "PUNICA_NUMBA_CONFIG_DIR"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: The fields of an entry's key, in the order of :func:`entry_key`.
 KEY_FIELDS = ("op", "dtype", "slices", "K", "N", "rank", "T", "tokens_per_lora")
+#: The layers an entry may be tuned on (its ``layer`` field; absent: the first).
+LAYERS = ("dense", "moe")
 #: The key's sizes that :func:`distance` measures, in log2.
 SIZE_FIELDS = ("K", "N", "rank", "T", "tokens_per_lora")
 #: Beyond this :func:`distance` no entry is near: a factor 8 in T alone, or a factor 2 in
@@ -118,6 +129,9 @@ OPTIONAL_FIELDS = {
     "skipped": list,  # names the problem cannot use (tensor cores, lanes, to_rank)
     "tuned_s": float,  # wall seconds the tuner spent on this key
     "retimed_with": list,  # configurations timed again beside the entry's (tune --retime)
+    "tokens": int,  # a MoE entry's tokens (its T is their pairs with the experts) ...
+    "experts": int,  # ... the experts of its layer ...
+    "top_k": int,  # ... and the experts a token
 }
 _ENTRY_FIELDS = {
     "config": str,
@@ -126,7 +140,16 @@ _ENTRY_FIELDS = {
     "runner_up_us": float,
 }
 _NULLABLE = {"runner_up", "runner_up_us", "heuristic", "heuristic_us"}
-_UNRESOLVED_FIELDS = ("loras", "widths", "failed", "skipped", "tuned_s")
+_UNRESOLVED_FIELDS = (
+    "loras",
+    "widths",
+    "failed",
+    "skipped",
+    "tuned_s",
+    "tokens",
+    "experts",
+    "top_k",
+)
 
 
 class TunedTableError(ValueError):
@@ -160,9 +183,14 @@ def distance(a: dict, b: dict) -> float:
     return round(sum(abs(math.log2(a[f]) - math.log2(b[f])) for f in SIZE_FIELDS), 6)
 
 
+def layer_of(entry: dict) -> str:
+    """An entry's ``layer``: ``"dense"`` where it has none (:data:`LAYERS`)."""
+    return entry.get("layer", LAYERS[0])
+
+
 def entry_key(entry: dict) -> tuple:
-    """An entry's key: its :data:`KEY_FIELDS` values, in order."""
-    return tuple(entry[f] for f in KEY_FIELDS)
+    """An entry's key: its :data:`KEY_FIELDS` values, in order, then its layer."""
+    return (*(entry[f] for f in KEY_FIELDS), layer_of(entry))
 
 
 def new_table(gpu: str, version: str, commit: str) -> dict:
@@ -228,6 +256,8 @@ def _check_key(source, where: str, entry: dict, names_by_op: dict) -> None:
             f"{where}.dtype",
             f"expected one of {sorted(DTYPE_NAMES.values())}, got {dtype!r}",
         )
+    if layer_of(entry) not in LAYERS:
+        _fail(source, f"{where}.layer", f"expected one of {LAYERS}, got {entry['layer']!r}")
     for field in KEY_FIELDS[2:]:
         value = _typed(source, f"{where}.{field}", entry[field], int)
         if value < 1:
@@ -272,7 +302,8 @@ def _check_entry(source, where: str, entry: dict, names_by_op: dict, unresolved:
     _check_key(source, where, entry, names_by_op)
     op = entry["op"]
     names = names_by_op[op]
-    allowed = set(KEY_FIELDS) | (set(_UNRESOLVED_FIELDS) if unresolved else set(OPTIONAL_FIELDS))
+    allowed = {*KEY_FIELDS, "layer"}
+    allowed |= set(_UNRESOLVED_FIELDS) if unresolved else set(OPTIONAL_FIELDS)
     if not unresolved:
         allowed |= set(_ENTRY_FIELDS)
         for field, kind in _ENTRY_FIELDS.items():
@@ -342,7 +373,8 @@ def validate_table(doc, source="<table>") -> None:
             _check_entry(source, where, entry, names_by_op, part == "unresolved")
             key = entry_key(entry)
             if key in seen:
-                _fail(source, where, f"the same key as {seen[key]}: {dict(zip(KEY_FIELDS, key))}")
+                named = dict(zip((*KEY_FIELDS, "layer"), key))
+                _fail(source, where, f"the same key as {seen[key]}: {named}")
             seen[key] = where
 
 
@@ -393,7 +425,7 @@ def find_table(gpu: str) -> Path | None:
 _UNSEEN = object()
 #: True once the process knows there is no table (the simulator, or no file for this GPU).
 _nothing = False
-#: (op, dtype name, slices) -> [(key sizes, tie order, LaunchConfig)]; None: not loaded.
+#: (layer, op, dtype name, slices) -> [(key sizes, tie order, LaunchConfig)]; None: not loaded.
 _groups: dict | None = None
 _path: Path | None = None
 #: tuned_config's arguments -> its answer.
@@ -431,7 +463,8 @@ def _tables() -> dict | None:
     for entry in doc["entries"]:
         sizes = {f: entry[f] for f in SIZE_FIELDS}
         order = tuple(entry[f] for f in ("T", "tokens_per_lora", "rank", "K", "N"))
-        group = groups.setdefault((entry["op"], entry["dtype"], entry["slices"]), [])
+        where = (layer_of(entry), entry["op"], entry["dtype"], entry["slices"])
+        group = groups.setdefault(where, [])
         group.append((sizes, order, configs[entry["op"]][entry["config"]]))
     _groups, _path = groups, path
     return groups
@@ -447,7 +480,7 @@ def nearest(candidates: Iterable[tuple], sizes: dict):
 
 
 def _look_up(key: tuple):
-    op, dtype, slices, K, N, rank, num_tokens, active_slots = key
+    op, dtype, slices, K, N, rank, num_tokens, active_slots, layer, kernels = key
     groups = _tables()
     found = None
     name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype)
@@ -455,8 +488,13 @@ def _look_up(key: tuple):
         per_lora = tokens_per_lora(num_tokens, active_slots)
         sizes = dict(K=K, N=N, rank=rank, T=num_tokens, tokens_per_lora=per_lora)
         for kind in (name, SIBLING_DTYPES.get(name)):  # its own dtype first
-            group = groups.get((op, kind, slices), ())
-            takes = (c for c in group if c[2].to_rank is None or rank <= c[2].to_rank)
+            group = groups.get((layer, op, kind, slices), ())
+            takes = (
+                c
+                for c in group
+                if (c[2].to_rank is None or rank <= c[2].to_rank)
+                and (kernels is None or c[2].kernel in kernels)
+            )
             found = nearest(takes, sizes)
             if found is not None:
                 break
@@ -475,6 +513,8 @@ def tuned_config(
     rank: int,
     num_tokens: int,
     active_slots: int | None,
+    layer: str = "dense",
+    kernels: tuple[str, ...] | None = None,
 ):
     """The tuned configuration of the nearest entry for this GPU, or None.
 
@@ -483,8 +523,10 @@ def tuned_config(
         "fp32"); slices: the call's slice count
         K, N: shrink: hidden, rank; expand: rank, the widest slice's width
         rank: r; num_tokens: T; active_slots: slots in use (None: a token per slot)
-        entries with the same op, dtype and slices whose configuration takes ``rank``
-            (its ``to_rank``) -> the one of least distance
+        layer: whose entries (:data:`LAYERS`); kernels: only configurations of these
+            kernels (``LaunchConfig.kernel``; None: any)
+        entries with the same layer, op, dtype and slices whose configuration takes
+            ``rank`` (its ``to_rank``), of ``kernels`` -> the one of least distance
             (ties: the smaller problem) -> its LaunchConfig if distance <= MAX_DISTANCE;
             else the same among the entries of the sibling 16-bit dtype (bf16 <-> fp16)
         None where this GPU has no table (always on the simulator) or nothing is near.
@@ -497,7 +539,7 @@ def tuned_config(
     """
     if _nothing:
         return None
-    key = (op, dtype, slices, K, N, rank, num_tokens, active_slots)
+    key = (op, dtype, slices, K, N, rank, num_tokens, active_slots, layer, kernels)
     found = _found.get(key, _UNSEEN)
     if found is _UNSEEN:
         found = _look_up(key)
