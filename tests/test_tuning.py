@@ -1,14 +1,15 @@
 """The tuned table and the tuner: format, lookup, the launcher's use of it, the CLI.
 
 The table tests fake a GPU (a name, the GPU's configuration table, folders in tmp_path);
-the tuner tests run the simulator's smoke grid (three tiny problems), whose times mean
-nothing but whose pipeline is the GPU's: pools, checks, timing, the file.
+the tuner tests run the simulator's smoke grid (three tiny problems; ``--moe``'s four),
+whose times mean nothing but whose pipeline is the GPU's: pools, checks, timing, the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import re
 import time
@@ -17,21 +18,23 @@ import pytest
 import torch
 
 from punica_numba import __main__ as cli
-from punica_numba import launch
+from punica_numba import bench_moe, launch
 from punica_numba.launch import (
     choose_launch_config,
     config_name,
     force_launch_config,
     launch_configs,
 )
-from punica_numba.ops import api
-from punica_numba.tuning import sweep, table
+from punica_numba.ops import api, moe_dense
+from punica_numba.ops import moe as moe_ops
+from punica_numba.tuning import moe_sweep, report, sweep, table
 from punica_numba.tuning.table import (
     CONFIG_DIR_VARIABLE,
     MAX_DISTANCE,
     TunedTableError,
     distance,
     entry_key,
+    layer_of,
     new_table,
     read_table,
     reload_tuned_tables,
@@ -133,6 +136,11 @@ def _set(**fields):
     return lambda doc: doc["entries"][0].update(fields)
 
 
+def _unresolved(**fields) -> dict:
+    """An unresolved key (T=8), with ``fields``."""
+    return {k: v for k, v in entry(T=8).items() if k in table.KEY_FIELDS} | {"failed": {}} | fields
+
+
 BROKEN = {
     "format 2": (lambda d: d.update(format=2), "format: expected 1, got 2"),
     "no gpu": (lambda d: d.pop("gpu"), "gpu: expected str"),
@@ -183,6 +191,27 @@ BROKEN = {
         lambda d: d["entries"].append(dict(d["entries"][0])),
         "entries[1]: the same key as entries[0]",
     ),
+    "layer": (
+        _set(layer="other"),
+        "entries[0].layer: expected one of ('dense', 'moe'), got 'other'",
+    ),
+    "layer a list": (_set(layer=["moe"]), "entries[0].layer: expected one of"),
+    "dense by name": (  # "dense" written out is the key of an entry without a layer
+        lambda d: d["entries"].append(dict(d["entries"][0], layer="dense")),
+        "entries[1]: the same key as entries[0]",
+    ),
+    "duplicate moe key": (
+        lambda d: d["entries"].extend([dict(d["entries"][0], layer="moe")] * 2),
+        "entries[2]: the same key as entries[1]: {'op': 'shrink', 'dtype': 'bf16', 'slices': 1, "
+        "'K': 4096, 'N': 16, 'rank': 16, 'T': 256, 'tokens_per_lora': 16, 'layer': 'moe'}",
+    ),
+    "tokens text": (_set(layer="moe", tokens="32"), "entries[0].tokens: expected int, got '32'"),
+    "experts float": (_set(layer="moe", experts=8.0), "entries[0].experts: expected int, got 8.0"),
+    "top_k bool": (_set(layer="moe", top_k=True), "entries[0].top_k: expected int, got True"),
+    "unresolved top_k": (
+        lambda d: d.update(unresolved=[_unresolved(layer="moe", top_k="8")]),
+        "unresolved[0].top_k: expected int, got '8'",
+    ),
 }
 
 
@@ -198,6 +227,27 @@ def test_a_bad_table_names_the_file_and_the_field(fake_gpu, name):
         read_table(path)
     assert str(caught.value).startswith(f"{path}: "), caught.value
     assert message in str(caught.value), caught.value
+
+
+def test_a_moe_entry_beside_a_dense_one_of_the_same_key(fake_gpu):
+    """The layer is part of the key: a MoE entry (with its call's tokens, experts and top-k)
+    and a dense one of the same sizes both validate, and both come back, each with its own
+    layer (the dense one without the field); so do unresolved keys of both layers."""
+    dense = entry()
+    moe = entry(config="mma_t512_m16_n8", layer="moe", tokens=32, experts=8, top_k=8, us=4.0)
+    assert entry_key(moe)[:-1] == entry_key(dense)[:-1]
+    assert (entry_key(dense)[-1], entry_key(moe)[-1]) == ("dense", "moe")
+    assert layer_of(dense) == "dense" and layer_of(moe) == "moe"
+    doc = new_table(GPU, "0.1.0", "abc123")
+    doc["entries"] = [moe, dense]
+    doc["unresolved"] = [_unresolved(), _unresolved(layer="moe", tokens=8, experts=8, top_k=1)]
+    path = fake_gpu / FILE
+    write_table(path, doc)
+    back = read_table(path)
+    assert back["entries"] == [dense, moe]  # sorted by key: "dense" before "moe"
+    assert "layer" not in back["entries"][0] and back["entries"][1]["layer"] == "moe"
+    assert back["unresolved"] == doc["unresolved"]
+    assert (back["entries"][1]["tokens"], back["entries"][1]["top_k"]) == (32, 8)
 
 
 def test_bad_json_and_bad_writes_are_refused(fake_gpu):
@@ -277,6 +327,31 @@ def test_ties_go_to_the_smaller_problem_in_any_file_order(fake_gpu):
         (fake_gpu / FILE).write_text(json.dumps(doc))  # in this order (write_table sorts)
         reload_tuned_tables()
         assert shrink_call(T=32, active=2) == named("shrink", "rows_t256_m1_n4")  # 1 and 1
+
+
+def test_each_layer_looks_among_its_own_entries(fake_gpu):
+    """A dense call never takes a MoE entry, however much nearer, and a MoE lookup never a
+    dense one; ``kernels`` passes over the nearer entries of other kernels (each answer
+    remembered apart)."""
+    far = dict(T=512, tokens_per_lora=32)  # 2 from the calls below
+    save(
+        fake_gpu,
+        entry(config="rows_t128_m1_n8", **far),
+        entry(config="rows_t256_m1_n2", layer="moe"),  # the call's own key
+        entry(config="mma_t512_m16_n8", layer="moe", **far),
+    )
+    moe = functools.partial(tuned_config, "shrink", torch.bfloat16, 1, 4096, 16, 16, 256, 16)
+    assert shrink_call() == named("shrink", "rows_t128_m1_n8")
+    assert moe(layer="dense") == named("shrink", "rows_t128_m1_n8")
+    assert moe(layer="moe") == named("shrink", "rows_t256_m1_n2")
+    assert moe(layer="moe", kernels=("mma",)) == named("shrink", "mma_t512_m16_n8")
+    assert moe(layer="moe", kernels=("rows", "lanes")) == named("shrink", "rows_t256_m1_n2")
+    assert moe(layer="moe", kernels=("lanes",)) is None
+    assert moe(layer="dense", kernels=("mma",)) is None
+    save(fake_gpu, entry(config="rows_t128_m1_n8"))  # a dense entry alone, at the call's key
+    reload_tuned_tables()
+    assert shrink_call() == named("shrink", "rows_t128_m1_n8")
+    assert moe(layer="moe") is None
 
 
 def test_nothing_is_near_past_the_cut_off(fake_gpu):
@@ -393,6 +468,91 @@ def test_a_forced_configuration_still_wins(fake_gpu):
     assert choose(**SHRINK_KEY) == named("shrink", "rows_t256_m1_n2")
 
 
+def test_a_moe_call_takes_the_moe_entries_of_its_kernels_first(fake_gpu):
+    """``moe_kernels``: the table's MoE entries of those kernels before its dense ones, even
+    a farther one; the dense ones where no MoE entry is near or the call cannot run it; a
+    dense call (no ``moe_kernels``) never a MoE entry; a forced configuration before all."""
+    dense, moe = named("shrink", "rows_t256_m1_n2"), named("shrink", "mma_t512_m16_n8")
+    save(
+        fake_gpu,
+        entry(config="rows_t256_m1_n2"),
+        entry(config="mma_t512_m16_n8", layer="moe", T=512, tokens_per_lora=32),  # 2 away
+    )
+    assert choose(**SHRINK_KEY, moe_kernels=("mma",)) == moe
+    assert choose(**SHRINK_KEY) == dense
+    assert choose(**SHRINK_KEY, moe_kernels=("rows", "lanes")) == dense  # not of its kernels
+    assert choose(tensor_cores=False, **SHRINK_KEY, moe_kernels=("mma",)) == dense
+    # T=32 on 2 slots: 3 from the dense entry (near), 5 from the MoE one (far)
+    assert choose(T=32, active=2) not in (dense, moe), "test setup: the heuristic differs"
+    assert choose(T=32, active=2, **SHRINK_KEY, moe_kernels=("mma",)) == dense
+    forced = named("shrink", "rows_t128_m4_n4")
+    with force_launch_config("shrink", forced):
+        assert choose(**SHRINK_KEY, moe_kernels=("mma",)) == forced
+    assert choose(**SHRINK_KEY, moe_kernels=("mma",)) == moe
+
+
+# --------------------------------------------------------------------------- #
+# The MoE op's choice (moe_dense._config), host only
+# --------------------------------------------------------------------------- #
+#: Qwen3-30B-A3B's MoE layer (:data:`moe_sweep.MOE_MODELS`).
+QWEN = moe_sweep.MOE_MODELS["Qwen3-30B-A3B"]
+
+
+def moe_shrink_config(case: bench_moe.MoECase, path: str):
+    """The configuration ``moe_dense`` takes for the shrink of ``case`` on ``path``
+    ("tiles" or "pairs"), its rows and average as ``fused_moe_lora`` computes them."""
+    rows = case.T * case.top_k
+    average = moe_ops.pairs_per_block(rows, case.loras, case.experts)
+    key = dict(dtype=torch.bfloat16, K=case.K, N=case.rank)
+    if path == "tiles":
+        runs = functools.partial(moe_dense._shrink_runs, rank=case.rank)
+        kernels = moe_dense.TILE_KERNELS
+    else:
+        runs, kernels = moe_dense._one_token_rows, moe_dense.ROW_KERNELS
+    return moe_dense._config("shrink", rows, average, case.rank, case.slices, key, runs, kernels)
+
+
+def moe_entry(problem: moe_sweep.MoEProblem, config: str) -> dict:
+    """A MoE entry of ``config`` at the key the tuner gives ``problem``."""
+    return entry(
+        config=config, layer="moe", **dict(zip(table.KEY_FIELDS, moe_sweep.problem_key(problem)))
+    )
+
+
+def test_the_moe_op_looks_up_the_key_the_moe_tuner_writes(fake_gpu, monkeypatch):
+    """Each path of the op finds the MoE entry at the key :func:`moe_sweep.problem_key` gives
+    its shrink, exactly that key (distance 0), and takes it only where its kernels are the
+    path's: the tiles an mma entry, the pairs a row one; otherwise what it takes without."""
+    tiles = moe_sweep.MoEProblem(bench_moe.MoECase("w2", 2048, 4, rank=16, **QWEN), "shrink")
+    pairs = moe_sweep.MoEProblem(bench_moe.MoECase("w13", 1, 4, rank=16, **QWEN), "shrink")
+    assert moe_sweep.path_of(tiles.case) == "tiles" and moe_sweep.path_of(pairs.case) == "pairs"
+    cases = [(p.case, path) for p in (tiles, pairs) for path in ("tiles", "pairs")]
+    without = [moe_shrink_config(*c) for c in cases]  # (no table)
+    mma, rows = "mma_t128_m16_n0", "rows_t128_m1_n8"
+    assert named("shrink", mma) not in without and named("shrink", rows) not in without
+    save(fake_gpu, moe_entry(tiles, mma), moe_entry(pairs, rows))
+    reload_tuned_tables()
+    looked, real = [], launch.tuned_config
+
+    def tuned(*key, layer="dense", kernels=None):
+        found = real(*key, layer=layer, kernels=kernels)
+        op, dtype, slices, K, N, rank, T, active = key
+        sizes = (K, N, rank, T, tokens_per_lora(T, active))
+        looked.append(((op, table.DTYPE_NAMES[dtype], slices, *sizes, layer), kernels, found))
+        return found
+
+    monkeypatch.setattr(launch, "tuned_config", tuned)
+    assert moe_shrink_config(tiles.case, "tiles") == named("shrink", mma)
+    assert looked == [(moe_sweep.problem_key(tiles), moe_dense.TILE_KERNELS, named("shrink", mma))]
+    looked.clear()
+    assert moe_shrink_config(pairs.case, "pairs") == named("shrink", rows)
+    assert looked == [(moe_sweep.problem_key(pairs), moe_dense.ROW_KERNELS, named("shrink", rows))]
+    # each path passes over an entry of the other's kernels at its very key: what it took
+    # without a table
+    assert moe_shrink_config(tiles.case, "pairs") == without[1]
+    assert moe_shrink_config(pairs.case, "tiles") == without[2]
+
+
 # --------------------------------------------------------------------------- #
 # The tuner
 # --------------------------------------------------------------------------- #
@@ -441,10 +601,56 @@ def test_the_smoke_run_writes_a_valid_table(smoke, capsys):
         assert set(times) | set(e["failed"]) | set(e["skipped"]) == {
             config_name(c) for c in launch_configs(e["op"])
         }
+        assert "layer" not in e  # a dense entry: the default layer, not written
     fp32 = next(e for e in doc["entries"] if e["dtype"] == "fp32")
     assert [n for n in fp32["skipped"] if n.startswith("mma")], "the tensor cores take no fp32"
     out = capsys.readouterr().out
     assert "3 of 3 problems" in out and "mean nothing for speed" in out
+
+
+def test_the_moe_smoke_run_writes_a_valid_table(smoke, capsys):
+    """``tune --moe``: an entry of layer "moe" for each problem of the MoE smoke grid (one
+    call on each path, each op), at the key the op looks it up by, its configuration the
+    fastest of those its path runs, its call's tokens, experts and top-k recorded; run
+    again with ``--resume``, nothing; the report weighs the op's own picks apart."""
+    assert cli.main(["tune", "--moe", "--out", str(smoke)]) == 0
+    assert "tune: 4 of 4 problems to measure" in capsys.readouterr().out
+    doc = read_table(smoke / SMOKE_FILE)
+    problems = sorted(moe_sweep.smoke_grid(), key=moe_sweep.problem_key)
+    assert {moe_sweep.path_of(p.case) for p in problems} == {"tiles", "pairs"}
+    assert [entry_key(e) for e in doc["entries"]] == [moe_sweep.problem_key(p) for p in problems]
+    assert doc["unresolved"] == []
+    for e, problem in zip(doc["entries"], problems):
+        case, times = problem.case, e["times_us"]
+        assert e["layer"] == "moe"
+        assert (e["tokens"], e["experts"], e["top_k"]) == (case.T, case.experts, case.top_k)
+        assert e["T"] == case.T * case.top_k  # the pairs
+        assert e["config"] == min(times, key=times.get) and e["us"] == times[e["config"]]
+        configs = {config_name(c): c for c in launch_configs(e["op"])}
+        assert set(times) | set(e["failed"]) | set(e["skipped"]) == set(configs)
+        path = moe_sweep.path_of(case)
+        kernels = moe_dense.TILE_KERNELS if path == "tiles" else moe_dense.ROW_KERNELS
+        assert {configs[name].kernel for name in times} <= set(kernels), (path, sorted(times))
+        assert e["heuristic"] in times  # the op's own pick, timed
+    assert cli.main(["tune", "--moe", "--out", str(smoke), "--resume"]) == 0
+    assert "tune: 0 of 4 problems to measure" in capsys.readouterr().out
+    assert read_table(smoke / SMOKE_FILE) == doc
+    assert cli.main(["tune", "--report", str(smoke / SMOKE_FILE)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for group in ("moe shrink", "moe expand"):
+        assert [line for line in lines if line.startswith(f"{group}: 2 problems")], lines
+    assert not [line for line in lines if line.startswith(("shrink:", "expand:"))], lines
+
+
+def test_the_moe_grid_takes_none_of_the_dense_grids_options(smoke, capsys):
+    assert cli.main(["tune", "--moe", "--dry-run", "--out", str(smoke)]) == 0
+    assert f"tune: {len(moe_sweep.smoke_grid())} problems for" in capsys.readouterr().out
+    for flag, value in (("--hiddens", "4096"), ("--slices", "2"), ("--retime", _joint_name())):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["tune", "--moe", flag, value, "--out", str(smoke)])
+        assert stopped.value.code == 2
+        assert f"{flag} is not an option of --moe" in capsys.readouterr().err
+    assert not smoke.exists()
 
 
 def test_resume_skips_the_keys_done(smoke, monkeypatch, capsys):
@@ -636,6 +842,32 @@ def test_retime_says_how_much_faster_the_new_picks_are(smoke, monkeypatch, capsy
     assert entry["config"] == name and entry["us"] == 8.0 and entry["runner_up_us"] == 10.0
 
 
+def test_retime_leaves_the_moe_entries_as_they_are(smoke, monkeypatch, capsys):
+    """With made-up times (the named configuration 8 µs, the entry's own 10), of a dense
+    entry and a MoE entry of the same key only the dense one is timed again."""
+    name, first = _joint_name(), config_name(launch_configs("shrink")[0])
+    assert name != first
+    dense = entry(config=first, slices=2, widths=[4096, 4096], loras=16)
+    moe = dict(dense, layer="moe", tokens=32, experts=64, top_k=8)
+    doc = new_table(SMOKE_GPU, "0.1.0", "abc123")
+    doc["entries"] = [moe, dense]
+    write_table(smoke / SMOKE_FILE, doc)
+    timed = []
+
+    def measured(case, configs, repeats, seed):
+        timed.append(sweep.case_key(case))
+        names = [config_name(c) for c in configs]
+        return dict(zip(names, [10.0, 8.0])), {}, [], {}
+
+    monkeypatch.setattr(sweep, "_measure_all", measured)
+    assert sweep.main(["--out", str(smoke), "--retime", name]) == 0
+    assert "timing 1 problems" in capsys.readouterr().out
+    assert timed == [entry_key(dense)]
+    after = read_table(smoke / SMOKE_FILE)["entries"]
+    assert after[1] == moe
+    assert after[0]["config"] == name and after[0]["retimed_with"] == [name]
+
+
 def test_retime_never_takes_a_configuration_that_fails_its_check(smoke, monkeypatch):
     assert sweep.main(["--out", str(smoke)]) == 0
     entry = next(e for e in read_table(smoke / SMOKE_FILE)["entries"] if e["slices"] == 2)
@@ -681,6 +913,7 @@ def test_the_grids(monkeypatch):
     full = sweep.full_grid()
     keys = [sweep.case_key(c) for c in full]
     assert len(set(keys)) == len(keys), "each key once"
+    assert {k[-1] for k in keys} == {"dense"} and len(keys[0]) == len(table.KEY_FIELDS) + 1
     assert {c.dtype for c in full} == {"bf16", "fp16"}
     assert {c.rank for c in full} == {8, 16, 32, 64, 128, 256}
     assert {len(c.slices) for c in full} == {1, 2, 3}
@@ -741,8 +974,6 @@ def test_the_report_weighs_the_gpu_heuristic_on_any_machine(tmp_path, capsys):
     """On the simulator too, a GPU's table is read with the GPU's configurations, and each
     problem's ratio is the GPU heuristic's time over the fastest: 2.0 and 1.0 here
     (geometric mean 1.414), the third not timed."""
-    from punica_numba.tuning import report
-
     path = tmp_path / "table.json"
     doc = _report_table(path)  # (written on the simulator: checked by the GPU's names)
     assert launch.choose_launch_config("shrink", 1, 1, 16, machine="gpu").tile_n == 2
@@ -754,6 +985,32 @@ def test_the_report_weighs_the_gpu_heuristic_on_any_machine(tmp_path, capsys):
     assert "shrink: 2 problems, geometric mean 1.414x, largest 2.00x" in out
     assert "1 over 1.10x" in out and "not timed: 1 problems" in out
     assert doc["gpu"] in out
+
+
+def test_the_report_weighs_a_moe_entry_by_the_pick_it_recorded(tmp_path):
+    """A MoE entry's ratio is its recorded ``heuristic``'s time over the fastest (2.5 here),
+    not the GPU heuristic's (its rows_t256_m1_n2 at T=1: 1.5), in groups of their own; one
+    whose pick has no time is not timed; one without a pick is left out."""
+    doc = _report_table(tmp_path / "table.json")
+    times = {"rows_t256_m1_n2": 3.0, "rows_t256_m1_n4": 2.0, "rows_t128_m1_n8": 5.0}
+    picked = dict(doc["entries"][0], layer="moe", heuristic="rows_t128_m1_n8", times_us=times)
+    untimed = dict(picked, T=2, heuristic="rows_t256_m1_n2", times_us={"rows_t256_m1_n4": 2.0})
+    nothing = dict(picked, T=4, heuristic=None)
+    doc["entries"] += [picked, untimed, nothing]
+    validate_table(doc)
+    timed, not_timed = report.heuristic_ratios(doc)
+    moe = [(round(r, 6), name) for r, e, name in timed if layer_of(e) == "moe"]
+    assert moe == [(2.5, "rows_t128_m1_n8")]
+    assert [round(r, 6) for r, e, _ in timed if layer_of(e) == "dense"] == [2.0, 1.0]
+    assert [(layer_of(e), e["T"], name) for e, name in not_timed] == [
+        ("dense", 4, "rows_t256_m1_n2"),
+        ("moe", 2, "rows_t256_m1_n2"),
+    ]
+    lines = report.report(doc).splitlines()
+    assert [
+        line for line in lines if line.startswith("moe shrink: 1 problems, geometric mean 2.500x")
+    ]
+    assert [line for line in lines if line.startswith("shrink: 2 problems, geometric mean 1.414x")]
 
 
 def test_the_report_refuses_a_bad_table(tmp_path, capsys):
