@@ -100,7 +100,9 @@ VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 #: --moe`` of versions 9 and 8 on one machine; docs/benchmarks/h100_moe_v9_6426c98.json,
 #: h100_moe_v8_6426c98.json) it took 0.54-0.99x version 8's time on the 18 of 30 cases
 #: below 4 pairs a (slot, expert), where it launches the row kernels, and 0.98-1.003x on
-#: the 12 others, where it launches version 8's kernels. Not timed on an H200.
+#: the 12 others, where it launches version 8's kernels. On an H200 at 9fd11ec, with the
+#: shipped table's MoE entries (``tune --moe``), 0.44-1.03x vLLM 0.33's time, at most 0.67x on
+#: 13 of 30 (docs/benchmarks/h200_moe_v9_moe_entries_9fd11ec.json).
 #: Version 8, the default from 0635975 until version 9. On an H200 at 0635975 (``bench
 #: --moe`` of versions 8 and 6 on one machine; docs/benchmarks/h200_moe_v8_0635975.json,
 #: h200_moe_v6_0635975.json) it took 0.46-0.85x version 6's time on the 6 of 30 cases where

@@ -42,9 +42,10 @@ Each launch takes the dense op's choice of configuration (:func:`_config`) for P
 ``P / average`` slots: first the tuned table's MoE entries, which ``python -m punica_numba tune
 --moe`` (:mod:`..tuning.moe_sweep`) measures on this op's own calls, then its dense entries
 (tuned on linear layers of other sizes), then the heuristic. On an H100 at a949933, with no
-table, the heuristic's shrink of 16-pair tiles took 1.18-1.77x the op's time under the fastest
-configuration (w13 at 2048 tokens over four adapters: 177.9 µs, ``mma_t128_m16_n0`` 107.1);
-on the pairs its picks were within 2 % (``docs/benchmarks/h100_moe_dense_configs_a949933.json``).
+table, the op with the heuristic's shrink of 16-pair tiles took 1.06-1.66x its time under the
+fastest shrink (w13 at 2048 tokens over four adapters: 177.9 µs, ``mma_t128_m16_n0`` 107.1); on
+the pairs its picks were within 2 % (``docs/benchmarks/h100_moe_dense_configs_a949933.json``).
+On the H200 at 9fd11ec the MoE entries took that w13 call from 170.98 to 89.86 µs.
 :func:`recorded_launches` tells which configuration each launch took.
 """
 

@@ -6,9 +6,9 @@ expert) on, the *tiles* path (the tensor-core shrink and expand on tiles of 16 p
 ``MMA_SHRINK_FROM_PAIRS``, the *pairs* path (the row kernels on one-token tiles, a pair each).
 Between the two the op runs kernels of its own, which have no configurations to choose. Each
 launch takes the configuration the table names for the nearest problem; without MoE entries
-that is a problem of a linear layer, of other sizes (no model in the dense grids has MoE's
-K of 768 or 1408, nor 128 slots an adapter), and on an H100 at a949933 the heuristic's shrink
-on the tiles took up to 1.77x the op's time under the fastest configuration.
+that is a problem of a linear layer, of other sizes (no problem of the dense grids has MoE's
+K of 2048, 768 or 1408), and on an H100 at a949933 the op with the
+heuristic's shrink on the tiles took up to 1.66x its time under the fastest shrink.
 
 So this grid is the MoE layers of real models (:data:`MOE_MODELS`), each projection (w13: two
 slices, a row of x a token; w2: one slice, a row a pair, weighted by the router), ranks,
