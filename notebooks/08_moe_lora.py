@@ -439,3 +439,14 @@ fused_moe_lora(
 )  # fmt: skip
 torch.testing.assert_close(y.float(), result[6], rtol=2e-2, atol=2e-2)
 print("version 9 gives version 6's outputs, within bf16's rounding")
+
+# %% [markdown]
+# Versions 7 to 9 launch the dense op's kernels, so each launch chooses its configuration as
+# the dense op does (`launch.choose_launch_config`): the tuned table's pick for the nearest
+# problem measured, else the heuristic. Measured on linear layers, those picks did not suit
+# MoE's calls: on an H100 (at a949933, no table) the op with the picked shrink of 16-pair tiles
+# took up to 1.66x its time under the fastest shrink. So `python -m punica_numba tune --moe`
+# times the MoE op's own calls under every configuration each path can run, and writes
+# entries of their own (`"layer": "moe"`) that these launches read before the dense ones.
+# With the H200's, shipped in the package, w13 at 2048 tokens over four adapters went from
+# 171 to 90 µs there (lab notes, "MoE LoRA's own entries in the tuned table").
