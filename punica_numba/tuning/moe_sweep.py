@@ -42,7 +42,7 @@ from .. import bench, bench_moe
 from ..launch import config_name, force_launch_config, launch_configs
 from ..ops import moe as moe_ops
 from ..ops import moe_dense
-from .sweep import REASON_CHARS, REPEATS, stop_if_the_context_is_lost
+from .sweep import REASON_CHARS, REPEATS, ranked_entry, stop_if_the_context_is_lost
 from .table import KEY_FIELDS, tokens_per_lora
 
 __all__ = [
@@ -195,20 +195,5 @@ def tune_problem(problem: MoEProblem, repeats: int = REPEATS) -> dict:
     entry = dict(zip(KEY_FIELDS, problem_key(problem)), layer="moe")
     entry.update(loras=case.loras, widths=[case.N] * case.slices)
     entry.update(tokens=case.T, experts=case.experts, top_k=case.top_k)
-    order = {config_name(c): i for i, c in enumerate(configs)}
-    ranked = sorted(times, key=lambda name: (times[name], order[name]))
-    if ranked:
-        runner_up = ranked[1] if len(ranked) > 1 else None
-        heuristic = config_name(own) if own is not None else None
-        entry.update(
-            config=ranked[0],
-            us=times[ranked[0]],
-            runner_up=runner_up,
-            runner_up_us=times.get(runner_up),
-            heuristic=heuristic,
-            heuristic_us=times.get(heuristic),
-            times_us=times,
-        )
-    seconds = round(max(time.perf_counter() - start, 1e-3), 3)
-    entry.update(failed=failed, skipped=skipped, tuned_s=seconds)
-    return entry
+    picked = config_name(own) if own is not None else None
+    return ranked_entry(entry, configs, times, failed, skipped, lambda: picked, start)

@@ -93,6 +93,7 @@ __all__ = [
     "full_grid",
     "main",
     "quick_grid",
+    "ranked_entry",
     "retime_entry",
     "stop_if_the_context_is_lost",
     "tune_case",
@@ -286,29 +287,41 @@ def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
     times, failed, skipped, usable = _measure_all(case, configs, repeats, seed)
     # (zip stops before the layer: a dense entry is written without one, its default)
     entry = dict(zip(KEY_FIELDS, case_key(case)), loras=case.num_loras, widths=case.slices)
+
+    def heuristic() -> str:  # (asked only where something ran: ``usable`` is then known)
+        config = choose_launch_config(
+            case.op,
+            case.T,
+            case.num_loras,
+            case.rank,
+            usable.get("mma", False),
+            len(case.slices),
+            usable.get("lanes", False),
+            K=case.hidden if case.op == "shrink" else None,  # (the rules on K; no table)
+        )
+        return config_name(config)
+
+    return ranked_entry(entry, configs, times, failed, skipped, heuristic, start)
+
+
+def ranked_entry(entry, configs, times, failed, skipped, heuristic, start) -> dict:
+    """``entry`` (its key) completed: the fastest of ``times`` (µs by name; ties to the
+    earlier of ``configs``) as its ``config``, the next as its runner-up, ``heuristic()``'s
+    name with its time, every time, ``failed``, ``skipped`` and the seconds since
+    ``start`` (``time.perf_counter``); with no ``config`` where nothing was timed (an
+    *unresolved* key)."""
     order = {config_name(c): i for i, c in enumerate(configs)}
     ranked = sorted(times, key=lambda name: (times[name], order[name]))
     if ranked:
         runner_up = ranked[1] if len(ranked) > 1 else None
-        heuristic = config_name(
-            choose_launch_config(
-                case.op,
-                case.T,
-                case.num_loras,
-                case.rank,
-                usable.get("mma", False),
-                len(case.slices),
-                usable.get("lanes", False),
-                K=case.hidden if case.op == "shrink" else None,  # (the rules on K; no table)
-            )
-        )
+        picked = heuristic()
         entry.update(
             config=ranked[0],
             us=times[ranked[0]],
             runner_up=runner_up,
             runner_up_us=times.get(runner_up),
-            heuristic=heuristic,
-            heuristic_us=times.get(heuristic),
+            heuristic=picked,
+            heuristic_us=times.get(picked),
             times_us=times,
         )
     seconds = round(max(time.perf_counter() - start, 1e-3), 3)
