@@ -653,6 +653,35 @@ def test_the_moe_grid_takes_none_of_the_dense_grids_options(smoke, capsys):
     assert not smoke.exists()
 
 
+def test_a_moe_layer_of_the_users_own_is_tuned_in_place_of_the_models(smoke, capsys):
+    """``--moe-layer H,E,K,I``: the grid of that layer alone (gpt-oss-20b's here), each
+    problem on one of the two paths, each key once; a malformed layer, or one without
+    ``--moe``, is a usage error naming the option."""
+    layer = moe_sweep.layer_spec("2880,32,4,2880")
+    assert layer == dict(hidden=2880, experts=32, top_k=4, intermediate=2880)
+    problems = moe_sweep.quick_grid(layers=[layer])
+    assert problems and {
+        (p.case.hidden, p.case.experts, p.case.top_k, p.case.intermediate) for p in problems
+    } == {(2880, 32, 4, 2880)}
+    assert all(moe_sweep.path_of(p.case) in ("tiles", "pairs") for p in problems)
+    keys = [moe_sweep.problem_key(p) for p in problems]
+    assert len(set(keys)) == len(keys)
+    assert {p.case.K for p in problems} == {2880}  # w13 reads hidden, w2 the intermediate
+    shipped = {moe_sweep.problem_key(p) for p in moe_sweep.quick_grid()}
+    assert not shipped & set(keys)  # other sizes: other keys
+    for text in ("2880,32,4", "2880,4,32,2880", "a,b,c,d"):
+        with pytest.raises(ValueError, match="expected HIDDEN,EXPERTS,TOP_K,INTERMEDIATE"):
+            moe_sweep.layer_spec(text)
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["tune", "--moe", "--moe-layer", text, "--out", str(smoke)])
+        assert stopped.value.code == 2 and "--moe-layer: expected" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["tune", "--moe-layer", "2880,32,4,2880", "--out", str(smoke)])
+    assert stopped.value.code == 2
+    assert "--moe-layer is an option of --moe" in capsys.readouterr().err
+    assert not smoke.exists()
+
+
 def test_resume_skips_the_keys_done(smoke, monkeypatch, capsys):
     swept = counted(monkeypatch)
     keys = [sweep.case_key(c) for c in sweep.smoke_grid()]

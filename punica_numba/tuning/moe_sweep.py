@@ -28,8 +28,10 @@ where the table loaded has no MoE entry near).
 
 Grids: :func:`quick_grid` (``--moe --quick``) is Qwen3-30B-A3B's layer at ranks 16 and 64,
 bf16, 1 to 4096 tokens on 1, 4 and 16 adapters; :func:`full_grid` (``--moe``) adds
-DeepSeek-V2-Lite's and Qwen3-235B-A22B's layers, ranks 8 to 64, fp16, up to 8192 tokens. On
-the CUDA simulator, :func:`smoke_grid`: one tiny call on each path.
+DeepSeek-V2-Lite's and Qwen3-235B-A22B's layers, ranks 8 to 64, fp16, up to 8192 tokens.
+``--moe-layer HIDDEN,EXPERTS,TOP_K,INTERMEDIATE`` (once a layer) tunes the layers given in place of
+those models, e.g. ``--moe-layer 2880,32,4,2880`` for gpt-oss-20b's. On the CUDA simulator,
+:func:`smoke_grid`: one tiny call on each path.
 """
 
 from __future__ import annotations
@@ -119,18 +121,19 @@ def _runs(path: str, op: str, rank: int):
     return moe_dense._expand_runs
 
 
-def grid(models, ranks, tokens, dtypes, loras=LORAS) -> list[MoEProblem]:
+def grid(layers, ranks, tokens, dtypes, loras=LORAS) -> list[MoEProblem]:
     """Every problem of the product that takes one of the two paths, ordered dtype, rank,
-    model, projection, T, adapters, op; a key met twice once."""
+    layer (a dict of :data:`MOE_MODELS`' fields), projection, T, adapters, op; a key met
+    twice once."""
     problems, seen = [], set()
     for dtype in dtypes:
         for rank in ranks:
-            for model in models:
+            for layer in layers:
                 for projection in PROJECTIONS:
                     for T in tokens:
                         for count in loras:
                             case = bench_moe.MoECase(
-                                projection, T, count, rank=rank, dtype=dtype, **MOE_MODELS[model]
+                                projection, T, count, rank=rank, dtype=dtype, **layer
                             )
                             if path_of(case) is None:
                                 continue
@@ -142,14 +145,31 @@ def grid(models, ranks, tokens, dtypes, loras=LORAS) -> list[MoEProblem]:
     return problems
 
 
-def quick_grid(ranks=QUICK_RANKS, dtypes=("bf16",)) -> list[MoEProblem]:
-    """The ``--moe --quick`` grid: Qwen3-30B-A3B's layer, T 1-4096."""
-    return grid(QUICK_MODELS, ranks, QUICK_TOKENS, dtypes)
+def quick_grid(ranks=QUICK_RANKS, dtypes=("bf16",), layers=None) -> list[MoEProblem]:
+    """The ``--moe --quick`` grid: Qwen3-30B-A3B's layer (or ``layers``), T 1-4096."""
+    layers = layers or [MOE_MODELS[name] for name in QUICK_MODELS]
+    return grid(layers, ranks, QUICK_TOKENS, dtypes)
 
 
-def full_grid(ranks=FULL_RANKS, dtypes=("bf16", "fp16")) -> list[MoEProblem]:
-    """The ``--moe`` grid: the layers of :data:`MOE_MODELS`, T 1-8192."""
-    return grid(tuple(MOE_MODELS), ranks, FULL_TOKENS, dtypes)
+def full_grid(ranks=FULL_RANKS, dtypes=("bf16", "fp16"), layers=None) -> list[MoEProblem]:
+    """The ``--moe`` grid: the layers of :data:`MOE_MODELS` (or ``layers``), T 1-8192."""
+    return grid(layers or list(MOE_MODELS.values()), ranks, FULL_TOKENS, dtypes)
+
+
+def layer_spec(text: str) -> dict:
+    """``"2880,32,4,2880"`` -> ``dict(hidden=2880, experts=32, top_k=4, intermediate=2880)``
+    (``--moe-layer``); ValueError naming what was expected otherwise."""
+    fields = ("hidden", "experts", "top_k", "intermediate")
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 4 or min(values) < 1 or values[2] > values[1]:
+        raise ValueError(
+            f"expected HIDDEN,EXPERTS,TOP_K,INTERMEDIATE, four integers >= 1 with TOP_K <= "
+            f"EXPERTS, got {text!r}"
+        )
+    return dict(zip(fields, values))
 
 
 def smoke_grid() -> list[MoEProblem]:

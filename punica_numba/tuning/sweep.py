@@ -46,9 +46,10 @@ A table of another GPU, copied under this one's name to weigh its picks here, ke
 entry timed again only this run's times: the others were the other GPU's.
 
 ``--moe`` tunes the MoE op's calls of the dense op's kernels instead (:mod:`.moe_sweep`: the
-MoE layers of real models; ``--quick``, ``--ranks``, ``--dtypes``, ``--part``, ``--budget-s``
-and ``--resume`` as above), into the same table as entries of their own (``"layer": "moe"``),
-which MoE calls consult before the dense ones. ``--retime`` leaves MoE entries as they are.
+MoE layers of real models, or those of ``--moe-layer H,E,K,I``; ``--quick``, ``--ranks``,
+``--dtypes``, ``--part``, ``--budget-s`` and ``--resume`` as above), into the same table as
+entries of their own (``"layer": "moe"``), which MoE calls consult before the dense ones.
+``--retime`` leaves MoE entries as they are.
 
 ``--report TABLE`` runs nothing: it weighs this package's heuristic against a table made
 before, on any machine (:mod:`.report`).
@@ -387,6 +388,15 @@ def _part(text: str) -> tuple[int, int]:
     return index, count
 
 
+def _moe_layer(text: str) -> dict:
+    from .moe_sweep import layer_spec
+
+    try:
+        return layer_spec(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--moe-layer: {error}") from None
+
+
 def _numbers(kind):
     return lambda text: [kind(v) for v in text.split(",")]
 
@@ -405,6 +415,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="the quick grid (128 problems)")
     parser.add_argument(
         "--moe", action="store_true", help="the MoE op's calls of the dense kernels' instead"
+    )
+    parser.add_argument(
+        "--moe-layer",
+        action="append",
+        type=_moe_layer,
+        metavar="H,E,K,I",
+        help="--moe: tune this MoE layer (hidden, experts, top-k, expert intermediate size) in "
+        "place of the grid's models; once a layer",
     )
     parser.add_argument("--resume", action="store_true", help="add to the table; skip its keys")
     parser.add_argument("--part", type=_part, metavar="I/N", help="the I-th of N parts")
@@ -447,9 +465,8 @@ def _grid(args) -> list:
             cases = moe_sweep.smoke_grid()
         else:
             build = moe_sweep.quick_grid if args.quick else moe_sweep.full_grid
-            cases = build(
-                **{k: v for k, v in (("ranks", args.ranks), ("dtypes", args.dtypes)) if v}
-            )
+            options = (("ranks", args.ranks), ("dtypes", args.dtypes), ("layers", args.moe_layer))
+            cases = build(**{k: v for k, v in options if v})
     elif SIMULATOR:
         cases = smoke_grid()
     else:
@@ -565,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if given and args.moe:
             parser.error(f"{flag} is not an option of --moe (its grid: tuning/moe_sweep.py)")
+    if args.moe_layer and not args.moe:
+        parser.error("--moe-layer is an option of --moe")
     unknown = sorted(set(args.hiddens or ()) - set(MODEL_HIDDENS))
     if unknown:
         parser.error(f"--hiddens {unknown}: choose from {MODEL_HIDDENS}")
