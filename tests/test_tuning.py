@@ -643,6 +643,10 @@ def test_the_moe_smoke_run_writes_a_valid_table(smoke, capsys):
 
 
 def test_the_moe_grid_takes_none_of_the_dense_grids_options(smoke, capsys):
+    """``--moe`` refuses the dense grid's options; ``--moe-layer H,E,K,I`` gives the grid of a
+    layer of the user's own (gpt-oss-20b's here) in place of the models, each problem on one
+    of the two paths, each key once; a malformed layer, or one without ``--moe``, is a usage
+    error naming the option."""
     assert cli.main(["tune", "--moe", "--dry-run", "--out", str(smoke)]) == 0
     assert f"tune: {len(moe_sweep.smoke_grid())} problems for" in capsys.readouterr().out
     for flag, value in (("--hiddens", "4096"), ("--slices", "2"), ("--retime", _joint_name())):
@@ -651,12 +655,6 @@ def test_the_moe_grid_takes_none_of_the_dense_grids_options(smoke, capsys):
         assert stopped.value.code == 2
         assert f"{flag} is not an option of --moe" in capsys.readouterr().err
     assert not smoke.exists()
-
-
-def test_a_moe_layer_of_the_users_own_is_tuned_in_place_of_the_models(smoke, capsys):
-    """``--moe-layer H,E,K,I``: the grid of that layer alone (gpt-oss-20b's here), each
-    problem on one of the two paths, each key once; a malformed layer, or one without
-    ``--moe``, is a usage error naming the option."""
     layer = moe_sweep.layer_spec("2880,32,4,2880")
     assert layer == dict(hidden=2880, experts=32, top_k=4, intermediate=2880)
     problems = moe_sweep.quick_grid(layers=[layer])
