@@ -506,10 +506,9 @@ def moe_shrink_config(case: bench_moe.MoECase, path: str):
     key = dict(dtype=torch.bfloat16, K=case.K, N=case.rank)
     if path == "tiles":
         runs = functools.partial(moe_dense._shrink_runs, rank=case.rank)
-        kernels = moe_dense.TILE_KERNELS
     else:
-        runs, kernels = moe_dense._one_token_rows, moe_dense.ROW_KERNELS
-    return moe_dense._config("shrink", rows, average, case.rank, case.slices, key, runs, kernels)
+        runs = moe_dense._one_token_rows
+    return moe_dense._config("shrink", rows, average, case.rank, case.slices, key, runs)
 
 
 def moe_entry(problem: moe_sweep.MoEProblem, config: str) -> dict:

@@ -220,28 +220,26 @@ def active_slots(rows: int, average_pairs: float) -> int:
     return max(1, round(rows / max(average_pairs, 1.0)))
 
 
-def _config(
-    op: str, rows: int, average_pairs: float, rank: int, slices: int, key: dict, runs, kernels
-):
+#: The kernels of each path's configurations: the tiles' (:func:`dense_shrink`,
+#: :func:`dense_expand`) and the pairs' (:func:`row_shrink`, :func:`row_expand`).
+TILE_KERNELS = ("mma",)
+ROW_KERNELS = ("rows", "lanes")
+
+
+def _config(op: str, rows: int, average_pairs: float, rank: int, slices: int, key: dict, runs):
     """The dense op's configuration of ``op`` for ``rows`` rows at ``average_pairs`` a slot
     (:func:`active_slots`) where this module ``runs`` it, with the tensor cores or else
     without them, else the first of the table that ``runs`` takes at any rank
     (``runs(c, any_rank=True)``) and that the heuristic may pick. The tuned table's MoE
-    entries (``tune --moe``) of the path's ``kernels`` (:data:`TILE_KERNELS` or
-    :data:`ROW_KERNELS`) come before its dense ones."""
+    entries (``tune --moe``) of the path's kernels (:data:`ROW_KERNELS` where ``runs`` is
+    the pairs' test, else :data:`TILE_KERNELS`) come before its dense ones."""
     active = active_slots(rows, average_pairs)
-    key = dict(key, moe_kernels=kernels)
+    key = dict(key, moe_kernels=ROW_KERNELS if runs is _one_token_rows else TILE_KERNELS)
     for tensor_cores in (True, False):
         config = choose_launch_config(op, rows, active, rank, tensor_cores, slices, **key)
         if runs(config):
             return config
     return next(c for c in launch_configs(op) if runs(c, any_rank=True) and not c.tuned_only)
-
-
-#: The kernels of each path's configurations: the tiles' (:func:`dense_shrink`,
-#: :func:`dense_expand`) and the pairs' (:func:`row_shrink`, :func:`row_expand`).
-TILE_KERNELS = ("mma",)
-ROW_KERNELS = ("rows", "lanes")
 
 
 def _shrink_runs(c: LaunchConfig, any_rank: bool = False, rank: int = 0) -> bool:
@@ -300,8 +298,7 @@ def dense_shrink(
     num_pairs = buffer.shape[1]
     key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
     runs = functools.partial(_shrink_runs, rank=rank)
-    config = _config("shrink", num_pairs, average_pairs, rank, len(stacks), key, runs,
-                     TILE_KERNELS)  # fmt: skip
+    config = _config("shrink", num_pairs, average_pairs, rank, len(stacks), key, runs)
     mma = operands.mma_shrink_operands(x, stacks, config.tile_n)
     if mma is None:
         return False
@@ -370,7 +367,7 @@ def row_shrink(
     rank, hidden = stacks[0].rows, stacks[0].cols
     key = dict(dtype=stacks[0].dtype, K=hidden, N=rank)
     config = _config("shrink", buffer.shape[1], average_pairs, rank, len(stacks), key,
-                     _one_token_rows, ROW_KERNELS)  # fmt: skip
+                     _one_token_rows)  # fmt: skip
     scaled, scaling = _factors(router_weights)
     chosen = choose_shrink(
         x, stacks, buffer, None, False, config=config, x_rows=x_rows, row_scaled=scaled
@@ -413,9 +410,7 @@ def _chosen_expand(out, buffer, lora_b, offset, average_pairs, runs) -> tuple[Ex
     if runs is _one_token_rows:
         packed = operands.weight_words(stacks) is not None
         key["lane_split"] = splits(rank // packing(stacks[0].dtype, packed))
-    kernels = ROW_KERNELS if runs is _one_token_rows else TILE_KERNELS
-    config = _config("expand", buffer.shape[1], average_pairs, rank, len(stacks), key, runs,
-                     kernels)  # fmt: skip
+    config = _config("expand", buffer.shape[1], average_pairs, rank, len(stacks), key, runs)
     return choose_expand(buffer, stacks, out, None, offset, config=config), width
 
 
