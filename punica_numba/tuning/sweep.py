@@ -458,24 +458,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _grid(args) -> list:
     """The problems asked for: the grid (the smoke grid on the simulator), its part."""
-    if args.moe:
+    grids = (smoke_grid, quick_grid, full_grid)
+    if args.moe:  # (its options checked by main: no --hiddens, no --slices)
         from . import moe_sweep
 
-        if SIMULATOR:
-            cases = moe_sweep.smoke_grid()
-        else:
-            build = moe_sweep.quick_grid if args.quick else moe_sweep.full_grid
-            options = (("ranks", args.ranks), ("dtypes", args.dtypes), ("layers", args.moe_layer))
-            cases = build(**{k: v for k, v in options if v})
-    elif SIMULATOR:
-        cases = smoke_grid()
+        grids = (moe_sweep.smoke_grid, moe_sweep.quick_grid, moe_sweep.full_grid)
+    if SIMULATOR:
+        cases = grids[0]()
     else:
-        build = quick_grid if args.quick else full_grid
-        options = {k: v for k, v in (("ranks", args.ranks), ("dtypes", args.dtypes)) if v}
-        if args.hiddens:
-            options["hiddens"] = tuple(args.hiddens)
-        cases = build(**options)
-    if args.slices and not args.moe:
+        hiddens = tuple(args.hiddens) if args.hiddens else None
+        options = dict(ranks=args.ranks, dtypes=args.dtypes, hiddens=hiddens, layers=args.moe_layer)
+        cases = grids[1 if args.quick else 2](**{k: v for k, v in options.items() if v})
+    if args.slices:
         cases = [case for case in cases if len(case.slices) in args.slices]
     if args.part:
         index, count = args.part
