@@ -1,0 +1,88 @@
+"""Where MoE LoRA's pairs path spends its time: each launch of version 9's calls of few pairs
+a (slot, expert) timed as ``bench --moe`` times the op.
+
+Below :data:`punica_numba.ops.moe.MMA_SHRINK_FROM_PAIRS` pairs a (slot, expert) the op makes
+the table of pairs (:func:`punica_numba.ops.moe_dense.moe_pairs`, one CUDA block), then runs
+the dense op's row shrink and expand on it. For every ``bench --moe`` case on that path, this
+times, on the benchmark's pool of argument sets (CUDA-graph replays, µs per call):
+
+* ``op``: the whole op;
+* ``pairs``: the table alone;
+* ``pairs_shrink``: the table, then the shrink;
+
+so that the expand is ``op - pairs_shrink`` and the shrink ``pairs_shrink - pairs``.
+
+    python docs/benchmarks/probes/moe_pairs_steps.py [--json PATH] [--cases w2:1:1,...]
+
+GPU only.
+"""
+
+import argparse
+import json
+
+import torch
+
+from punica_numba import bench
+from punica_numba.bench_moe import _call, checked_pool, default_cases
+from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, pairs_per_block
+from punica_numba.ops.moe_dense import moe_pairs, row_shrink
+
+#: The steps timed beside the whole op, as :func:`build`'s arguments.
+VARIANTS = {"pairs": ("pairs",), "pairs_shrink": ("pairs_shrink",)}
+
+
+def build(step: str):
+    """``make(case, args)``: the call of the op's launches up to ``step`` on one argument set
+    (``pairs``: the table; ``pairs_shrink``: the table, then the shrink)."""
+    if step not in VARIANTS:
+        raise ValueError(f"step must be one of {sorted(VARIANTS)}, got {step!r}")
+
+    def make(case, args):
+        P = case.T * case.top_k
+        average = pairs_per_block(P, case.loras, case.experts)
+        weights = args["topk_weights"].reshape(-1).to(torch.float32)
+        buffer = torch.empty(case.slices, P, case.rank, dtype=torch.float32, device="cuda")
+        x_rows = 1 if case.by_pair else case.top_k
+        routed = weights if case.by_pair else None
+
+        def pairs():
+            return moe_pairs(*args["blocks"], args["enabled"], case.block_size, P, case.experts)
+
+        def pairs_shrink():
+            row_shrink(buffer, args["x"], args["lora_a"], pairs(), x_rows, average, routed)
+
+        return pairs if step == "pairs" else pairs_shrink
+
+    return make
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--cases", help="projection:T:loras,... (default: every pairs-path case)")
+    opts = parser.parse_args()
+    wanted = None
+    if opts.cases:
+        wanted = {tuple(c.split(":")) for c in opts.cases.split(",")}
+    records = []
+    for case in default_cases():
+        P = case.T * case.top_k
+        if pairs_per_block(P, case.loras, case.experts) >= MMA_SHRINK_FROM_PAIRS:
+            continue
+        if wanted and (case.projection, str(case.T), str(case.loras)) not in wanted:
+            continue
+        first, pool, check = checked_pool(case)
+        check(lambda a, case=case: _call(case, a))
+        record = {"projection": case.projection, "T": case.T, "loras": case.loras}
+        record["op"] = bench.time_calls([_call(case, a) for a in pool])
+        for step in VARIANTS:
+            record[step] = bench.time_calls([build(step)(case, a) for a in pool])
+        records.append({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()})
+        print(records[-1], flush=True)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "cases": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
