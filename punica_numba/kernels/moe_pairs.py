@@ -21,11 +21,11 @@ before it holds, a running sum over the blocks. The kernel is a grid of CUDA blo
 thread a block of the metadata (a *unit*: unit ``u`` is block ``u % NB`` of slot ``u //
 NB``, so that the units' order is the table's):
 
-* a thread reads its unit's count, its expert, its flag and its entries together, one
-  trip to memory (:data:`ENTRIES_AT_ONCE` entries at once), and counts the entries that
-  name a pair (``0 <= p < P``: padding names ``P``) where its block is in use (``b <
-  ceil(num_tokens_post_padded[l] / block_size)``, the slot turned on, the expert one the
-  weights hold), else none;
+* a thread reads its slot's count and flag; where its block is in range (``b <
+  ceil(num_tokens_post_padded[l] / block_size)``, the slot turned on) it reads the block's
+  expert and entries together (:data:`ENTRIES_AT_ONCE` entries at once) and counts those
+  that name a pair (``0 <= p < P``: padding names ``P``), none where the expert is not one
+  the weights hold;
 * the CUDA block adds up the pairs of every unit before its own first, each thread counting
   a share of them as above (the block's own units are a few thousand at most: that is at
   most a few trips, and none in the first CUDA block);
@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import functools
 
-from numba import int32
+from numba import int32, uint32
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
@@ -97,15 +97,16 @@ def build_moe_pairs_kernel(threads: int = MOE_PAIRS_THREADS):
         num_pairs, num_experts, named,
     ):  # fmt: skip
         """``(slot, count)`` of unit u: its dense slot ``l * E + e`` and how many of its
-        entries name a pair, or ``(-1, 0)`` where its block is not in use. Every load is
-        made before any is looked at."""
-        row_blocks = expert_ids.shape[1]
-        l = u // row_blocks
-        b = u - l * row_blocks
-        start = b * block_size
-        end = min(start + block_size, sorted_token_ids.shape[1])  # (start < EM: b < NB)
-        padded = num_tokens_post_padded[l]
-        on = adapter_enabled[l]
+        entries name a pair, or ``(-1, 0)`` where its block is not in use. Two trips to
+        memory: the slot's count and flag (a few values, shared by its blocks), then, only
+        for a block in range, its expert and its entries together."""
+        row_blocks = uint32(expert_ids.shape[1])
+        l = uint32(u) // row_blocks  # (32-bit: the short division)
+        b = uint32(u) - l * row_blocks
+        start = b * uint32(block_size)
+        if not (start < num_tokens_post_padded[l] and adapter_enabled[l] != 0):
+            return -1, 0
+        end = min(start + uint32(block_size), uint32(sorted_token_ids.shape[1]))  # (b < NB)
         e = expert_ids[l, b]
         count = 0
         for q in range(start, end, AT_ONCE):
@@ -114,7 +115,7 @@ def build_moe_pairs_kernel(threads: int = MOE_PAIRS_THREADS):
                 named[j] = 1 if q + j < end and 0 <= p < num_pairs else 0
             for j in range(AT_ONCE):
                 count += named[j]
-        if start < padded and on != 0 and 0 <= e < num_experts:
+        if 0 <= e < num_experts:
             return l * num_experts + e, count
         return -1, 0
 
@@ -166,9 +167,9 @@ def build_moe_pairs_kernel(threads: int = MOE_PAIRS_THREADS):
             step *= 2
         row = earlier[THREADS - 1] + running[t] - count  # where the block's first pair goes
         if count > 0:
-            l = (first + t) // expert_ids.shape[1]
-            start = ((first + t) - l * expert_ids.shape[1]) * block_size
-            end = min(start + block_size, sorted_token_ids.shape[1])
+            l = uint32(first + t) // uint32(expert_ids.shape[1])
+            start = (uint32(first + t) - l * uint32(expert_ids.shape[1])) * uint32(block_size)
+            end = min(start + uint32(block_size), uint32(sorted_token_ids.shape[1]))
             for q in range(start, end):  # (from L1 now)
                 p = sorted_token_ids[l, q]
                 if 0 <= p < num_pairs and row < rows:
