@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from punica_numba import reference
 from punica_numba._checks import check_stack
-from punica_numba.kernels.moe_pairs import pairs_launch
+from punica_numba.kernels.moe_pairs import pairs_threads
 from punica_numba.kernels.shrink_mma import build_mma_shrink_kernel
 from punica_numba.launch import LaunchConfig
 from punica_numba.moe_meta import align_pairs
@@ -290,22 +290,20 @@ def test_the_blocks_past_num_tokens_post_padded_hold_no_pair_of_the_table():
     assert tokens.tolist() == [0, 3, 0, 0]
 
 
-def test_the_pairs_kernel_takes_a_thread_a_block_of_the_metadata():
-    """Its grid: a thread a unit (a slot's block), CUDA blocks of a power of two from 32
-    threads that holds every unit, up to the most."""
-    assert pairs_launch(1, 121, most=1024) == (1, 128)  # one token of top-8, 128 experts
-    assert pairs_launch(16, 121, most=1024) == (2, 1024)
-    assert pairs_launch(2, 10, most=1024) == (1, 32)
-    assert pairs_launch(16, 1143, most=1024) == (18, 1024)
-    assert pairs_launch(3, 5, most=4) == (4, 4)  # (the simulator's)
+def test_the_pairs_kernel_takes_a_warp_or_more_up_to_the_blocks_in_use():
+    """Its threads: a power of two from 32 that holds every block the call's pairs can use
+    (at most P, at most NB a slot), up to the most."""
+    assert pairs_threads(8, 16, 135, most=1024) == 32  # one token of top-8
+    assert pairs_threads(100, 2, 40, most=1024) == 128  # 80 blocks at most
+    assert pairs_threads(16384, 16, 1143, most=1024) == 1024
+    assert pairs_threads(8, 16, 135, most=4) == 4  # (the simulator's)
 
 
 @pytest.mark.gpu
-def test_units_past_the_first_cuda_block_count_the_pairs_before_them():
-    """On a GPU the pairs kernel's CUDA blocks are 1024 threads: 4,500 units (three slots, the
-    second turned off, of 1,500 blocks of 4, 0 to 2 pairs each, a few experts -1) are five of
-    them, each adding up the pairs of the units before its own; the table and the tokens
-    against the definition."""
+def test_more_blocks_in_use_than_the_pairs_kernels_threads_take_rounds():
+    """On a GPU the pairs kernel is one CUDA block of 1024 threads: some 3,000 blocks in use of
+    0 to 2 pairs each (three slots, the second turned off, a few experts -1), in blocks of 4,
+    take rounds of its running sum; the table and the tokens against the definition."""
     gen = torch.Generator().manual_seed(5)
     L, NB, bs, E = 3, 1500, 4, 64
     counts = torch.randint(0, 3, (L, NB), generator=gen)

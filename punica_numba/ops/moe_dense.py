@@ -62,7 +62,7 @@ from .._cuda import SIMULATOR
 from ..kernels import MAX_SLICES, build_mma_shrink_kernel, splits
 from ..kernels.dtypes import packing
 from ..kernels.moe_blocks import slots_at_once
-from ..kernels.moe_pairs import build_moe_pairs_kernel, pairs_launch
+from ..kernels.moe_pairs import build_moe_pairs_kernel, pairs_threads
 from ..kernels.moe_tiles import (
     MOE_TILE_M,
     MOE_TILES_THREADS,
@@ -140,8 +140,8 @@ def moe_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs of the MoE blocks in use as the dense op's table of one-token tiles ``[P,
     4]`` with their tokens ``[P]`` (int32; the row kernels' ``sorted_tokens``), made by one
-    kernel, a thread a block of the metadata (:mod:`..kernels.moe_pairs`; its grid
-    :func:`..kernels.moe_pairs.pairs_launch`).
+    kernel of one CUDA block (:mod:`..kernels.moe_pairs`; its threads
+    :func:`..kernels.moe_pairs.pairs_threads`).
 
     Semantics:
         the blocks in use: for each slot l in order with adapter_enabled[l] != 0, its blocks
@@ -155,10 +155,11 @@ def moe_pairs(
     blocks = (sorted_token_ids, expert_ids, num_tokens_post_padded)
     table, tokens = _empty_table(blocks, (num_pairs,))
     if num_pairs:
-        grid, threads = pairs_launch(sorted_token_ids.shape[0], expert_ids.shape[1])
+        slots = sorted_token_ids.shape[0]
+        threads = pairs_threads(num_pairs, slots, expert_ids.shape[1])
+        kernel = build_moe_pairs_kernel(slots_at_once(slots), threads)
         sizes = (block_size, num_pairs, num_experts)
-        kernel = build_moe_pairs_kernel(threads)
-        _make_table(kernel, (grid, 1, 1), threads, blocks, adapter_enabled, sizes, table, tokens)
+        _make_table(kernel, (1, 1, 1), threads, blocks, adapter_enabled, sizes, table, tokens)
     return table, tokens
 
 
