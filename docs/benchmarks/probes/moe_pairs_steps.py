@@ -12,7 +12,7 @@ times, on the benchmark's pool of argument sets (CUDA-graph replays, µs per cal
 
 so that the expand is ``op - pairs_shrink`` and the shrink ``pairs_shrink - pairs``.
 
-    python docs/benchmarks/probes/moe_pairs_steps.py [--json PATH] [--cases w2:1:1,...]
+    python docs/benchmarks/probes/moe_pairs_steps.py [--json PATH] [--commit C] [--cases w2:1:1,...]
 
 GPU only.
 """
@@ -60,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--cases", help="projection:T:loras,... (default: every pairs-path case)")
+    parser.add_argument("--commit", default="unknown", help="the commit measured, for the JSON")
     opts = parser.parse_args()
     wanted = None
     if opts.cases:
@@ -74,6 +75,7 @@ def main() -> None:
         first, pool, check = checked_pool(case)
         check(lambda a, case=case: _call(case, a))
         record = {"projection": case.projection, "T": case.T, "loras": case.loras}
+        record["pool"] = len(pool)  # (the argument sets a graph replays: the time is per set)
         record["op"] = bench.time_calls([_call(case, a) for a in pool])
         for step in VARIANTS:
             record[step] = bench.time_calls([build(step)(case, a) for a in pool])
@@ -81,7 +83,8 @@ def main() -> None:
         print(records[-1], flush=True)
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "cases": records}, f, indent=1)
+            record = {"commit": opts.commit, "gpu": torch.cuda.get_device_name(), "cases": records}
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
