@@ -39,7 +39,9 @@
 #   PYTHON          the interpreter (default: python3); PYTHONPATH is kept as given
 #   GPU_CHECK_OUT   where logs, JSON and plots go
 #   COMMIT          the commit the benchmark records (default: git HEAD, if there is one)
-#   SUITE_WORKERS   pytest-xdist workers for the suite (default 4; 0: one process)
+#   SUITE_WORKERS   pytest-xdist workers for the suite (default 4; 0: one process). Ten on an
+#                   80 GB H100 ran out of memory at 36135c6 where the suite's last files ran
+#                   together (test_ops' test of offsets past 2^31 holds 43 GB)
 #   SUITE_TESTS     the suite's pytest targets (default: tests). The whole gpu profile took
 #                   over 10 minutes on an H200 with 8 workers (at 5d81db4): run it in parts
 #   SUITE_LIMIT     seconds after which the suite is interrupted (SIGINT: pytest then writes
