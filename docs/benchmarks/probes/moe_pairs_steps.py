@@ -10,7 +10,9 @@ times, on the benchmark's pool of argument sets (CUDA-graph replays, µs per cal
 * ``pairs``: the table alone;
 * ``pairs_shrink``: the table, then the shrink;
 
-so that the expand is ``op - pairs_shrink`` and the shrink ``pairs_shrink - pairs``.
+so that the expand is ``op - pairs_shrink`` and the shrink ``pairs_shrink - pairs``. What a
+replay costs beyond its kernels is in all three, and so in ``pairs`` (the first step); it is
+per argument set, so it weighs more where the pool (recorded) is small.
 
     python docs/benchmarks/probes/moe_pairs_steps.py [--json PATH] [--commit C] [--cases w2:1:1,...]
 
