@@ -51,7 +51,54 @@ from .dtypes import memory_type, packing, word_loader
 from .moe_blocks import MOST_SLOTS_AT_ONCE, block_in_use, slice_and_group, unit_walker
 from .shrink import block_sum
 
-__all__ = ["build_moe_split_shrink_kernel"]
+__all__ = ["build_moe_split_shrink_kernel", "chunk_sums"]
+
+
+@functools.cache
+def chunk_sums(
+    dtype: torch.dtype, packed: bool, threads: int, tile_n: int, tile_p: int, unroll: int
+):
+    """``(add_chunk, x_words, a_words)``: the device function ``add_chunk(partial, xw, aw, xv,
+    x, w, slot, expert, rows, n0, tid)`` that sets ``partial[i * tile_n + j]`` to thread
+    ``tid``'s share of the dot product of input row ``rows[i]`` of ``x`` with row ``n0 + j``
+    of ``w[slot, expert]`` (its words ``tid, tid + threads, ...``), and the sizes of the
+    local arrays of words it loads into, ``xw`` (``x_words``) and ``aw`` (``a_words``); ``xv``
+    holds ``tile_p`` fp32. ``unroll`` strides' loads are issued before any is used; a word
+    past K repeats the last one and is never added, a rank past the rank repeats the last
+    row (its sums are never stored). The products of each word, element by element in
+    order, are added in k order: the same sums in every kernel that uses it with the same
+    ``threads`` (this module's shrink, :mod:`.moe_fused`)."""
+    load = word_loader(dtype, packed)
+    THREADS, TILE_N, TILE_P, UNROLL = threads, tile_n, tile_p, unroll
+    PACK = packing(dtype, packed)
+    PARTIALS = TILE_P * TILE_N
+    STEP = THREADS * UNROLL  # words of K a block's loads cover at once
+
+    @cuda.jit(device=True, inline="always")
+    def add_chunk(partial, xw, aw, xv, x, w, slot, expert, rows, n0, tid):
+        rank, words = w.shape[2], x.shape[1]
+        for q in range(PARTIALS):
+            partial[q] = float32(0.0)
+        # k in [0, K/PACK), strided by THREADS; UNROLL strides' loads are issued
+        # together (past the end: a repeat of the last word, never added).
+        for k0 in range(tid, words, STEP):
+            for u in range(UNROLL):
+                k = min(k0 + u * THREADS, words - 1)
+                for j in range(TILE_N):  # rank n0 + j; past the rank: a repeat
+                    aw[u * TILE_N + j] = w[slot, expert, min(n0 + j, rank - 1), k]
+                for i in range(TILE_P):
+                    xw[u * TILE_P + i] = x[rows[i], k]
+            for u in range(UNROLL):
+                if k0 + u * THREADS < words:
+                    for lane in range(PACK):  # the elements of one word, unrolled
+                        for i in range(TILE_P):
+                            xv[i] = load(xw[u * TILE_P + i], lane)
+                        for j in range(TILE_N):
+                            a = load(aw[u * TILE_N + j], lane)
+                            for i in range(TILE_P):
+                                partial[i * TILE_N + j] += xv[i] * a
+
+    return add_chunk, UNROLL * TILE_P, UNROLL * TILE_N
 
 
 @functools.cache
@@ -82,14 +129,11 @@ def build_moe_split_shrink_kernel(
         raise ValueError(
             f"a chunk's {tile_p} x {tile_n} sums need as many threads to store them, got {threads}"
         )
-    load = word_loader(dtype, packed)
     WORD = memory_type(dtype, packed)  # one word of x or A as it sits in memory
-    THREADS, TILE_N, TILE_P, UNROLL = threads, tile_n, tile_p, unroll
+    THREADS, TILE_N, TILE_P = threads, tile_n, tile_p
     COMPACT = compact
-    PACK = packing(dtype, packed)
     PARTIALS = TILE_P * TILE_N  # a chunk's dot products: partials[i * TILE_N + j]
-    X_WORDS, A_WORDS = UNROLL * TILE_P, UNROLL * TILE_N  # words a thread holds at once
-    STEP = THREADS * UNROLL  # words of K a block's loads cover at once
+    add_chunk, X_WORDS, A_WORDS = chunk_sums(dtype, packed, threads, tile_n, tile_p, unroll)
     # The threads' partial sums, added in an order fixed for THREADS.
     add_up, TREE_WIDTH = block_sum(threads, PARTIALS)
 
@@ -118,7 +162,7 @@ def build_moe_split_shrink_kernel(
     ):  # fmt: skip
         """Block b of row ``slot``: its expert, then its pairs a chunk at a time (module
         notes). Every thread of the CUDA block calls it with the same block."""
-        rank, words = w.shape[2], x.shape[1]
+        rank = w.shape[2]
         num_pairs = out.shape[1]
         tid = cuda.threadIdx.x
         start = b * block_size
@@ -138,27 +182,7 @@ def build_moe_split_shrink_kernel(
         first = 0
         while True:  # chunks: entries first .. first + TILE_P - 1 of the block
             if any_pair:
-                for q in range(PARTIALS):
-                    partial[q] = float32(0.0)
-                # k in [0, K/PACK), strided by THREADS; UNROLL strides' loads are issued
-                # together (past the end: a repeat of the last word, never added).
-                for k0 in range(tid, words, STEP):
-                    for u in range(UNROLL):
-                        k = min(k0 + u * THREADS, words - 1)
-                        for j in range(TILE_N):  # rank n0 + j; past the rank: a repeat
-                            aw[u * TILE_N + j] = w[slot, expert, min(n0 + j, rank - 1), k]
-                        for i in range(TILE_P):
-                            xw[u * TILE_P + i] = x[rows[i], k]
-                    for u in range(UNROLL):
-                        if k0 + u * THREADS < words:
-                            for lane in range(PACK):  # the elements of one word, unrolled
-                                for i in range(TILE_P):
-                                    xv[i] = load(xw[u * TILE_P + i], lane)
-                                for j in range(TILE_N):
-                                    a = load(aw[u * TILE_N + j], lane)
-                                    for i in range(TILE_P):
-                                        partial[i * TILE_N + j] += xv[i] * a
-
+                add_chunk(partial, xw, aw, xv, x, w, slot, expert, rows, n0, tid)
                 add_up(partial, tree, tid)  # the THREADS partials of each sum, in order
 
                 if tid < PARTIALS:
