@@ -67,6 +67,7 @@ from .._cuda import KERNEL_DTYPES, SIMULATOR
 from ..kernels import moe_expand_columns as columns_expand
 from ..kernels import moe_expand_mma as mma_expand
 from ..kernels import moe_expand_outer as outer_expand
+from ..kernels import moe_fused as fused_kernel
 from ..kernels import moe_shrink_mma as mma_shrink
 from ..kernels import moe_shrink_split as split_shrink
 from ..kernels import moe_shrink_tiled as tiled_shrink
@@ -95,7 +96,7 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11)  # (10 was built, timed and reverted: lab notes)
 #: The version a call takes unless it asks for another: 9. On an H100 at 6426c98 (``bench
 #: --moe`` of versions 9 and 8 on one machine; docs/benchmarks/h100_moe_v9_6426c98.json,
 #: h100_moe_v8_6426c98.json) it took 0.54-0.99x version 8's time on the 18 of 30 cases
@@ -407,6 +408,37 @@ def columns_shape(rank: int, config: ColumnsExpand = COLUMNS_EXPAND) -> tuple[in
     return min(config.vec, fit), min(config.tile_p, fit)
 
 
+class FusedPairs(NamedTuple):
+    """Version 11's kernel (:mod:`..kernels.moe_fused`): threads per CUDA block, the ranks
+    and pairs of one step of its shrink's sums, the strides of K whose loads go out
+    together, and the columns a thread owns, lowered (to 1 at the least) until they hold
+    at most ``values`` values of B in registers (:func:`fused_vec`)."""
+
+    threads: int
+    tile_n: int
+    tile_p: int
+    unroll: int
+    vec: int
+    values: int
+
+
+#: Version 11's compile-time parameters. On the simulator few threads, one column a thread
+#: and steps of 3 ranks (no divisor of a rank in words), so that rank steps, chunks of pairs
+#: and column groups are crossed at test sizes. The GPU's are a first design: version 3's
+#: shrink step (of 64 threads there), 4 columns a thread as version 3's expand.
+FUSED_PAIRS = (
+    FusedPairs(threads=8, tile_n=3, tile_p=2, unroll=1, vec=1, values=64)
+    if SIMULATOR
+    else FusedPairs(threads=128, tile_n=8, tile_p=2, unroll=2, vec=4, values=64)
+)
+
+
+def fused_vec(rank: int, config: FusedPairs = FUSED_PAIRS) -> int:
+    """The columns a thread of version 11 owns at ``rank``: ``config.vec``, lowered until
+    their rows of B (``vec * rank`` values) fit ``config.values`` (at least 1)."""
+    return max(1, min(config.vec, config.values // max(rank, 1)))
+
+
 @torch.no_grad()
 def fused_moe_lora(
     y: torch.Tensor,
@@ -556,8 +588,12 @@ def fused_moe_lora(
         dense_op = version == 7 or (version >= 8 and average >= DENSE_FROM_PAIRS)
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
         # (9: the router's weights multiplied in as a dense-op shrink stores, no launch)
-        routed = weights if version == 9 and mul_routed_weight else None
-        if version == 9 and not mma:  # the dense op's row kernels, a pair a tile
+        routed = weights if version >= 9 and mul_routed_weight else None
+        if version == 11 and not mma:  # one launch: each block's pairs shrunk and expanded
+            _fused_pairs(out, x, a, b, weights, metadata, top_k, block_size,
+                         mul_routed_weight, offset, add_inputs)  # fmt: skip
+            return
+        if version >= 9 and not mma:  # the dense op's row kernels, a pair a tile
             pairs = moe_pairs(*metadata, block_size, num_pairs, E)
             row_shrink(buffer, x, a, pairs, x_rows, average, routed)
             row_expand(out, buffer, b, pairs, offset, add_inputs, average)
@@ -689,6 +725,46 @@ def _columns_expand(call: _Expand, b: list[torch.Tensor]) -> None:
         config.threads,
         (buffer, kernel_b[0], kernel_b[-1], out, weights, *metadata, block_size, offset),
     )
+
+
+def _fused_pairs(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    weights: torch.Tensor,
+    metadata: tuple,
+    top_k: int,
+    block_size: int,
+    by_pair: bool,
+    offset: int,
+    add_inputs: bool,
+) -> None:
+    """Version 11's one launch (:mod:`..kernels.moe_fused`) on a compact grid: x and A as
+    packed int64 words where every one of them allows it, B likewise (:func:`.operands.words`)."""
+    config = FUSED_PAIRS
+    slots, experts = metadata[1].shape[0], a[0].shape[1]
+    rank, width = a[0].shape[2], b[0].shape[2]
+    vec = fused_vec(rank, config)
+    x_words, a_words, b_words = words(x), [words(w) for w in a], [words(w) for w in b]
+    packed_xa = x_words is not None and all(w is not None for w in a_words)
+    packed_b = all(w is not None for w in b_words)
+    kernel_x, kernel_a = (x_words, a_words) if packed_xa else (x, a)
+    kernel_b = b_words if packed_b else b
+    kernel = launcher_of(
+        fused_kernel.build_moe_fused_kernel(
+            a[0].dtype, out.dtype, config.threads, config.tile_n, config.tile_p, config.unroll,
+            vec, rank, packed_xa, packed_b, by_pair, add_inputs, slots_at_once(slots),
+        )
+    )  # fmt: skip
+    units = compact_units(out.shape[0], metadata, experts, block_size, 1)
+    column_groups = -(-width // (config.threads * vec))
+    kernel(
+        (units, 1, len(b) * column_groups),
+        config.threads,
+        (kernel_x, kernel_a[0], kernel_a[-1], kernel_b[0], kernel_b[-1], out, weights,
+         *metadata, top_k, block_size, by_pair, offset),
+    )  # fmt: skip
 
 
 def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:

@@ -62,6 +62,11 @@ VARIANTS = {  # name: (kernel, its builder's arguments past the dtypes)
     "mma_shrink_runs_4_ahead": ("mma", 128, 4, 4, True, 4, True, True, 8, True),
     "split_shrink_version_5": ("split", 64, 4, 2, 2, True),
     "split_shrink_compact": ("split", 64, 4, 2, 2, True, True),
+    # version 11's one launch: threads, tile_n, tile_p, unroll, vec, rank, packed x and A,
+    # packed B, weighted (w2), add_inputs, slots at once
+    "fused_w13": ("fused", 128, 8, 2, 2, 4, 16, True, True, False, True, 1),
+    "fused_w2": ("fused", 128, 8, 2, 2, 4, 16, True, True, True, True, 1),
+    "fused_w13_r64": ("fused", 128, 8, 2, 2, 1, 64, True, True, False, True, 1),
 }
 
 
@@ -73,6 +78,7 @@ def build(kernel, *args):
     from punica_numba.kernels import (
         moe_expand_columns,
         moe_expand_outer,
+        moe_fused,
         moe_shrink_mma,
         moe_shrink_split,
     )
@@ -84,6 +90,8 @@ def build(kernel, *args):
         return moe_expand_outer.build_moe_outer_expand_kernel(bf16, bf16, *args)
     if kernel == "mma":
         return moe_shrink_mma.build_moe_mma_shrink_kernel(bf16, *args)
+    if kernel == "fused":
+        return moe_fused.build_moe_fused_kernel(bf16, bf16, *args)
     return moe_shrink_split.build_moe_split_shrink_kernel(bf16, *args)
 
 
@@ -95,6 +103,11 @@ def _signature(kernel, types):
         return types.Array(dtype, ndim, "C")
 
     meta = (a(types.int32, 2), a(types.int32, 2), a(types.int32, 1), a(types.int32, 1))
+    if kernel == "fused":
+        words = a(types.int64, 4)
+        return (a(types.int64, 2), words, words, words, words, a(types.int16, 2),
+                a(types.float32, 1), *meta, types.int64, types.int64, types.boolean,
+                types.int64)  # fmt: skip
     if kernel in ("columns", "outer"):
         out = a(types.int16 if kernel == "columns" else types.int64, 2)
         weights = (a(types.float32, 1),)

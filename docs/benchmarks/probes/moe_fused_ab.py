@@ -1,0 +1,103 @@
+"""MoE LoRA's one launch (version 11) beside version 9, on the cases below version 9's
+threshold of pairs a (slot, expert), timed as ``bench --moe`` times the op.
+
+Version 11 differs from 9 only there: where 9 makes the table of pairs and launches the
+dense op's row shrink and expand, 11 launches :mod:`punica_numba.kernels.moe_fused` once.
+For each such ``bench --moe`` case this checks both versions' results against the reference
+and times, on one pool of argument sets (CUDA-graph replays, µs per call), version 9, then
+version 11 under each configuration of :data:`VARIANTS` (the shipped ``FUSED_PAIRS`` first),
+``--rounds`` times, alternating, keeping each one's least time.
+
+    python docs/benchmarks/probes/moe_fused_ab.py [--json PATH] [--commit C] [--rounds N]
+        [--variants shipped,t256_n8,...] [--cases w2:1:1,...]
+
+GPU only.
+"""
+
+import argparse
+import json
+
+import torch
+
+from punica_numba import bench
+from punica_numba.bench_moe import _call, checked_pool, default_cases
+from punica_numba.kernels import moe_fused
+from punica_numba.ops import moe as moe_ops
+from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, FusedPairs, pairs_per_block
+
+#: Version 11's configurations timed: name -> FusedPairs (threads, tile_n, tile_p, unroll,
+#: vec, values).
+VARIANTS = {
+    "shipped": moe_ops.FUSED_PAIRS,
+    "t256_n8_v4": FusedPairs(256, 8, 2, 2, 4, 64),
+    "t128_n16_v4": FusedPairs(128, 16, 2, 2, 4, 64),
+    "t128_n8_v2": FusedPairs(128, 8, 2, 2, 2, 64),
+    "t128_n8_v1": FusedPairs(128, 8, 2, 2, 1, 64),
+    "t64_n8_v4": FusedPairs(64, 8, 2, 2, 4, 64),
+    "t128_n8_p1": FusedPairs(128, 8, 1, 2, 4, 64),
+    "t128_n8_u4": FusedPairs(128, 8, 2, 4, 4, 64),
+}
+
+
+def build(*config):
+    """Version 11's kernel for Qwen3-30B-A3B's w13 at r=16 (bf16, in words, add_inputs)
+    under one configuration of :data:`VARIANTS`."""
+    threads, tile_n, tile_p, unroll, vec, _ = FusedPairs(*config)
+    return moe_fused.build_moe_fused_kernel(
+        torch.bfloat16, torch.bfloat16, threads, tile_n, tile_p, unroll, vec, 16, True, True,
+        False, True, 1,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--cases", help="projection:T:loras,... (default: every such case)")
+    parser.add_argument("--variants", help="names of VARIANTS, comma-separated (default: all)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (least kept)")
+    parser.add_argument("--commit", default="unknown", help="the commit measured, for the JSON")
+    opts = parser.parse_args()
+    wanted = None
+    if opts.cases:
+        wanted = {tuple(c.split(":")) for c in opts.cases.split(",")}
+    names = opts.variants.split(",") if opts.variants else list(VARIANTS)
+    records = []
+    for case in default_cases():
+        P = case.T * case.top_k
+        if pairs_per_block(P, case.loras, case.experts) >= MMA_SHRINK_FROM_PAIRS:
+            continue
+        if wanted and (case.projection, str(case.T), str(case.loras)) not in wanted:
+            continue
+        first, pool, check = checked_pool(case)
+        record = {"projection": case.projection, "T": case.T, "loras": case.loras}
+        record["pool"] = len(pool)
+        record["error_v9"] = check(lambda a, case=case: _call(case, a, 9))
+        for name in names:
+            moe_ops.FUSED_PAIRS = VARIANTS[name]
+            record[f"error_{name}"] = check(lambda a, case=case: _call(case, a, 11))
+        times = {}
+        for _ in range(opts.rounds):
+            moe_ops.FUSED_PAIRS = VARIANTS["shipped"]
+            us = bench.time_calls([_call(case, a, 9) for a in pool])
+            times["v9"] = min(times.get("v9", us), us)
+            for name in names:
+                moe_ops.FUSED_PAIRS = VARIANTS[name]
+                us = bench.time_calls([_call(case, a, 11) for a in pool])
+                times[name] = min(times.get(name, us), us)
+        moe_ops.FUSED_PAIRS = VARIANTS["shipped"]
+        record.update(times)
+        records.append({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()})
+        print(records[-1], flush=True)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            record = {
+                "commit": opts.commit,
+                "gpu": torch.cuda.get_device_name(),
+                "variants": {name: list(VARIANTS[name]) for name in names},
+                "cases": records,
+            }
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

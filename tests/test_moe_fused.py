@@ -1,0 +1,115 @@
+"""MoE LoRA's version 11: each block's pairs shrunk and expanded by one CUDA block, one
+launch (:mod:`punica_numba.kernels.moe_fused`). Checked here:
+
+1. the kernel against the float64 reference on every drawn call (the op taken below any
+   threshold, so that every call runs it): slots off and of no LoRA, experts -1, blocks of
+   padding, add_inputs or not, the router's weights (w2) or a row of x a token (w13), every
+   dtype;
+2. sizes just past each of its tiles, from its own parameters (the simulator's or the
+   GPU's): a rank of several shrink steps and no multiple of one, blocks of more pairs than
+   a chunk, more columns than a CUDA block's group, K past one step of loads, odd (a word
+   an element) or in whole int64 words; it is the one kernel launched;
+3. version 11 takes version 9's kernels from their threshold of pairs a (slot, expert) on:
+   the same bits;
+4. the columns a thread owns, within its values of B.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+
+from punica_numba.kernels import moe_fused
+from punica_numba.moe_meta import align_pairs
+from punica_numba.ops import moe as moe_ops
+from punica_numba.ops.moe import fused_moe_lora
+
+from .test_moe import (
+    DTYPES,
+    MOE_EXAMPLES,
+    _one_block_call,
+    check_against_reference,
+    moe_cases,
+)
+
+
+def _run(case, d, blocks, block_size, version=11, add_inputs=True):
+    """The op at ``version`` on a copy of the call's y: ``(y after, y before)``."""
+    y, before = d["y"].clone(), d["y"]
+    fused_moe_lora(
+        y, d["x"], d["lora_a"], d["lora_b"], d["topk_weights"], *blocks, d["enabled"],
+        block_size=block_size, mul_routed_weight=case.mul, offset=case.offset,
+        add_inputs=add_inputs, version=version,
+    )  # fmt: skip
+    return y, before
+
+
+@MOE_EXAMPLES
+@given(moe_cases())
+def test_the_one_launch_matches_the_reference_on_every_drawn_call(case):
+    d = case.data()
+    blocks = align_pairs(d["topk_ids"], d["slots"], case.E, case.B, case.L, d["enabled"])
+    with pytest.MonkeyPatch.context() as patch:  # (every call below the threshold)
+        patch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", float("inf"))
+        y, before = _run(case, d, blocks, case.B, add_inputs=case.add_inputs)
+    check_against_reference(case, y, d, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("projection", ["w13", "w2"])
+@pytest.mark.parametrize("whole_words", [False, True], ids=["K-odd", "K-in-int64-words"])
+def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
+    whole_words, projection, dtype, monkeypatch
+):
+    config = moe_ops.FUSED_PAIRS
+    step = config.threads * config.unroll  # words of K a block loads at once
+    # past two steps, no multiple of one (and of 4 in whole words: B's rows in words too)
+    rank = 4 * (2 * config.tile_n // 4 + 1) if whole_words else 2 * config.tile_n + 1
+    vec = moe_ops.fused_vec(rank)
+    K = 4 * (step + 1) if whole_words else step + 5
+    N = 2 * config.threads * vec + 1
+    B = 2 * config.tile_p + 1  # pairs a block
+    case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=N, B=B, projection=projection,
+                                      offset=1)  # fmt: skip
+    ids, P = blocks.sorted_token_ids, d["topk_ids"].numel()
+    real = torch.stack([(ids[:, i : i + B] < P).sum(1) for i in range(0, ids.shape[1], B)], 1)
+    assert real.max() > config.tile_p and (real == 1).any()
+    assert rank > config.tile_n and rank % config.tile_n and N > config.threads * vec
+    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", float("inf"))
+    builds = mock.Mock(wraps=moe_fused.build_moe_fused_kernel)
+    monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
+    launched = []
+    real_launcher = moe_ops.launcher_of
+    monkeypatch.setattr(moe_ops, "launcher_of", lambda k: launched.append(k) or real_launcher(k))
+    y, before = _run(case, d, blocks, B)
+    check_against_reference(case, y, d, before)
+    assert len(launched) == 1 and builds.call_count == 1, "one kernel, one launch"
+    packed_xa, packed_b = builds.call_args.args[8:10]
+    assert packed_xa == packed_b == whole_words
+    words = K // (8 // dtype.itemsize) if whole_words else K
+    assert words > step and words % step, "K must end in a part of a step"
+
+
+@pytest.mark.parametrize("add_inputs", [True, False])
+@pytest.mark.parametrize("projection", ["w13", "w2"])
+def test_from_the_threshold_on_version_11_gives_version_9s_bits(projection, add_inputs):
+    """The call of two full blocks a (slot, expert): at and past MMA_SHRINK_FROM_PAIRS both
+    versions launch version 8's kernels."""
+    case, d, blocks = _one_block_call(torch.bfloat16, rank=4, K=16, N=8, B=8,
+                                      projection=projection, offset=0)  # fmt: skip
+    P, runs = d["topk_ids"].numel(), 2 * 2  # slots x experts
+    assert P / min(P, runs) >= moe_ops.MMA_SHRINK_FROM_PAIRS
+    results = [_run(case, d, blocks, 8, version, add_inputs)[0] for version in (9, 11)]
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+
+
+def test_version_11s_columns_a_thread_hold_at_most_its_values_of_b():
+    config = moe_ops.FusedPairs(threads=128, tile_n=8, tile_p=2, unroll=2, vec=4, values=64)
+    assert moe_ops.fused_vec(1, config) == 4
+    assert moe_ops.fused_vec(16, config) == 4
+    assert moe_ops.fused_vec(24, config) == 2
+    assert moe_ops.fused_vec(64, config) == 1
+    assert moe_ops.fused_vec(256, config) == 1  # at least 1
