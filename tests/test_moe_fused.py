@@ -11,7 +11,8 @@ launch (:mod:`punica_numba.kernels.moe_fused`). Checked here:
    an element) or in whole int64 words; it is the one kernel launched;
 3. version 11 takes version 9's kernels from their threshold of pairs a (slot, expert) on:
    the same bits;
-4. the columns a thread owns, within its values of B.
+4. its compact grid and its grid of every block give the same bits;
+5. the columns a thread owns, within its values of B.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
     whole_words, projection, dtype, monkeypatch
 ):
     config = moe_ops.FUSED_PAIRS
-    step = config.threads * config.unroll  # words of K a block loads at once
+    step = moe_fused.LANES * config.unroll  # words of K a warp loads at once
+    ranks = config.threads // moe_fused.LANES * config.tile_n  # the warps' ranks of a step
     # past two steps, no multiple of one (and of 4 in whole words: B's rows in words too)
-    rank = 4 * (2 * config.tile_n // 4 + 1) if whole_words else 2 * config.tile_n + 1
+    rank = 4 * (2 * ranks // 4 + 1) if whole_words else 2 * ranks + 1
     vec = moe_ops.fused_vec(rank)
     K = 4 * (step + 1) if whole_words else step + 5
     N = 2 * config.threads * vec + 1
@@ -77,7 +79,7 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
     ids, P = blocks.sorted_token_ids, d["topk_ids"].numel()
     real = torch.stack([(ids[:, i : i + B] < P).sum(1) for i in range(0, ids.shape[1], B)], 1)
     assert real.max() > config.tile_p and (real == 1).any()
-    assert rank > config.tile_n and rank % config.tile_n and N > config.threads * vec
+    assert rank > ranks and rank % ranks and N > config.threads * vec
     monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", float("inf"))
     builds = mock.Mock(wraps=moe_fused.build_moe_fused_kernel)
     monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
@@ -106,8 +108,23 @@ def test_from_the_threshold_on_version_11_gives_version_9s_bits(projection, add_
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
 
 
+@pytest.mark.parametrize("projection", ["w13", "w2"])
+def test_the_compact_grid_and_a_cuda_block_a_block_give_the_same_bits(projection, monkeypatch):
+    """The walk over the slots finds the blocks in use that the grid of every block takes
+    by its indices: the same sums, so the same bits (blocks of one pair and padding too)."""
+    case, d, blocks = _one_block_call(torch.bfloat16, rank=5, K=9, N=7, B=3,
+                                      projection=projection, offset=1)  # fmt: skip
+    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", float("inf"))
+    results = []
+    for compact in (True, False):
+        monkeypatch.setattr(moe_ops, "FUSED_PAIRS", moe_ops.FUSED_PAIRS._replace(compact=compact))
+        results.append(_run(case, d, blocks, 3)[0])
+    check_against_reference(case, results[0], d, d["y"])
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+
+
 def test_version_11s_columns_a_thread_hold_at_most_its_values_of_b():
-    config = moe_ops.FusedPairs(threads=128, tile_n=8, tile_p=2, unroll=2, vec=4, values=64)
+    config = moe_ops.FusedPairs(128, tile_n=8, tile_p=2, unroll=2, vec=4, values=64, compact=True)
     assert moe_ops.fused_vec(1, config) == 4
     assert moe_ops.fused_vec(16, config) == 4
     assert moe_ops.fused_vec(24, config) == 2

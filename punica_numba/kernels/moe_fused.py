@@ -1,17 +1,18 @@
 """MoE LoRA in one launch: a CUDA block shrinks its block's pairs and expands them itself.
 
-Where each (slot, expert) has a pair or two, the op's time is its launches: at one token
+Where each (slot, expert) has a pair or two, the op's time is mostly waiting: at one token
 of top-8 the table of pairs, the shrink and the expand of version 9 take about 2 µs each
-on an H100, most of it the wait for the kernel before (lab notes, "The pairs path launch
-by launch"). Each pair's delta depends only on its own block's A and B, so nothing needs
-another block's results: one CUDA block can take a block of pairs from its entries to its
-rows of y, with the buffer between the two products in shared memory. No table of pairs
-(the blocks are found by the compact grid's walk), no buffer in global memory, one launch.
+on an H100 (lab notes, "The pairs path launch by launch"). Each pair's delta depends only on
+its own block's A and B, so nothing needs another block's results: one CUDA block can take
+a block of pairs from its entries to its rows of y, with the buffer between the two
+products in shared memory. No table of pairs, no buffer in global memory, one launch.
 
-Work split (a compact grid, :func:`.moe_blocks.unit_walker`):
+Work split:
 
-* ``blockIdx.x``: a block in use of the metadata (slot l, block b of its row), found by
-  the walk over the slots; units ``x, x + gridDim.x, ...`` as in version 6;
+* ``blockIdx.x`` (and ``blockIdx.y``): block b of the metadata's row l (``compact``: a
+  block in use found by the walk over the slots, :func:`.moe_blocks.unit_walker`, units
+  ``x, x + gridDim.x, ...`` as in version 6; else b = ``blockIdx.x`` of row ``blockIdx.y``,
+  the CUDA blocks past the row's blocks in use leaving at once);
 * ``blockIdx.z``: the slice s and a group of ``THREADS * VEC`` output columns, ``z = s * G
   + g`` (:func:`.moe_blocks.slice_and_group`): each CUDA block of a slice does that
   slice's shrink again (its rows of A from L2 after the first), so that one token's few
@@ -24,16 +25,19 @@ A CUDA block takes its block's pairs in chunks of ``TILE_P``:
 2. the loads that need only those: each thread's ``VEC`` columns of ``B_s[l, e]`` (once a
    block, as words, kept in registers) and its old outputs, issued before the shrink so
    that they arrive while it runs;
-3. the shrink of the chunk's rows of x by ``A_s[l, e]``, ``TILE_N`` ranks at a time, K
-   split across the threads (:func:`.moe_shrink_split.chunk_sums`, version 3's sums), the
-   threads' partials added in a fixed order (:func:`.shrink.block_sum`), each sum times the
-   pair's router weight (w2) into the shared buffer ``[TILE_P, r]`` fp32;
-4. each thread's columns for the chunk's pairs: the buffer row (a broadcast from shared
-   memory) against the column's row of B, in rank order, plus the old output, stored.
+3. the shrink of the chunk's rows of x by ``A_s[l, e]``: each warp takes ``TILE_N``
+   neighbouring ranks at a time (warp w ranks ``(w + WARPS g) TILE_N ..``), its lanes
+   splitting K (:func:`.moe_shrink_split.chunk_sums`), its lanes' partials added by
+   shuffles, no barrier between a warp's steps; lane 0 puts each sum, times the pair's
+   router weight (w2), into the shared buffer ``[TILE_P, r]`` fp32;
+4. after one barrier, each thread's columns for the chunk's pairs: the buffer row (a
+   broadcast from shared memory) against the column's row of B, in rank order, plus the
+   old output, stored.
 
 Deterministic: every output is stored by one thread, once, its sums in an order fixed by
 the build. Padding (an entry ``>= P``) reads row 0 of x and of y, in bounds, and stores
-nothing.
+nothing. The simulator has no shuffles: there a warp is :data:`LANES` threads whose
+partials go through shared memory, added in the butterfly's order.
 
 Memory traffic per CUDA block in use: ``r * K`` of A (the slice's, once a chunk, from L1
 after the first), the chunk's rows of x, ``THREADS * VEC * r`` of B once, and the pairs'
@@ -47,14 +51,17 @@ import functools
 import torch
 from numba import float32, int64
 
-from .._cuda import cuda, jit_kernel
+from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .dtypes import loader, memory_type, packing, storer, word_loader
 from .moe_blocks import block_in_use, chunk_reader, slice_and_group, unit_walker
 from .moe_shrink_split import chunk_sums
-from .shrink import block_sum
 
-__all__ = ["build_moe_fused_kernel"]
+__all__ = ["LANES", "build_moe_fused_kernel"]
+
+#: The lanes that split K for a rank: a warp's 32 on the GPU; on the simulator, where a
+#: warp of shuffles is a loop through shared memory, 4 (so that test blocks hold warps).
+LANES = 4 if SIMULATOR else 32
 
 
 @functools.cache
@@ -71,34 +78,36 @@ def build_moe_fused_kernel(
     packed_b: bool,
     weighted: bool,
     add_inputs: bool,
+    compact: bool,
     slots_at_once: int,
 ):
     """The kernel ``moe_fused(x, a0, a1, b0, b1, out, weights, sorted_ids, expert_ids,
     num_post_pad, enabled, top_k, block_size, by_pair, offset)``, specialised on the dtype
-    of x, A and B and of the output, the threads per CUDA block (a power of two), the
-    ranks (``tile_n``) and pairs (``tile_p``) of one step of the shrink's sums, the
-    strides of K whose loads go out together (``unroll``), the columns a thread owns
-    (``vec``), the rank, whether x and A, and B, arrive as packed int64 words, the router's
-    weight (``weighted``), ``add_inputs``, and the slots the walk reads at once.
+    of x, A and B and of the output, the threads per CUDA block (whole warps of
+    :data:`LANES`), the ranks (``tile_n``) and pairs (``tile_p``) of one step of a warp's
+    sums, the strides of K whose loads go out together (``unroll``), the columns a thread
+    owns (``vec``), the rank, whether x and A, and B, arrive as packed int64 words, the
+    router's weight (``weighted``), ``add_inputs``, the grid (``compact``) and the slots
+    its walk reads at once.
 
     They must be constants: they size the registers and shared arrays and the loops over
     them, which Numba unrolls only when their trip counts are known.
     """
-    if threads & (threads - 1):
-        raise ValueError(f"threads must be a power of two for the block's sum, got {threads}")
-    if tile_n * tile_p > threads:
-        raise ValueError(
-            f"a step's {tile_p} x {tile_n} sums need as many threads to store them, got {threads}"
-        )
+    if threads % LANES:
+        raise ValueError(f"threads must be whole warps of {LANES}, got {threads}")
     PACK_B = packing(dtype, packed_b)
     if rank % PACK_B:
         raise ValueError(f"packed rows of B take a rank that is a multiple of {PACK_B}, got {rank}")
     unit_of = unit_walker(slots_at_once)
     read_chunk = chunk_reader(tile_p)
-    add_chunk, X_WORDS, A_WORDS = chunk_sums(dtype, packed_xa, threads, tile_n, tile_p, unroll)
+    add_chunk, X_WORDS, A_WORDS = chunk_sums(dtype, packed_xa, LANES, tile_n, tile_p, unroll)
     THREADS, TILE_N, TILE_P, VEC, RANK = threads, tile_n, tile_p, vec, rank
+    WARPS = THREADS // LANES
+    GROUPS = -(-RANK // (WARPS * TILE_N))  # a warp's steps over the rank
     PARTIALS = TILE_P * TILE_N  # a step's sums: partial[i * TILE_N + j]
-    add_up, TREE_WIDTH = block_sum(threads, PARTIALS)
+    STEPS = LANES.bit_length() - 1  # of the lanes' butterfly
+    SHUFFLE = not SIMULATOR
+    FULL_MASK = 0xFFFFFFFF
     XA_WORD, B_WORD = memory_type(dtype, packed_xa), memory_type(dtype, packed_b)
     load_b = word_loader(dtype, packed_b)
     load_out, store_out = loader(out_dtype), storer(out_dtype)
@@ -106,7 +115,7 @@ def build_moe_fused_kernel(
     SPAN = min(32, threads)  # a warp's neighbouring columns (the simulator's blocks are small)
     GROUP = THREADS * VEC  # columns a CUDA block owns
     B_WORDS, OLD = VEC * WORDS, TILE_P * VEC  # a thread's words of B, its old outputs
-    WEIGHTED, ADD_INPUTS = weighted, add_inputs
+    WEIGHTED, ADD_INPUTS, COMPACT = weighted, add_inputs, compact
     begin = prologue()
 
     @jit_kernel(THREADS)
@@ -125,6 +134,7 @@ def build_moe_fused_kernel(
         column0 = offset + s * width
         num_pairs = out.shape[0]
         tid = cuda.threadIdx.x
+        lane, warp = tid % LANES, tid // LANES
 
         pair_of = cuda.local.array(TILE_P, int64)  # the chunk's pairs, -1: none
         rows = cuda.local.array(TILE_P, int64)  # and the rows of x they read
@@ -135,7 +145,7 @@ def build_moe_fused_kernel(
         xw = cuda.local.array(X_WORDS, XA_WORD)
         aw = cuda.local.array(A_WORDS, XA_WORD)
         xv = cuda.local.array(TILE_P, float32)
-        tree = cuda.shared.array((PARTIALS, TREE_WIDTH), float32)
+        parts = cuda.shared.array((1 if SHUFFLE else THREADS, PARTIALS), float32)
         buffer = cuda.shared.array((TILE_P, RANK), float32)  # the chunk's shrunk rows
 
         mine = (tid // SPAN) * SPAN * VEC + tid % SPAN  # the thread's first column in a group
@@ -143,12 +153,15 @@ def build_moe_fused_kernel(
             column[c] = min(n_first + mine + SPAN * c, width - 1)  # past the slice: not stored
 
         v = cuda.blockIdx.x
-        while True:  # the units v, v + gridDim.x, ... (one, where the grid is the bound)
-            slot, block = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, 1)
-            if slot == -1:
-                break
-            if v != cuda.blockIdx.x:
-                cuda.syncthreads()  # the unit before's readers of the shared arrays are done
+        while True:  # compact: the units v, v + gridDim.x, ... (one, where the grid is the bound)
+            if COMPACT:
+                slot, block = unit_of(v, num_post_pad, enabled, block_size, sorted_ids, 1)
+                if slot == -1:
+                    break
+                if v != cuda.blockIdx.x:
+                    cuda.syncthreads()  # the unit before's readers of the buffer are done
+            else:
+                slot, block = cuda.blockIdx.y, cuda.blockIdx.x
             start = block * block_size
             pairs = min(block_size, sorted_ids.shape[1] - start)
             # The first chunk's entries and the block's expert: one trip to memory.
@@ -170,25 +183,45 @@ def build_moe_fused_kernel(
                             if ADD_INPUTS:  # loaded now: they arrive while the shrink runs
                                 for c in range(VEC):
                                     old[i * VEC + c] = load_out(out[p, column0 + column[c]])
-                        for n0 in range(0, RANK, TILE_N):  # the rank groups, in order
-                            add_chunk(partial, xw, aw, xv, x, a, slot, expert, rows, n0, tid)
-                            add_up(partial, tree, tid)  # the threads' partials, in order
-                            if tid < PARTIALS:
-                                i, n = tid // TILE_N, n0 + tid % TILE_N
-                                if n < RANK:
-                                    total = tree[tid, 0]
+                        for g in range(GROUPS):  # the warp's steps over the rank
+                            n0 = (warp + WARPS * g) * TILE_N
+                            add_chunk(partial, xw, aw, xv, x, a, slot, expert, rows, n0, lane)
+                            if SHUFFLE:  # the lanes' partials: lane 0 gets the sums
+                                for q in range(PARTIALS):
+                                    value = partial[q]
+                                    for step in range(STEPS):
+                                        distance = LANES >> (step + 1)
+                                        value += cuda.shfl_down_sync(FULL_MASK, value, distance)
+                                    partial[q] = value
+                            else:  # (the simulator: the same butterfly, in shared memory)
+                                cuda.syncthreads()  # the step before's reads are done
+                                for q in range(PARTIALS):
+                                    parts[tid, q] = partial[q]
+                                cuda.syncthreads()
+                                if lane == 0:
+                                    for q in range(PARTIALS):
+                                        for step in range(STEPS):
+                                            half = LANES >> (step + 1)
+                                            for u in range(half):
+                                                parts[tid + u, q] += parts[tid + u + half, q]
+                                        partial[q] = parts[tid, q]
+                            if lane == 0:
+                                for i in range(TILE_P):
+                                    weight = float32(1.0)
                                     if WEIGHTED:
-                                        total *= weights[max(pair_of[i], 0)]
-                                    buffer[i, n] = total
-                            cuda.syncthreads()  # the buffer is whole; the tree free again
+                                        weight = weights[max(pair_of[i], 0)]
+                                    for j in range(TILE_N):
+                                        if n0 + j < RANK:
+                                            buffer[i, n0 + j] = partial[i * TILE_N + j] * weight
+                        cuda.syncthreads()  # the buffer is whole
                         for i in range(TILE_P):
                             if pair_of[i] != -1:
                                 for c in range(VEC):
                                     acc = float32(0.0)
                                     for k in range(WORDS):  # the rank, in order
                                         word = b_words[c * WORDS + k]
-                                        for lane in range(PACK_B):
-                                            acc += buffer[i, k * PACK_B + lane] * load_b(word, lane)
+                                        for e in range(PACK_B):
+                                            acc += buffer[i, k * PACK_B + e] * load_b(word, e)
                                     if ADD_INPUTS:  # the old output is added last
                                         acc += old[i * VEC + c]
                                     if n_first + mine + SPAN * c < width:
@@ -198,6 +231,8 @@ def build_moe_fused_kernel(
                     if first >= pairs:
                         break
                     any_pair = read_chunk(pair_of, sorted_ids, slot, start, first, pairs, num_pairs)
+            if not COMPACT:
+                break
             v += cuda.gridDim.x
 
     return moe_fused

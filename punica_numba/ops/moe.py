@@ -409,10 +409,12 @@ def columns_shape(rank: int, config: ColumnsExpand = COLUMNS_EXPAND) -> tuple[in
 
 
 class FusedPairs(NamedTuple):
-    """Version 11's kernel (:mod:`..kernels.moe_fused`): threads per CUDA block, the ranks
-    and pairs of one step of its shrink's sums, the strides of K whose loads go out
-    together, and the columns a thread owns, lowered (to 1 at the least) until they hold
-    at most ``values`` values of B in registers (:func:`fused_vec`)."""
+    """Version 11's kernel (:mod:`..kernels.moe_fused`): threads per CUDA block (whole
+    warps), the ranks and pairs of one step of a warp's sums, the strides of K whose loads
+    go out together, the columns a thread owns, lowered (to 1 at the least) until they
+    hold at most ``values`` values of B in registers (:func:`fused_vec`), and whether the
+    grid is compact (the blocks in use found by a walk over the slots) or a CUDA block for
+    every block of every row."""
 
     threads: int
     tile_n: int
@@ -420,16 +422,18 @@ class FusedPairs(NamedTuple):
     unroll: int
     vec: int
     values: int
+    compact: bool
 
 
-#: Version 11's compile-time parameters. On the simulator few threads, one column a thread
-#: and steps of 3 ranks (no divisor of a rank in words), so that rank steps, chunks of pairs
-#: and column groups are crossed at test sizes. The GPU's are a first design: version 3's
-#: shrink step (of 64 threads there), 4 columns a thread as version 3's expand.
+#: Version 11's compile-time parameters. On the simulator two warps of four lanes, one
+#: column a thread and steps of 3 ranks (no divisor of a rank in words), so that rank
+#: steps, chunks of pairs and column groups are crossed at test sizes. The GPU's are a
+#: first design: four warps of 4 ranks (every rank of r=16 in one step), 4 columns a thread
+#: as version 3's expand.
 FUSED_PAIRS = (
-    FusedPairs(threads=8, tile_n=3, tile_p=2, unroll=1, vec=1, values=64)
+    FusedPairs(threads=8, tile_n=3, tile_p=2, unroll=1, vec=1, values=64, compact=True)
     if SIMULATOR
-    else FusedPairs(threads=128, tile_n=8, tile_p=2, unroll=2, vec=4, values=64)
+    else FusedPairs(threads=128, tile_n=4, tile_p=2, unroll=2, vec=4, values=64, compact=True)
 )
 
 
@@ -754,13 +758,17 @@ def _fused_pairs(
     kernel = launcher_of(
         fused_kernel.build_moe_fused_kernel(
             a[0].dtype, out.dtype, config.threads, config.tile_n, config.tile_p, config.unroll,
-            vec, rank, packed_xa, packed_b, by_pair, add_inputs, slots_at_once(slots),
+            vec, rank, packed_xa, packed_b, by_pair, add_inputs, config.compact,
+            slots_at_once(slots),
         )
     )  # fmt: skip
-    units = compact_units(out.shape[0], metadata, experts, block_size, 1)
+    if config.compact:
+        grid = (compact_units(out.shape[0], metadata, experts, block_size, 1), 1)
+    else:
+        grid = (metadata[1].shape[1], slots)
     column_groups = -(-width // (config.threads * vec))
     kernel(
-        (units, 1, len(b) * column_groups),
+        (*grid, len(b) * column_groups),
         config.threads,
         (kernel_x, kernel_a[0], kernel_a[-1], kernel_b[0], kernel_b[-1], out, weights,
          *metadata, top_k, block_size, by_pair, offset),

@@ -26,26 +26,25 @@ from punica_numba.ops import moe as moe_ops
 from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, FusedPairs, pairs_per_block
 
 #: Version 11's configurations timed: name -> FusedPairs (threads, tile_n, tile_p, unroll,
-#: vec, values).
+#: vec, values, compact).
 VARIANTS = {
     "shipped": moe_ops.FUSED_PAIRS,
-    "t256_n8_v4": FusedPairs(256, 8, 2, 2, 4, 64),
-    "t128_n16_v4": FusedPairs(128, 16, 2, 2, 4, 64),
-    "t128_n8_v2": FusedPairs(128, 8, 2, 2, 2, 64),
-    "t128_n8_v1": FusedPairs(128, 8, 2, 2, 1, 64),
-    "t64_n8_v4": FusedPairs(64, 8, 2, 2, 4, 64),
-    "t128_n8_p1": FusedPairs(128, 8, 1, 2, 4, 64),
-    "t128_n8_u4": FusedPairs(128, 8, 2, 4, 4, 64),
+    "full_grid": moe_ops.FUSED_PAIRS._replace(compact=False),
+    "v1": moe_ops.FUSED_PAIRS._replace(vec=1),
+    "v1_full_grid": moe_ops.FUSED_PAIRS._replace(vec=1, compact=False),
+    "t256_n2": moe_ops.FUSED_PAIRS._replace(threads=256, tile_n=2),
+    "t64_n8": moe_ops.FUSED_PAIRS._replace(threads=64, tile_n=8),
+    "u4": moe_ops.FUSED_PAIRS._replace(unroll=4),
 }
 
 
 def build(*config):
     """Version 11's kernel for Qwen3-30B-A3B's w13 at r=16 (bf16, in words, add_inputs)
     under one configuration of :data:`VARIANTS`."""
-    threads, tile_n, tile_p, unroll, vec, _ = FusedPairs(*config)
+    threads, tile_n, tile_p, unroll, vec, _, compact = FusedPairs(*config)
     return moe_fused.build_moe_fused_kernel(
         torch.bfloat16, torch.bfloat16, threads, tile_n, tile_p, unroll, vec, 16, True, True,
-        False, True, 1,
+        False, True, compact, 1,
     )  # fmt: skip
 
 
