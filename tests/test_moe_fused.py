@@ -17,6 +17,7 @@ launch (:mod:`punica_numba.kernels.moe_fused`). Checked here:
 
 from __future__ import annotations
 
+import inspect
 from unittest import mock
 
 import pytest
@@ -66,8 +67,9 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
     whole_words, projection, dtype, monkeypatch
 ):
     config = moe_ops.FUSED_PAIRS
-    step = moe_fused.LANES * config.unroll  # words of K a warp loads at once
-    ranks = config.threads // moe_fused.LANES * config.tile_n  # the warps' ranks of a step
+    team = moe_fused.LANES * config.splits  # the threads that split a rank's K
+    step = team * config.unroll  # words of K a team loads at once
+    ranks = config.threads // team * config.tile_n  # the teams' ranks of a step
     # past two steps, no multiple of one (and of 4 in whole words: B's rows in words too)
     rank = 4 * (2 * ranks // 4 + 1) if whole_words else 2 * ranks + 1
     vec = moe_ops.fused_vec(rank)
@@ -81,7 +83,8 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
     assert real.max() > config.tile_p and (real == 1).any()
     assert rank > ranks and rank % ranks and N > config.threads * vec
     monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", float("inf"))
-    builds = mock.Mock(wraps=moe_fused.build_moe_fused_kernel)
+    real_build = moe_fused.build_moe_fused_kernel
+    builds = mock.Mock(wraps=real_build)
     monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
     launched = []
     real_launcher = moe_ops.launcher_of
@@ -89,8 +92,8 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
     y, before = _run(case, d, blocks, B)
     check_against_reference(case, y, d, before)
     assert len(launched) == 1 and builds.call_count == 1, "one kernel, one launch"
-    packed_xa, packed_b = builds.call_args.args[8:10]
-    assert packed_xa == packed_b == whole_words
+    built = inspect.signature(real_build).bind(*builds.call_args.args)
+    assert built.arguments["packed_xa"] == built.arguments["packed_b"] == whole_words
     words = K // (8 // dtype.itemsize) if whole_words else K
     assert words > step and words % step, "K must end in a part of a step"
 
@@ -124,7 +127,7 @@ def test_the_compact_grid_and_a_cuda_block_a_block_give_the_same_bits(projection
 
 
 def test_version_11s_columns_a_thread_hold_at_most_its_values_of_b():
-    config = moe_ops.FusedPairs(128, tile_n=8, tile_p=2, unroll=2, vec=4, values=64, compact=True)
+    config = moe_ops.FUSED_PAIRS._replace(vec=4, values=64)
     assert moe_ops.fused_vec(1, config) == 4
     assert moe_ops.fused_vec(16, config) == 4
     assert moe_ops.fused_vec(24, config) == 2

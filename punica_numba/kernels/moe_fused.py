@@ -23,16 +23,24 @@ A CUDA block takes its block's pairs in chunks of ``TILE_P``:
 1. the chunk's entries (every thread reads them, :func:`.moe_blocks.chunk_reader`); for
    the first chunk the block's expert is looked up in the same trip to memory;
 2. the loads that need only those: each thread's ``VEC`` columns of ``B_s[l, e]`` (once a
-   block, as words, kept in registers) and its old outputs, issued before the shrink so
-   that they arrive while it runs;
-3. the shrink of the chunk's rows of x by ``A_s[l, e]``: each warp takes ``TILE_N``
-   neighbouring ranks at a time (warp w ranks ``(w + WARPS g) TILE_N ..``), its lanes
-   splitting K (:func:`.moe_shrink_split.chunk_sums`), its lanes' partials added by
-   shuffles, no barrier between a warp's steps; lane 0 puts each sum, times the pair's
-   router weight (w2), into the shared buffer ``[TILE_P, r]`` fp32;
-4. after one barrier, each thread's columns for the chunk's pairs: the buffer row (a
-   broadcast from shared memory) against the column's row of B, in rank order, plus the
-   old output, stored.
+   block, as words, kept in registers), its old outputs and the pairs' router weights (w2),
+   issued before the shrink so that they arrive while it runs;
+3. the shrink of the chunk's rows of x by ``A_s[l, e]``: the warps go in teams of
+   ``SPLITS``, a team taking ``TILE_N`` neighbouring ranks at a time (team t ranks ``(t +
+   TEAMS g) TILE_N ..``) and its warps' lanes splitting K between them (word k to lane ``k
+   % (32 SPLITS)``, :func:`.moe_shrink_split.chunk_sums`); each warp adds its lanes'
+   partials by shuffles, no barrier between its steps, and its lane 0 puts the sums into
+   the shared ``parts[SPLITS, TILE_P, r]`` fp32, a row for each warp of the team;
+4. after one barrier, each thread's columns for the chunk's pairs: the pair's row of the
+   buffer, its team's parts added in order (broadcasts from shared memory), against the
+   column's row of B, in rank order, times the router weight (w2), plus the old output,
+   stored.
+
+Each warp's loads of a rank's row are a chain of ``K / (32 SPLITS UNROLL)`` trips to memory
+(a step's FMAs wait for its loads, and the next step's loads follow them): at
+Qwen3-30B-A3B's w13 (K = 2048, 512 words) eight with one warp a rank and two strides of
+loads at once. Splitting K across warps shortens the chain; splitting the ranks gives each
+warp fewer rows to hold.
 
 Deterministic: every output is stored by one thread, once, its sums in an order fixed by
 the build. Padding (an entry ``>= P``) reads row 0 of x and of y, in bounds, and stores
@@ -72,6 +80,7 @@ def build_moe_fused_kernel(
     tile_n: int,
     tile_p: int,
     unroll: int,
+    splits: int,
     vec: int,
     rank: int,
     packed_xa: bool,
@@ -85,25 +94,26 @@ def build_moe_fused_kernel(
     num_post_pad, enabled, top_k, block_size, by_pair, offset)``, specialised on the dtype
     of x, A and B and of the output, the threads per CUDA block (whole warps of
     :data:`LANES`), the ranks (``tile_n``) and pairs (``tile_p``) of one step of a warp's
-    sums, the strides of K whose loads go out together (``unroll``), the columns a thread
-    owns (``vec``), the rank, whether x and A, and B, arrive as packed int64 words, the
-    router's weight (``weighted``), ``add_inputs``, the grid (``compact``) and the slots
-    its walk reads at once.
+    sums, the strides of K whose loads go out together (``unroll``), the warps that split a
+    rank's K (``splits``), the columns a thread owns (``vec``), the rank, whether x and A,
+    and B, arrive as packed int64 words, the router's weight (``weighted``),
+    ``add_inputs``, the grid (``compact``) and the slots its walk reads at once.
 
     They must be constants: they size the registers and shared arrays and the loops over
     them, which Numba unrolls only when their trip counts are known.
     """
-    if threads % LANES:
-        raise ValueError(f"threads must be whole warps of {LANES}, got {threads}")
+    if threads % (LANES * splits):
+        raise ValueError(f"threads must be whole teams of {splits} warps of {LANES}, got {threads}")
     PACK_B = packing(dtype, packed_b)
     if rank % PACK_B:
         raise ValueError(f"packed rows of B take a rank that is a multiple of {PACK_B}, got {rank}")
     unit_of = unit_walker(slots_at_once)
     read_chunk = chunk_reader(tile_p)
-    add_chunk, X_WORDS, A_WORDS = chunk_sums(dtype, packed_xa, LANES, tile_n, tile_p, unroll)
-    THREADS, TILE_N, TILE_P, VEC, RANK = threads, tile_n, tile_p, vec, rank
-    WARPS = THREADS // LANES
-    GROUPS = -(-RANK // (WARPS * TILE_N))  # a warp's steps over the rank
+    TEAM = LANES * splits  # the threads that split a rank's K
+    add_chunk, X_WORDS, A_WORDS = chunk_sums(dtype, packed_xa, TEAM, tile_n, tile_p, unroll)
+    THREADS, TILE_N, TILE_P, VEC, RANK, SPLITS = threads, tile_n, tile_p, vec, rank, splits
+    TEAMS = THREADS // TEAM
+    GROUPS = -(-RANK // (TEAMS * TILE_N))  # a team's steps over the rank
     PARTIALS = TILE_P * TILE_N  # a step's sums: partial[i * TILE_N + j]
     STEPS = LANES.bit_length() - 1  # of the lanes' butterfly
     SHUFFLE = not SIMULATOR
@@ -135,18 +145,20 @@ def build_moe_fused_kernel(
         num_pairs = out.shape[0]
         tid = cuda.threadIdx.x
         lane, warp = tid % LANES, tid // LANES
+        team, member = tid // TEAM, warp % SPLITS  # (member: the warp's place in its team)
 
         pair_of = cuda.local.array(TILE_P, int64)  # the chunk's pairs, -1: none
         rows = cuda.local.array(TILE_P, int64)  # and the rows of x they read
         column = cuda.local.array(VEC, int64)  # the thread's columns, clamped into the slice
         b_words = cuda.local.array(B_WORDS, B_WORD)  # b_words[c * WORDS + k]
         old = cuda.local.array(OLD, float32)  # old[i * VEC + c]
+        weight = cuda.local.array(TILE_P, float32)  # the chunk's router weights (WEIGHTED)
         partial = cuda.local.array(PARTIALS, float32)
         xw = cuda.local.array(X_WORDS, XA_WORD)
         aw = cuda.local.array(A_WORDS, XA_WORD)
         xv = cuda.local.array(TILE_P, float32)
-        parts = cuda.shared.array((1 if SHUFFLE else THREADS, PARTIALS), float32)
-        buffer = cuda.shared.array((TILE_P, RANK), float32)  # the chunk's shrunk rows
+        lanes = cuda.shared.array((1 if SHUFFLE else THREADS, PARTIALS), float32)
+        parts = cuda.shared.array((SPLITS, TILE_P, RANK), float32)  # each warp's of a team
 
         mine = (tid // SPAN) * SPAN * VEC + tid % SPAN  # the thread's first column in a group
         for c in range(VEC):  # columns n_first + mine + SPAN * c: a warp's are neighbours
@@ -180,12 +192,15 @@ def build_moe_fused_kernel(
                         for i in range(TILE_P):  # i in [0, TILE_P), unrolled
                             p = max(pair_of[i], 0)  # (padding: row 0, never stored)
                             rows[i] = p if by_pair else p // top_k
+                            if WEIGHTED:
+                                weight[i] = weights[p]
                             if ADD_INPUTS:  # loaded now: they arrive while the shrink runs
                                 for c in range(VEC):
                                     old[i * VEC + c] = load_out(out[p, column0 + column[c]])
-                        for g in range(GROUPS):  # the warp's steps over the rank
-                            n0 = (warp + WARPS * g) * TILE_N
-                            add_chunk(partial, xw, aw, xv, x, a, slot, expert, rows, n0, lane)
+                        for g in range(GROUPS):  # the team's steps over the rank
+                            n0 = (team + TEAMS * g) * TILE_N
+                            k_first = lane + LANES * member
+                            add_chunk(partial, xw, aw, xv, x, a, slot, expert, rows, n0, k_first)
                             if SHUFFLE:  # the lanes' partials: lane 0 gets the sums
                                 for q in range(PARTIALS):
                                     value = partial[q]
@@ -196,24 +211,21 @@ def build_moe_fused_kernel(
                             else:  # (the simulator: the same butterfly, in shared memory)
                                 cuda.syncthreads()  # the step before's reads are done
                                 for q in range(PARTIALS):
-                                    parts[tid, q] = partial[q]
+                                    lanes[tid, q] = partial[q]
                                 cuda.syncthreads()
                                 if lane == 0:
                                     for q in range(PARTIALS):
                                         for step in range(STEPS):
                                             half = LANES >> (step + 1)
                                             for u in range(half):
-                                                parts[tid + u, q] += parts[tid + u + half, q]
-                                        partial[q] = parts[tid, q]
+                                                lanes[tid + u, q] += lanes[tid + u + half, q]
+                                        partial[q] = lanes[tid, q]
                             if lane == 0:
                                 for i in range(TILE_P):
-                                    weight = float32(1.0)
-                                    if WEIGHTED:
-                                        weight = weights[max(pair_of[i], 0)]
                                     for j in range(TILE_N):
                                         if n0 + j < RANK:
-                                            buffer[i, n0 + j] = partial[i * TILE_N + j] * weight
-                        cuda.syncthreads()  # the buffer is whole
+                                            parts[member, i, n0 + j] = partial[i * TILE_N + j]
+                        cuda.syncthreads()  # every warp's parts are in
                         for i in range(TILE_P):
                             if pair_of[i] != -1:
                                 for c in range(VEC):
@@ -221,12 +233,18 @@ def build_moe_fused_kernel(
                                     for k in range(WORDS):  # the rank, in order
                                         word = b_words[c * WORDS + k]
                                         for e in range(PACK_B):
-                                            acc += buffer[i, k * PACK_B + e] * load_b(word, e)
+                                            n = k * PACK_B + e
+                                            value = parts[0, i, n]
+                                            for m in range(1, SPLITS):  # the team's, in order
+                                                value += parts[m, i, n]
+                                            acc += value * load_b(word, e)
+                                    if WEIGHTED:
+                                        acc *= weight[i]  # the router's
                                     if ADD_INPUTS:  # the old output is added last
                                         acc += old[i * VEC + c]
                                     if n_first + mine + SPAN * c < width:
                                         out[pair_of[i], column0 + column[c]] = store_out(acc)
-                        cuda.syncthreads()  # every thread's reads of the buffer are done
+                        cuda.syncthreads()  # every thread's reads of the parts are done
                     first += TILE_P
                     if first >= pairs:
                         break

@@ -410,8 +410,9 @@ def columns_shape(rank: int, config: ColumnsExpand = COLUMNS_EXPAND) -> tuple[in
 
 class FusedPairs(NamedTuple):
     """Version 11's kernel (:mod:`..kernels.moe_fused`): threads per CUDA block (whole
-    warps), the ranks and pairs of one step of a warp's sums, the strides of K whose loads
-    go out together, the columns a thread owns, lowered (to 1 at the least) until they
+    teams of warps), the ranks and pairs of one step of a team's sums, the strides of K
+    whose loads go out together, the warps of a team (which split K), the columns a thread
+    owns, lowered (to 1 at the least) until they
     hold at most ``values`` values of B in registers (:func:`fused_vec`), and whether the
     grid is compact (the blocks in use found by a walk over the slots) or a CUDA block for
     every block of every row."""
@@ -420,20 +421,21 @@ class FusedPairs(NamedTuple):
     tile_n: int
     tile_p: int
     unroll: int
+    splits: int
     vec: int
     values: int
     compact: bool
 
 
-#: Version 11's compile-time parameters. On the simulator two warps of four lanes, one
-#: column a thread and steps of 3 ranks (no divisor of a rank in words), so that rank
-#: steps, chunks of pairs and column groups are crossed at test sizes. The GPU's are a
-#: first design: four warps of 4 ranks (every rank of r=16 in one step), 4 columns a thread
-#: as version 3's expand.
+#: Version 11's compile-time parameters. On the simulator four warps of four lanes in teams
+#: of two, one column a thread and steps of 3 ranks (no divisor of a rank in words), so
+#: that K splits, rank steps, chunks of pairs and column groups are crossed at test sizes.
+#: The GPU's are a first design: four warps of 4 ranks (every rank of r=16 in one step), 4
+#: columns a thread as version 3's expand.
 FUSED_PAIRS = (
-    FusedPairs(threads=8, tile_n=3, tile_p=2, unroll=1, vec=1, values=64, compact=True)
+    FusedPairs(8 * 2, tile_n=3, tile_p=2, unroll=1, splits=2, vec=1, values=64, compact=True)
     if SIMULATOR
-    else FusedPairs(threads=128, tile_n=4, tile_p=2, unroll=2, vec=4, values=64, compact=True)
+    else FusedPairs(128, tile_n=4, tile_p=2, unroll=2, splits=1, vec=4, values=64, compact=True)
 )
 
 
@@ -758,7 +760,7 @@ def _fused_pairs(
     kernel = launcher_of(
         fused_kernel.build_moe_fused_kernel(
             a[0].dtype, out.dtype, config.threads, config.tile_n, config.tile_p, config.unroll,
-            vec, rank, packed_xa, packed_b, by_pair, add_inputs, config.compact,
+            config.splits, vec, rank, packed_xa, packed_b, by_pair, add_inputs, config.compact,
             slots_at_once(slots),
         )
     )  # fmt: skip

@@ -26,25 +26,30 @@ from punica_numba.ops import moe as moe_ops
 from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, FusedPairs, pairs_per_block
 
 #: Version 11's configurations timed: name -> FusedPairs (threads, tile_n, tile_p, unroll,
-#: vec, values, compact).
+#: splits, vec, values, compact).
 VARIANTS = {
     "shipped": moe_ops.FUSED_PAIRS,
     "full_grid": moe_ops.FUSED_PAIRS._replace(compact=False),
-    "v1": moe_ops.FUSED_PAIRS._replace(vec=1),
-    "v1_full_grid": moe_ops.FUSED_PAIRS._replace(vec=1, compact=False),
-    "t256_n2": moe_ops.FUSED_PAIRS._replace(threads=256, tile_n=2),
-    "t64_n8": moe_ops.FUSED_PAIRS._replace(threads=64, tile_n=8),
-    "u4": moe_ops.FUSED_PAIRS._replace(unroll=4),
+    "u4_full_grid": moe_ops.FUSED_PAIRS._replace(unroll=4, compact=False),
+    "s2_n8": moe_ops.FUSED_PAIRS._replace(tile_n=8, splits=2),
+    "s2_n8_full_grid": moe_ops.FUSED_PAIRS._replace(tile_n=8, splits=2, compact=False),
+    "s4_n16_u1": moe_ops.FUSED_PAIRS._replace(tile_n=16, unroll=1, splits=4),
+    "s4_n16_u1_full_grid": moe_ops.FUSED_PAIRS._replace(
+        tile_n=16, unroll=1, splits=4, compact=False
+    ),
+    "s4_n16_v1_full_grid": moe_ops.FUSED_PAIRS._replace(tile_n=16, splits=4, vec=1, compact=False),
+    "t256_s2_n4": moe_ops.FUSED_PAIRS._replace(threads=256, splits=2),
+    "t256_s4_n8": moe_ops.FUSED_PAIRS._replace(threads=256, tile_n=8, splits=4),
 }
 
 
 def build(*config):
     """Version 11's kernel for Qwen3-30B-A3B's w13 at r=16 (bf16, in words, add_inputs)
     under one configuration of :data:`VARIANTS`."""
-    threads, tile_n, tile_p, unroll, vec, _, compact = FusedPairs(*config)
+    threads, tile_n, tile_p, unroll, splits, vec, _, compact = FusedPairs(*config)
     return moe_fused.build_moe_fused_kernel(
-        torch.bfloat16, torch.bfloat16, threads, tile_n, tile_p, unroll, vec, 16, True, True,
-        False, True, compact, 1,
+        torch.bfloat16, torch.bfloat16, threads, tile_n, tile_p, unroll, splits, vec, 16, True,
+        True, False, True, compact, 1,
     )  # fmt: skip
 
 

@@ -62,12 +62,12 @@ VARIANTS = {  # name: (kernel, its builder's arguments past the dtypes)
     "mma_shrink_runs_4_ahead": ("mma", 128, 4, 4, True, 4, True, True, 8, True),
     "split_shrink_version_5": ("split", 64, 4, 2, 2, True),
     "split_shrink_compact": ("split", 64, 4, 2, 2, True, True),
-    # version 11's one launch: threads, tile_n, tile_p, unroll, vec, rank, packed x and A,
+    # version 11's one launch: threads, tile_n, tile_p, unroll, splits, vec, rank, packed x and A,
     # packed B, weighted (w2), add_inputs, compact, slots at once
-    "fused_w13": ("fused", 128, 4, 2, 2, 4, 16, True, True, False, True, True, 1),
-    "fused_w2": ("fused", 128, 4, 2, 2, 4, 16, True, True, True, True, True, 1),
-    "fused_w2_full_grid": ("fused", 128, 4, 2, 2, 4, 16, True, True, True, True, False, 1),
-    "fused_w13_r64": ("fused", 128, 4, 2, 2, 1, 64, True, True, False, True, True, 1),
+    "fused_w13": ("fused", 128, 4, 2, 2, 1, 4, 16, True, True, False, True, True, 1),
+    "fused_w2": ("fused", 128, 4, 2, 2, 1, 4, 16, True, True, True, True, True, 1),
+    "fused_w2_full_grid": ("fused", 128, 4, 2, 2, 1, 4, 16, True, True, True, True, False, 1),
+    "fused_w13_r64": ("fused", 128, 4, 2, 2, 1, 1, 64, True, True, False, True, True, 1),
 }
 
 
