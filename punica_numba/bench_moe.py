@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         "tiles, 3 the shrink with K split across a block and the expand with B in registers, "
         "4 both on the tensor cores, 5 4's shrink where blocks average 4 pairs or more (else "
         "3's) and 3's expand, 6 5's shrinks and the expand of a chunk of pairs at once as "
-        "outer products (--shrink-version: the same, its earlier name)",
+        "outer products, 7-9 the dense op's kernels (ops.moe's notes), 11 9's but one "
+        "launch for calls of at most 8 pairs (--shrink-version: the same, its earlier name)",
     )
     args = parser.parse_args(argv)
     cases = default_cases(quick=args.quick or SIMULATOR)

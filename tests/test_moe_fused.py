@@ -1,16 +1,15 @@
 """MoE LoRA's version 11: each block's pairs shrunk and expanded by one CUDA block, one
 launch (:mod:`punica_numba.kernels.moe_fused`). Checked here:
 
-1. the kernel against the float64 reference on every drawn call (the op taken below any
-   threshold, so that every call runs it): slots off and of no LoRA, experts -1, blocks of
+1. the kernel against the float64 reference on every drawn call (its threshold of pairs
+   raised, so that every call runs it): slots off and of no LoRA, experts -1, blocks of
    padding, add_inputs or not, the router's weights (w2) or a row of x a token (w13), every
    dtype;
 2. sizes just past each of its tiles, from its own parameters (the simulator's or the
    GPU's): a rank of several shrink steps and no multiple of one, blocks of more pairs than
    a chunk, more columns than a CUDA block's group, K past one step of loads, odd (a word
    an element) or in whole int64 words; it is the one kernel launched;
-3. version 11 takes version 9's kernels from their threshold of pairs a (slot, expert) on:
-   the same bits;
+3. version 11 takes version 9's kernels past its threshold of pairs: the same bits;
 4. its compact grid and its grid of every block give the same bits;
 5. the columns a thread owns, within its values of B.
 """
@@ -54,8 +53,8 @@ def _run(case, d, blocks, block_size, version=11, add_inputs=True):
 def test_the_one_launch_matches_the_reference_on_every_drawn_call(case):
     d = case.data()
     blocks = align_pairs(d["topk_ids"], d["slots"], case.E, case.B, case.L, d["enabled"])
-    with pytest.MonkeyPatch.context() as patch:  # (every call below the threshold)
-        patch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", float("inf"))
+    with pytest.MonkeyPatch.context() as patch:  # (every call within the threshold)
+        patch.setattr(moe_ops, "FUSED_TO_PAIRS", float("inf"))
         y, before = _run(case, d, blocks, case.B, add_inputs=case.add_inputs)
     check_against_reference(case, y, d, before)
 
@@ -82,7 +81,7 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
     real = torch.stack([(ids[:, i : i + B] < P).sum(1) for i in range(0, ids.shape[1], B)], 1)
     assert real.max() > config.tile_p and (real == 1).any()
     assert rank > ranks and rank % ranks and N > config.threads * vec
-    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", float("inf"))
+    monkeypatch.setattr(moe_ops, "FUSED_TO_PAIRS", float("inf"))
     real_build = moe_fused.build_moe_fused_kernel
     builds = mock.Mock(wraps=real_build)
     monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
@@ -100,14 +99,18 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
 
 @pytest.mark.parametrize("add_inputs", [True, False])
 @pytest.mark.parametrize("projection", ["w13", "w2"])
-def test_from_the_threshold_on_version_11_gives_version_9s_bits(projection, add_inputs):
-    """The call of two full blocks a (slot, expert): at and past MMA_SHRINK_FROM_PAIRS both
-    versions launch version 8's kernels."""
+@pytest.mark.parametrize("mma_from", [1, 100], ids=["version-8s-kernels", "the-row-kernels"])
+def test_past_its_threshold_version_11_gives_version_9s_bits(mma_from, projection, add_inputs,
+                                                             monkeypatch):  # fmt: skip
+    """A call of more pairs than FUSED_TO_PAIRS: versions 9 and 11 launch the same kernels,
+    version 8's or, below MMA_SHRINK_FROM_PAIRS, the row kernels on the pairs."""
     case, d, blocks = _one_block_call(torch.bfloat16, rank=4, K=16, N=8, B=8,
                                       projection=projection, offset=0)  # fmt: skip
-    P, runs = d["topk_ids"].numel(), 2 * 2  # slots x experts
-    assert P / min(P, runs) >= moe_ops.MMA_SHRINK_FROM_PAIRS
+    assert d["topk_ids"].numel() > moe_ops.FUSED_TO_PAIRS
+    case.add_inputs = add_inputs
+    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", mma_from)
     results = [_run(case, d, blocks, 8, version, add_inputs)[0] for version in (9, 11)]
+    check_against_reference(case, results[0], d, d["y"])
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
 
 
@@ -117,11 +120,17 @@ def test_the_compact_grid_and_a_cuda_block_a_block_give_the_same_bits(projection
     by its indices: the same sums, so the same bits (blocks of one pair and padding too)."""
     case, d, blocks = _one_block_call(torch.bfloat16, rank=5, K=9, N=7, B=3,
                                       projection=projection, offset=1)  # fmt: skip
-    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", float("inf"))
+    monkeypatch.setattr(moe_ops, "FUSED_TO_PAIRS", float("inf"))
+    signature = inspect.signature(moe_fused.build_moe_fused_kernel)
+    builds = mock.Mock(wraps=moe_fused.build_moe_fused_kernel)
+    monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
     results = []
-    for compact in (True, False):
-        monkeypatch.setattr(moe_ops, "FUSED_PAIRS", moe_ops.FUSED_PAIRS._replace(compact=compact))
+    for most in (0, 1 << 20):  # the compact grid, then the grid of every block
+        config = moe_ops.FUSED_PAIRS._replace(full_grid_blocks=most)
+        monkeypatch.setattr(moe_ops, "FUSED_PAIRS", config)
         results.append(_run(case, d, blocks, 3)[0])
+    compact = [signature.bind(*call.args).arguments["compact"] for call in builds.call_args_list]
+    assert compact == [True, False]
     check_against_reference(case, results[0], d, d["y"])
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
 

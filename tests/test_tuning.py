@@ -523,11 +523,11 @@ def test_the_moe_op_looks_up_the_key_the_moe_tuner_writes(fake_gpu, monkeypatch)
     its shrink, exactly that key (distance 0), and takes it only where its kernels are the
     path's: the tiles an mma entry, the pairs a row one; otherwise what it takes without."""
     tiles = moe_sweep.MoEProblem(bench_moe.MoECase("w2", 2048, 4, rank=16, **QWEN), "shrink")
-    pairs = moe_sweep.MoEProblem(bench_moe.MoECase("w13", 1, 4, rank=16, **QWEN), "shrink")
+    pairs = moe_sweep.MoEProblem(bench_moe.MoECase("w13", 16, 4, rank=16, **QWEN), "shrink")
     assert moe_sweep.path_of(tiles.case) == "tiles" and moe_sweep.path_of(pairs.case) == "pairs"
     cases = [(p.case, path) for p in (tiles, pairs) for path in ("tiles", "pairs")]
     without = [moe_shrink_config(*c) for c in cases]  # (no table)
-    mma, rows = "mma_t128_m16_n0", "rows_t128_m1_n8"
+    mma, rows = "mma_t128_m16_n0", "rows_t256_m1_n4"
     assert named("shrink", mma) not in without and named("shrink", rows) not in without
     save(fake_gpu, moe_entry(tiles, mma), moe_entry(pairs, rows))
     reload_tuned_tables()

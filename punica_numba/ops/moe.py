@@ -45,7 +45,12 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    the tensor-core shrink (docs/benchmarks/h100_moe_v9_a4b05b8.json): so they are taken
    below 4. From 4 on, 8's kernels, but where 7's dense tensor-core shrink runs the router's
    weights go in as it stores, as in the row shrink (on an H100 at 3f670de, w2 at 256 tokens
-   on one adapter 27.09 -> 24.86 µs against 6426c98's multiply). The default.
+   on one adapter 27.09 -> 24.86 µs against 6426c98's multiply). The default until version 11.
+   (Version 10, the row kernels on tiles of 4 pairs, was built, timed and reverted: lab notes.)
+11. 9's, but for calls of at most :data:`FUSED_TO_PAIRS` pairs (one token of top-8) one
+   launch: each block's pairs shrunk and expanded by one CUDA block, the buffer between the
+   two in shared memory (:mod:`..kernels.moe_fused`; :data:`FUSED_PAIRS`), no table of
+   pairs. The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -97,7 +102,8 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
 VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11)  # (10 was built, timed and reverted: lab notes)
-#: The version a call takes unless it asks for another: 9. On an H100 at 6426c98 (``bench
+#: The version a call takes unless it asks for another: 11 (:data:`FUSED_TO_PAIRS`' notes).
+#: Version 9, the default from 6426c98 until version 11. On an H100 at 6426c98 (``bench
 #: --moe`` of versions 9 and 8 on one machine; docs/benchmarks/h100_moe_v9_6426c98.json,
 #: h100_moe_v8_6426c98.json) it took 0.54-0.99x version 8's time on the 18 of 30 cases
 #: below 4 pairs a (slot, expert), where it launches the row kernels, and 0.98-1.003x on
@@ -119,7 +125,7 @@ VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11)  # (10 was built, timed and reverted:
 #: 0.96-1.08x elsewhere (h200_moe_v3.json at 282eaa9); version 3 took 0.06-0.23x version
 #: 1's (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
 #: measured kernel by kernel; version 2 is not timed on a GPU.
-DEFAULT_VERSION = 9
+DEFAULT_VERSION = 11
 
 #: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
 #: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
@@ -412,10 +418,10 @@ class FusedPairs(NamedTuple):
     """Version 11's kernel (:mod:`..kernels.moe_fused`): threads per CUDA block (whole
     teams of warps), the ranks and pairs of one step of a team's sums, the strides of K
     whose loads go out together, the warps of a team (which split K), the columns a thread
-    owns, lowered (to 1 at the least) until they
-    hold at most ``values`` values of B in registers (:func:`fused_vec`), and whether the
-    grid is compact (the blocks in use found by a walk over the slots) or a CUDA block for
-    every block of every row."""
+    owns, lowered (to 1 at the least) until they hold at most ``values`` values of B in
+    registers (:func:`fused_vec`), and ``full_grid_blocks``: a CUDA block for every block
+    of every row where there are at most this many (slots x blocks a row), else the
+    compact grid, whose blocks find theirs by a walk over the slots (0: always compact)."""
 
     threads: int
     tile_n: int
@@ -424,19 +430,35 @@ class FusedPairs(NamedTuple):
     splits: int
     vec: int
     values: int
-    compact: bool
+    full_grid_blocks: int
 
 
 #: Version 11's compile-time parameters. On the simulator four warps of four lanes in teams
 #: of two, one column a thread and steps of 3 ranks (no divisor of a rank in words), so
-#: that K splits, rank steps, chunks of pairs and column groups are crossed at test sizes.
-#: The GPU's are a first design: four warps of 4 ranks (every rank of r=16 in one step), 4
-#: columns a thread as version 3's expand.
+#: that K splits, rank steps, chunks of pairs and column groups are crossed at test sizes,
+#: on the compact grid (the grid of every block is a Python thread for each of its idle
+#: threads there). On the GPU four warps of 4 ranks each (r=16 in one step), loads of four
+#: strides of K at once, 4 columns a thread as version 3's expand, and the grid of every
+#: block up to 1024 of them. On an H100 at d34f9df (``probes/moe_fused_ab.py``,
+#: docs/benchmarks/h100_moe_fused_ab_d34f9df.json; Qwen3-30B-A3B's layer, r=16, 1 and 16
+#: tokens over 1, 4 and 16 adapters) these took 0.93x version 9's time in geometric mean
+#: over the 12 calls (loads of two strides: 1.01x; teams of two or four warps splitting K:
+#: 0.94-1.15x; 8 warps: 1.05-1.10x); the grid of every block won on one and four adapters
+#: (up to 1024 blocks: 121 or 128 a row there) and lost on 16 (1,936 and 2,048: w13 at one
+#: token 11.49 µs against 10.07 on the compact grid).
 FUSED_PAIRS = (
-    FusedPairs(8 * 2, tile_n=3, tile_p=2, unroll=1, splits=2, vec=1, values=64, compact=True)
+    FusedPairs(16, tile_n=3, tile_p=2, unroll=1, splits=2, vec=1, values=64, full_grid_blocks=0)
     if SIMULATOR
-    else FusedPairs(128, tile_n=4, tile_p=2, unroll=2, splits=1, vec=4, values=64, compact=True)
+    else FusedPairs(
+        128, tile_n=4, tile_p=2, unroll=4, splits=1, vec=4, values=64, full_grid_blocks=1024
+    )  # fmt: skip
 )
+
+#: Version 11 takes its one launch for calls of at most this many pairs (tokens x top_k),
+#: version 9's kernels for larger ones. On the same H100 run it took 0.66-0.88x version 9's
+#: time at one token of top-8 (8 pairs) on one and four adapters, and from 0.86x to 1.19x at
+#: 16 tokens (128 pairs), slower on 4 of the 6; between them nothing was measured.
+FUSED_TO_PAIRS = 8
 
 
 def fused_vec(rank: int, config: FusedPairs = FUSED_PAIRS) -> int:
@@ -507,8 +529,10 @@ def fused_moe_lora(
     :data:`DENSE_FROM_PAIRS` (16, a tile of the dense op) a (slot, expert), else 6's; 9,
     8's, but below :data:`MMA_SHRINK_FROM_PAIRS` (4) the dense op's row kernels of
     one-token tiles on the pairs (:func:`.moe_dense.moe_pairs`), the router's weights in the
-    stores of the row shrink or of 7's dense shrink. The same sums in other orders;
-    :data:`DEFAULT_VERSION` (9) unless asked.
+    stores of the row shrink or of 7's dense shrink; 11, 9's, but for calls of at most
+    :data:`FUSED_TO_PAIRS` (8) pairs one launch, each block's pairs shrunk and expanded by
+    one CUDA block (:mod:`..kernels.moe_fused`). The same sums in other orders;
+    :data:`DEFAULT_VERSION` (11) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
@@ -595,7 +619,7 @@ def fused_moe_lora(
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
         # (9: the router's weights multiplied in as a dense-op shrink stores, no launch)
         routed = weights if version >= 9 and mul_routed_weight else None
-        if version == 11 and not mma:  # one launch: each block's pairs shrunk and expanded
+        if version == 11 and num_pairs <= FUSED_TO_PAIRS:  # one launch: shrunk and expanded
             _fused_pairs(out, x, a, b, weights, metadata, top_k, block_size,
                          mul_routed_weight, offset, add_inputs)  # fmt: skip
             return
@@ -746,7 +770,8 @@ def _fused_pairs(
     offset: int,
     add_inputs: bool,
 ) -> None:
-    """Version 11's one launch (:mod:`..kernels.moe_fused`) on a compact grid: x and A as
+    """Version 11's one launch (:mod:`..kernels.moe_fused`), on the grid of every block or the
+    compact one (:class:`FusedPairs`' ``full_grid_blocks``): x and A as
     packed int64 words where every one of them allows it, B likewise (:func:`.operands.words`)."""
     config = FUSED_PAIRS
     slots, experts = metadata[1].shape[0], a[0].shape[1]
@@ -757,17 +782,19 @@ def _fused_pairs(
     packed_b = all(w is not None for w in b_words)
     kernel_x, kernel_a = (x_words, a_words) if packed_xa else (x, a)
     kernel_b = b_words if packed_b else b
+    row_blocks = metadata[1].shape[1]
+    compact = slots * row_blocks > config.full_grid_blocks
     kernel = launcher_of(
         fused_kernel.build_moe_fused_kernel(
             a[0].dtype, out.dtype, config.threads, config.tile_n, config.tile_p, config.unroll,
-            config.splits, vec, rank, packed_xa, packed_b, by_pair, add_inputs, config.compact,
+            config.splits, vec, rank, packed_xa, packed_b, by_pair, add_inputs, compact,
             slots_at_once(slots),
         )
     )  # fmt: skip
-    if config.compact:
+    if compact:
         grid = (compact_units(out.shape[0], metadata, experts, block_size, 1), 1)
     else:
-        grid = (metadata[1].shape[1], slots)
+        grid = (row_blocks, slots)
     column_groups = -(-width // (config.threads * vec))
     kernel(
         (*grid, len(b) * column_groups),

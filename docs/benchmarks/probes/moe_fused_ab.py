@@ -1,9 +1,10 @@
-"""MoE LoRA's one launch (version 11) beside version 9, on the cases below version 9's
-threshold of pairs a (slot, expert), timed as ``bench --moe`` times the op.
+"""MoE LoRA's one launch (version 11) beside version 9, on the ``bench --moe`` cases it takes
+(at most ``FUSED_TO_PAIRS`` pairs; with ``--cases``, the cases named), timed as ``bench
+--moe`` times the op.
 
 Version 11 differs from 9 only there: where 9 makes the table of pairs and launches the
 dense op's row shrink and expand, 11 launches :mod:`punica_numba.kernels.moe_fused` once.
-For each such ``bench --moe`` case this checks both versions' results against the reference
+For each such case this checks both versions' results against the reference
 and times, on one pool of argument sets (CUDA-graph replays, µs per call), version 9, then
 version 11 under each configuration of :data:`VARIANTS` (the shipped ``FUSED_PAIRS`` first),
 ``--rounds`` times, alternating, keeping each one's least time.
@@ -23,33 +24,27 @@ from punica_numba import bench
 from punica_numba.bench_moe import _call, checked_pool, default_cases
 from punica_numba.kernels import moe_fused
 from punica_numba.ops import moe as moe_ops
-from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, FusedPairs, pairs_per_block
+from punica_numba.ops.moe import FUSED_TO_PAIRS, FusedPairs
 
 #: Version 11's configurations timed: name -> FusedPairs (threads, tile_n, tile_p, unroll,
-#: splits, vec, values, compact).
+#: splits, vec, values, full_grid_blocks).
 VARIANTS = {
     "shipped": moe_ops.FUSED_PAIRS,
-    "full_grid": moe_ops.FUSED_PAIRS._replace(compact=False),
-    "u4_full_grid": moe_ops.FUSED_PAIRS._replace(unroll=4, compact=False),
-    "s2_n8": moe_ops.FUSED_PAIRS._replace(tile_n=8, splits=2),
-    "s2_n8_full_grid": moe_ops.FUSED_PAIRS._replace(tile_n=8, splits=2, compact=False),
-    "s4_n16_u1": moe_ops.FUSED_PAIRS._replace(tile_n=16, unroll=1, splits=4),
-    "s4_n16_u1_full_grid": moe_ops.FUSED_PAIRS._replace(
-        tile_n=16, unroll=1, splits=4, compact=False
-    ),
-    "s4_n16_v1_full_grid": moe_ops.FUSED_PAIRS._replace(tile_n=16, splits=4, vec=1, compact=False),
-    "t256_s2_n4": moe_ops.FUSED_PAIRS._replace(threads=256, splits=2),
-    "t256_s4_n8": moe_ops.FUSED_PAIRS._replace(threads=256, tile_n=8, splits=4),
+    "compact": moe_ops.FUSED_PAIRS._replace(full_grid_blocks=0),
+    "full_grid": moe_ops.FUSED_PAIRS._replace(full_grid_blocks=1 << 30),
+    "u2": moe_ops.FUSED_PAIRS._replace(unroll=2),
+    "u8": moe_ops.FUSED_PAIRS._replace(unroll=8),
+    "v2": moe_ops.FUSED_PAIRS._replace(vec=2),
 }
 
 
 def build(*config):
     """Version 11's kernel for Qwen3-30B-A3B's w13 at r=16 (bf16, in words, add_inputs)
     under one configuration of :data:`VARIANTS`."""
-    threads, tile_n, tile_p, unroll, splits, vec, _, compact = FusedPairs(*config)
+    threads, tile_n, tile_p, unroll, splits, vec, _, full_grid_blocks = FusedPairs(*config)
     return moe_fused.build_moe_fused_kernel(
         torch.bfloat16, torch.bfloat16, threads, tile_n, tile_p, unroll, splits, vec, 16, True,
-        True, False, True, compact, 1,
+        True, False, True, full_grid_blocks == 0, 1,
     )  # fmt: skip
 
 
@@ -68,7 +63,7 @@ def main() -> None:
     records = []
     for case in default_cases():
         P = case.T * case.top_k
-        if pairs_per_block(P, case.loras, case.experts) >= MMA_SHRINK_FROM_PAIRS:
+        if P > FUSED_TO_PAIRS and not opts.cases:  # (--cases: any, to see the crossing)
             continue
         if wanted and (case.projection, str(case.T), str(case.loras)) not in wanted:
             continue
