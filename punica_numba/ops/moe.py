@@ -62,6 +62,7 @@ out of bounds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -420,8 +421,9 @@ class FusedPairs(NamedTuple):
     whose loads go out together, the warps of a team (which split K), the columns a thread
     owns, lowered (to 1 at the least) until they hold at most ``values`` values of B in
     registers (:func:`fused_vec`), and ``full_grid_blocks``: a CUDA block for every block
-    of every row where there are at most this many (slots x blocks a row), else the
-    compact grid, whose blocks find theirs by a walk over the slots (0: always compact)."""
+    of every row where that grid has at most this many CUDA blocks (None: as many as the
+    GPU has SMs), else the compact grid, whose blocks find theirs by a walk over the slots
+    (0: always compact)."""
 
     threads: int
     tile_n: int
@@ -430,34 +432,37 @@ class FusedPairs(NamedTuple):
     splits: int
     vec: int
     values: int
-    full_grid_blocks: int
+    full_grid_blocks: int | None
 
 
 #: Version 11's compile-time parameters. On the simulator four warps of four lanes in teams
 #: of two, one column a thread and steps of 3 ranks (no divisor of a rank in words), so
 #: that K splits, rank steps, chunks of pairs and column groups are crossed at test sizes,
-#: on the compact grid (the grid of every block is a Python thread for each of its idle
-#: threads there). On the GPU four warps of 4 ranks each (r=16 in one step), loads of four
-#: strides of K at once, 4 columns a thread as version 3's expand, and the grid of every
-#: block up to 1024 of them. On an H100 at d34f9df (``probes/moe_fused_ab.py``,
+#: on the compact grid (each idle CUDA block of the other is Python threads there). On the
+#: GPU four warps of 4 ranks each (r=16 in one step), loads of four strides of K at once, 4
+#: columns a thread as version 3's expand, and the grid of every block where it fits the
+#: SMs. On an H100 at d34f9df (``probes/moe_fused_ab.py``,
 #: docs/benchmarks/h100_moe_fused_ab_d34f9df.json; Qwen3-30B-A3B's layer, r=16, 1 and 16
-#: tokens over 1, 4 and 16 adapters) these took 0.93x version 9's time in geometric mean
-#: over the 12 calls (loads of two strides: 1.01x; teams of two or four warps splitting K:
-#: 0.94-1.15x; 8 warps: 1.05-1.10x); the grid of every block won on one and four adapters
-#: (up to 1024 blocks: 121 or 128 a row there) and lost on 16 (1,936 and 2,048: w13 at one
-#: token 11.49 µs against 10.07 on the compact grid).
+#: tokens over 1, 4 and 16 adapters) loads of four strides on the grid of every block took
+#: 0.93x version 9's time in geometric mean over the 12 calls (two strides: 1.01x; teams of
+#: two or four warps splitting K: 0.94-1.15x; 8 warps: 1.05-1.10x). The grid of every block
+#: won on one and four adapters and lost on 16, where most of its rows are idle: at 3a2ac41
+#: (h100_moe_fused_ab_3a2ac41.json) one token over 16 adapters (16 rows of 8 blocks, 4 CUDA
+#: blocks each: 512, 480 of them idle, more than the SMs hold at once, so the blocks in use
+#: wait for a second wave) took 11.36 µs at w13 against 9.90 on the compact grid.
 FUSED_PAIRS = (
     FusedPairs(16, tile_n=3, tile_p=2, unroll=1, splits=2, vec=1, values=64, full_grid_blocks=0)
     if SIMULATOR
     else FusedPairs(
-        128, tile_n=4, tile_p=2, unroll=4, splits=1, vec=4, values=64, full_grid_blocks=1024
+        128, tile_n=4, tile_p=2, unroll=4, splits=1, vec=4, values=64, full_grid_blocks=None
     )  # fmt: skip
 )
 
 #: Version 11 takes its one launch for calls of at most this many pairs (tokens x top_k),
-#: version 9's kernels for larger ones. On the same H100 run it took 0.66-0.88x version 9's
-#: time at one token of top-8 (8 pairs) on one and four adapters, and from 0.86x to 1.19x at
-#: 16 tokens (128 pairs), slower on 4 of the 6; between them nothing was measured.
+#: version 9's kernels for larger ones. On the H100 at d34f9df (above), with loads of four
+#: strides on the grid of every block, it took 0.66-0.88x version 9's time at one token of
+#: top-8 (8 pairs) on one and four adapters, and 0.86-1.19x at 16 tokens (128 pairs), slower
+#: on 4 of the 6; between the two nothing was measured.
 FUSED_TO_PAIRS = 8
 
 
@@ -783,7 +788,11 @@ def _fused_pairs(
     kernel_x, kernel_a = (x_words, a_words) if packed_xa else (x, a)
     kernel_b = b_words if packed_b else b
     row_blocks = metadata[1].shape[1]
-    compact = slots * row_blocks > config.full_grid_blocks
+    column_groups = -(-width // (config.threads * vec))
+    most = config.full_grid_blocks
+    if most is None:  # (as many as the GPU's SMs)
+        most = _multiprocessors(out.device.index)
+    compact = slots * row_blocks * len(b) * column_groups > most
     kernel = launcher_of(
         fused_kernel.build_moe_fused_kernel(
             a[0].dtype, out.dtype, config.threads, config.tile_n, config.tile_p, config.unroll,
@@ -795,13 +804,18 @@ def _fused_pairs(
         grid = (compact_units(out.shape[0], metadata, experts, block_size, 1), 1)
     else:
         grid = (row_blocks, slots)
-    column_groups = -(-width // (config.threads * vec))
     kernel(
         (*grid, len(b) * column_groups),
         config.threads,
         (kernel_x, kernel_a[0], kernel_a[-1], kernel_b[0], kernel_b[-1], out, weights,
          *metadata, top_k, block_size, by_pair, offset),
     )  # fmt: skip
+
+
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    """The SMs of the CUDA device ``index`` (a host-side fact, asked once)."""
+    return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
 def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
