@@ -414,12 +414,12 @@ for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
 # %% [markdown]
 # Below it each (slot, expert) has a few pairs, and where it has a pair or two version 6's
 # kernels run far from the copy bandwidth. The dense op meets the same shape where each slot
-# has a token or two, and takes its row kernels there, one token a tile. Version 9, the op's
-# default, hands those calls to them below 4 pairs a (slot, expert), the threshold of
-# version 6's tensor-core shrink: every pair a one-token tile of dense slot `l * E + e`, the
-# router's weights multiplied in as the shrink stores a pair's row. On an H100 (at 6426c98)
-# it took 0.54-0.99x version 8's time there and 0.98-1.003x elsewhere; taken above the
-# threshold too (at a4b05b8), the row kernels took up to 1.96x. The
+# has a token or two, and takes its row kernels there, one token a tile. Version 9 (the
+# default until version 11) hands those calls to them below 4 pairs a (slot, expert), the
+# threshold of version 6's tensor-core shrink: every pair a one-token tile of dense slot
+# `l * E + e`, the router's weights multiplied in as the shrink stores a pair's row. On an
+# H100 (at 6426c98) it took 0.54-0.99x version 8's time there and 0.98-1.003x elsewhere;
+# taken above the threshold too (at a4b05b8), the row kernels took up to 1.96x. The
 # align step pads each run of pairs to whole blocks, so the pairs are packed first, one kernel
 # making a table of P rows (`moe_pairs`: a running sum of each block's pairs), that no CUDA
 # block of the row kernels finds nothing. Here it is for the call above, then the call itself:
@@ -450,3 +450,33 @@ print("version 9 gives version 6's outputs, within bf16's rounding")
 # entries of their own (`"layer": "moe"`) that these launches read before the dense ones.
 # With the H200's, shipped in the package, w13 at 2048 tokens over four adapters went from
 # 171 to 90 µs there (lab notes, "MoE LoRA's own entries in the tuned table").
+
+# %% [markdown]
+# ## One launch for one token
+#
+# At one token of top-8 the pairs are eight, and version 9's three launches (the table of
+# pairs, the shrink, the expand) take about 2 µs each on an H100, most of it waiting: for the
+# launch, then for each trip to memory. Each pair's delta needs only its own block's A and
+# B, so one CUDA block can take a block of pairs all the way from its entries to its rows of
+# y, the shrunk rows between the two products kept in shared memory
+# (`punica_numba.kernels.moe_fused`): no table, no buffer in global memory, one launch. Its
+# warps each take a few ranks and split K among their lanes, whose partial sums meet by warp
+# shuffles; one barrier, and the threads expand, each with its columns of B loaded before
+# the shrink began.
+#
+# Version 11, the op's default, takes that launch for calls of at most `FUSED_TO_PAIRS` (8)
+# pairs and version 9's kernels above: on an H100 (at aa6b0cd) one token took 0.65-0.83x
+# version 9's time at w2 and 0.84-0.98x at w13, over 1, 4 and 16 adapters; at 16 tokens the
+# one launch was slower on 4 of 6 calls, where version 9's kernels, each shaped for its own
+# half of the work, have blocks enough to fill the GPU. Here the first token's pairs alone,
+# aligned again, against version 6's rows of that token:
+
+# %%
+one_token = align_pairs(topk_ids[:1], slots[:1], E, block_size, L, adapter_enabled)
+y = torch.zeros(1, top_k, 2 * N7, device=DEVICE, dtype=torch.bfloat16)
+fused_moe_lora(
+    y, x13[:1].to(torch.bfloat16), a7, b7, topk_weights[:1], *one_token, adapter_enabled,
+    block_size=block_size, version=11,
+)  # fmt: skip
+torch.testing.assert_close(y.float(), result[6][:1], rtol=2e-2, atol=2e-2)
+print("version 11's one launch gives version 6's rows of the first token")
