@@ -92,10 +92,11 @@ def build_moe_fused_kernel(
 ):
     """The kernel ``moe_fused(x, a0, a1, b0, b1, out, weights, sorted_ids, expert_ids,
     num_post_pad, enabled, top_k, block_size, by_pair, offset)``, specialised on the dtype
-    of x, A and B and of the output, the threads per CUDA block (whole warps of
-    :data:`LANES`), the ranks (``tile_n``) and pairs (``tile_p``) of one step of a warp's
-    sums, the strides of K whose loads go out together (``unroll``), the warps that split a
-    rank's K (``splits``), the columns a thread owns (``vec``), the rank, whether x and A,
+    of x, A and B and of the output, the threads per CUDA block (whole teams of ``splits``
+    warps of :data:`LANES`), the ranks (``tile_n``) and pairs (``tile_p``) of one step of a
+    team's sums, the strides of K whose loads go out together (``unroll``), the warps of a
+    team, which split a rank's K (``splits``), the columns a thread owns (``vec``), the
+    rank, whether x and A,
     and B, arrive as packed int64 words, the router's weight (``weighted``),
     ``add_inputs``, the grid (``compact``) and the slots its walk reads at once.
 
