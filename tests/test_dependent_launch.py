@@ -59,6 +59,7 @@ KERNEL_MODULES = {
     "moe_expand_columns",
     "moe_expand_mma",
     "moe_expand_outer",
+    "moe_fused",
     "moe_shrink",
     "moe_shrink_mma",
     "moe_shrink_split",
