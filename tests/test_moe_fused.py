@@ -73,7 +73,7 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
     rank = 4 * (2 * ranks // 4 + 1) if whole_words else 2 * ranks + 1
     vec = moe_ops.fused_vec(rank)
     K = 4 * (step + 1) if whole_words else step + 5
-    N = 2 * config.threads * vec + 1
+    N = config.threads * vec + 1  # (one column past a group)
     B = 2 * config.tile_p + 1  # pairs a block
     case, d, blocks = _one_block_call(dtype, rank=rank, K=K, N=N, B=B, projection=projection,
                                       offset=1)  # fmt: skip
