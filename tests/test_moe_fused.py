@@ -69,8 +69,8 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
     team = moe_fused.LANES * config.splits  # the threads that split a rank's K
     step = team * config.unroll  # words of K a team loads at once
     ranks = config.threads // team * config.tile_n  # the teams' ranks of a step
-    # past two steps, no multiple of one (and of 4 in whole words: B's rows in words too)
-    rank = 4 * (2 * ranks // 4 + 1) if whole_words else 2 * ranks + 1
+    # past one step, no multiple of one (and of 4 in whole words: B's rows in words too)
+    rank = 4 * (ranks // 4 + 1) if whole_words else ranks + 1
     vec = moe_ops.fused_vec(rank)
     K = 4 * (step + 1) if whole_words else step + 5
     N = config.threads * vec + 1  # (one column past a group)
@@ -97,8 +97,9 @@ def test_version_11_crosses_its_rank_steps_chunks_of_pairs_and_column_groups(
     assert words > step and words % step, "K must end in a part of a step"
 
 
-@pytest.mark.parametrize("add_inputs", [True, False])
-@pytest.mark.parametrize("projection", ["w13", "w2"])
+@pytest.mark.parametrize(
+    "projection, add_inputs", [("w13", True), ("w2", False)], ids=["w13", "w2-stored"]
+)
 @pytest.mark.parametrize("mma_from", [1, 100], ids=["version-8s-kernels", "the-row-kernels"])
 def test_past_its_threshold_version_11_gives_version_9s_bits(mma_from, projection, add_inputs,
                                                              monkeypatch):  # fmt: skip
