@@ -147,6 +147,7 @@ def build_moe_fused_kernel(
         tid = cuda.threadIdx.x
         lane, warp = tid % LANES, tid // LANES
         team, member = tid // TEAM, warp % SPLITS  # (member: the warp's place in its team)
+        k_first = lane + LANES * member  # the thread's first word of K in its team
 
         pair_of = cuda.local.array(TILE_P, int64)  # the chunk's pairs, -1: none
         rows = cuda.local.array(TILE_P, int64)  # and the rows of x they read
@@ -200,7 +201,6 @@ def build_moe_fused_kernel(
                                     old[i * VEC + c] = load_out(out[p, column0 + column[c]])
                         for g in range(GROUPS):  # the team's steps over the rank
                             n0 = (team + TEAMS * g) * TILE_N
-                            k_first = lane + LANES * member
                             add_chunk(partial, xw, aw, xv, x, a, slot, expert, rows, n0, k_first)
                             if SHUFFLE:  # the lanes' partials: lane 0 gets the sums
                                 for q in range(PARTIALS):
