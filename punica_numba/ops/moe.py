@@ -609,11 +609,15 @@ def fused_moe_lora(
     if num_pairs == 0 or rank == 0 or width == 0:
         return
 
-    buffer = torch.empty(len(a), num_pairs, rank, dtype=torch.float32, device=device)
     weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
-    grid = (expert_ids.shape[1], L, len(a))
     metadata = (sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled)
     out = y.view(num_pairs, columns)  # [P, W]
+    if version == 11 and num_pairs <= FUSED_TO_PAIRS:  # one launch, its buffer shared memory
+        _fused_pairs(out, x, a, b, weights, metadata, top_k, block_size,
+                     mul_routed_weight, offset, add_inputs)  # fmt: skip
+        return
+    buffer = torch.empty(len(a), num_pairs, rank, dtype=torch.float32, device=device)
+    grid = (expert_ids.shape[1], L, len(a))
     if version >= 3:
         # The tensor-core shrink: version 4's, and 5's where its blocks are full enough.
         average = pairs_per_block(num_pairs, L, E)  # (versions 5 to 9 choose by it)
@@ -624,10 +628,6 @@ def fused_moe_lora(
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
         # (9: the router's weights multiplied in as a dense-op shrink stores, no launch)
         routed = weights if version >= 9 and mul_routed_weight else None
-        if version == 11 and num_pairs <= FUSED_TO_PAIRS:  # one launch: shrunk and expanded
-            _fused_pairs(out, x, a, b, weights, metadata, top_k, block_size,
-                         mul_routed_weight, offset, add_inputs)  # fmt: skip
-            return
         if version >= 9 and not mma:  # the dense op's row kernels, a pair a tile
             pairs = moe_pairs(*metadata, block_size, num_pairs, E)
             row_shrink(buffer, x, a, pairs, x_rows, average, routed)
