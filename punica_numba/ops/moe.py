@@ -466,6 +466,12 @@ FUSED_PAIRS = (
 FUSED_TO_PAIRS = 8
 
 
+def one_launch(num_pairs: int, version: int = DEFAULT_VERSION) -> bool:
+    """Whether ``version`` takes a call of ``num_pairs`` pairs in version 11's one launch (at
+    most :data:`FUSED_TO_PAIRS`), from the shapes alone."""
+    return version == 11 and num_pairs <= FUSED_TO_PAIRS
+
+
 def fused_vec(rank: int, config: FusedPairs = FUSED_PAIRS) -> int:
     """The columns a thread of version 11 owns at ``rank``: ``config.vec``, lowered until
     their rows of B (``vec * rank`` values) fit ``config.values`` (at least 1)."""
@@ -612,7 +618,7 @@ def fused_moe_lora(
     weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
     metadata = (sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled)
     out = y.view(num_pairs, columns)  # [P, W]
-    if version == 11 and num_pairs <= FUSED_TO_PAIRS:  # one launch, its buffer shared memory
+    if one_launch(num_pairs, version):  # its buffer is shared memory: none made here
         _fused_pairs(out, x, a, b, weights, metadata, top_k, block_size,
                      mul_routed_weight, offset, add_inputs)  # fmt: skip
         return

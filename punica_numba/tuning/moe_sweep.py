@@ -93,7 +93,7 @@ def path_of(case: bench_moe.MoECase) -> str | None:
     from version 11 by its pairs: at most ``FUSED_TO_PAIRS``, its one launch)."""
     if moe_ops.DEFAULT_VERSION < 9:
         return None
-    if moe_ops.DEFAULT_VERSION >= 11 and case.T * case.top_k <= moe_ops.FUSED_TO_PAIRS:
+    if moe_ops.one_launch(case.T * case.top_k):
         return None  # (version 11's one launch: no configuration of the dense op's)
     average = _average(case)
     if average < moe_ops.MMA_SHRINK_FROM_PAIRS:
