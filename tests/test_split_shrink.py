@@ -7,7 +7,8 @@ rank group) adds the chunks' sums in order. Checked here:
    ranks, slices and dtypes, added into nonzero buffers or stored (``accumulate``);
 2. the same bits run after run and under configurations of one arithmetic key, and every
    counter back at 0 after a call (so that the next launch and a graph replay work);
-3. the workspace: cached per device, grown only when a call needs more;
+3. the workspace: cached per device, grown only when a call needs more; a capture on a
+   stream without one takes counters made zero before it (no fill in the graph);
 4. the heuristic: on the GPU it leaves the split to the tuner (the H200's table had the
    row shrink faster at every down projection measured), and never takes it at K=4096;
 5. on the GPU: a CUDA graph of it replays right;
@@ -218,6 +219,43 @@ def test_a_workspace_outgrown_is_kept_for_the_graphs_that_hold_it():
         shrink_split._WORKSPACES.update(saved)
 
 
+def test_a_capture_on_a_stream_without_a_workspace_takes_the_spare_counters():
+    """An eager call leaves a spare set of zero counters on its device; a graph capture on a
+    stream with no workspace takes them (no fill in the graph) and caches the pair for its
+    stream; a second such capture, with no spare left, makes counters of its own, for that
+    launch alone. (The streams and the capture are mocked: this runs on the simulator too.)"""
+    saved = dict(shrink_split._WORKSPACES), dict(shrink_split._SPARE_COUNTERS)
+    shrink_split.clear_split_workspaces()
+    device = torch.device(DEVICE)
+    stream = [None]
+    key = mock.patch.object(shrink_split, "_stream_key", lambda d: (device, stream[0]))
+    try:
+        with key:
+            eager = shrink_split.split_workspace(DEVICE, 8, 3, 32, 16, 40, 4)
+            spare = shrink_split._SPARE_COUNTERS[device]
+            counters = shrink_split._WORKSPACES[(device, None)][1]
+            assert spare is not counters and spare.numel() >= counters.numel()
+            assert not bool(spare.any())
+            stream[0] = "capture"
+            with mock.patch.object(shrink_split, "_capturing", lambda: True):
+                captured = shrink_split.split_workspace(DEVICE, 8, 3, 32, 16, 40, 4)
+                assert captured is not eager
+                assert shrink_split._WORKSPACES[(device, "capture")][1] is spare
+                assert device not in shrink_split._SPARE_COUNTERS  # taken
+                assert shrink_split.split_workspace(DEVICE, 2, 1, 4, 4, 2, 1) is captured
+                stream[0] = "another capture"
+                own = shrink_split.split_workspace(DEVICE, 2, 1, 4, 4, 2, 1)
+                assert own is not captured and (device, "another capture") not in (
+                    shrink_split._WORKSPACES
+                )
+            stream[0] = None
+            assert shrink_split.split_workspace(DEVICE, 2, 1, 4, 4, 2, 1) is eager
+    finally:
+        shrink_split.clear_split_workspaces()
+        shrink_split._WORKSPACES.update(saved[0])
+        shrink_split._SPARE_COUNTERS.update(saved[1])
+
+
 def test_a_prepared_launch_takes_its_workspace_when_it_runs():
     """Made ready, a split launch has taken no workspace yet; each run takes the one of
     the stream it runs on (so one made ready on one stream and run on another, a
@@ -367,6 +405,41 @@ def test_a_cuda_graph_of_the_split_replays_right(kernel):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
     torch.cuda.synchronize()
     assert counters_at_zero()
+
+
+@pytest.mark.gpu
+def test_a_graph_captured_on_a_fresh_stream_holds_no_fill_of_its_counters():
+    """Warmed up on the default stream and captured on a fresh one (as ``bench`` and vLLM
+    do), the split shrink's capture takes counters already zero before any replay (the
+    spare): they read 0 before the first replay, the graph replays right, and leaves them
+    at 0."""
+    from punica_numba.meta import LoRAKernelMeta
+
+    T, L, K, r = 32, 8, 4096, 16
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
+    a = (torch.randn(L, r, K, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    slots = torch.arange(T, device="cuda") % L
+    meta = LoRAKernelMeta.make(L, T, "cuda")
+    meta.prepare_tensors(slots)
+    out = torch.zeros(1, T, r, device="cuda")
+    config = next(c for c in _gpu_splits() if c.tile_m == 4)
+    with force_launch_config("shrink", config):
+        lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)  # warm-up, default stream
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
+    with torch.cuda.stream(stream):
+        taken = shrink_split.cached_split_workspace("cuda")
+    assert taken is not None and not bool(taken[1].any())  # zero before any replay
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = reference.lora_shrink(x, [a], torch.zeros_like(out), slots, 0.5)
+    assert ((out.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert not bool(taken[1].any())
 
 
 # -- 6. the tensor-core split ---------------------------------------------------------------

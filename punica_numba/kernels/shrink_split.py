@@ -48,6 +48,19 @@ captured with it keeps its address and may be replayed after the cache has grown
 (two graphs replayed side by side on two streams, from captures on one stream, would
 share it: capture them on streams of their own).
 
+A capture often runs on a stream of its own after a warm-up on another (``bench``'s, the
+tuner's and vLLM's warm-up run eagerly, ``torch.cuda.graph`` captures on a side stream), so
+its stream finds no workspace. Counters made zero in the capture would put a fill into the
+graph ahead of each such launch, which runs at every replay: on an H100 at 10d004d it cost
+every split configuration 2-4 µs a call (at K=4096 on one token none took less than 5.6
+µs where the rows took 1.7), and so every split time the tuner had measured carried it.
+So each call outside a capture also makes sure of a *spare* set of counters, made zero,
+on its device; a capture that finds its stream without a
+workspace takes the spare as its stream's counters (and partial sums allocated in the
+capture, which need no filling), and caches the pair for the rest of the capture and
+after it. Only where no spare is large enough (no eager call before) are counters made
+zero in the capture, for that launch alone.
+
 Memory traffic per block: ``TILE_M`` rows of x and ``TILE_N`` rows of A over one chunk,
 each read once; ``TILE_M * TILE_N`` partial sums written; the last block of a group
 also reads ``SPLITS`` of them per output and reads and writes the output. On the H200 the
@@ -269,6 +282,9 @@ def split_workspace_sizes(
 
 #: (device, stream) -> (partials fp32, counters int32, the pair as kernel arguments)
 _WORKSPACES: dict[tuple, tuple] = {}
+#: device -> int32 counters made zero outside any capture, for the next capture that finds
+#: its stream without a workspace (module notes, "The workspace").
+_SPARE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 #: Every pair ever made, kept alive: CUDA graphs captured with one hold its address.
 _KEPT: list[tuple] = []
 
@@ -283,9 +299,23 @@ def _stream_key(device: torch.device) -> tuple:
     return (device, torch.cuda.current_stream(device).cuda_stream)
 
 
+def _capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph (never on the simulator)."""
+    return not SIMULATOR and torch.cuda.is_current_stream_capturing()
+
+
 def _grown(size: int, least: int) -> int:
     """``size`` rounded up to a power of two, at least ``least``."""
     return max(least, 1 << max(0, size - 1).bit_length())
+
+
+def _kept_pair(key: tuple, partials: torch.Tensor, counters: torch.Tensor) -> tuple:
+    """``(partials, counters)`` as kernel arguments, cached for ``key``'s stream and kept
+    alive."""
+    arguments = (partials, counters) if SIMULATOR else (pack_tensors((partials, counters)),)
+    _KEPT.append((partials, counters))
+    _WORKSPACES[key] = (partials, counters, arguments)
+    return arguments
 
 
 def split_workspace(
@@ -297,10 +327,13 @@ def split_workspace(
     the stream caches from then on; the old one is kept, not freed), described once for
     the launcher on the GPU. No sync, and nothing allocated once the cache holds the size.
 
-    During a CUDA graph capture a cache too small is not grown: the launch gets a pair of
-    its own, made (and zeroed) in the capture and kept, for the graph's replays; the cache
-    stays as it was, so an eager call after the capture never finds counters that only a
-    replay would have zeroed."""
+    During a CUDA graph capture a stream whose cache is too small takes the device's spare
+    counters, made zero by an earlier call outside any capture, and partial sums allocated
+    in the capture (which need no filling): the graph then holds no fill of its own, which
+    would run before the kernel at every replay (2-4 µs a call on an H100). Only where no
+    spare is large enough are the counters made zero in the capture; that pair is the
+    launch's alone, not cached, so an eager call after the capture never finds counters
+    that only a replay would have zeroed."""
     need_partials, need_counters = split_workspace_sizes(
         splits, slices, tokens, rank, blocks, groups
     )
@@ -309,21 +342,37 @@ def split_workspace(
     cached = _WORKSPACES.get(key)
     if cached is not None and cached[0].numel() >= need_partials:
         if cached[1].numel() >= need_counters:
+            _keep_a_spare(key[0], cached[1].numel())
             return cached[2]
     partials_size, counters_size = need_partials, need_counters
     if cached is not None:
         partials_size = max(partials_size, cached[0].numel())
         counters_size = max(counters_size, cached[1].numel())
-    partials = torch.empty(_grown(partials_size, MIN_PARTIALS), dtype=torch.float32, device=device)
+    partials_size = _grown(partials_size, MIN_PARTIALS)
+    counters_size = _grown(counters_size, MIN_COUNTERS)
     # [>= SPLITS * S * T * r] fp32, written before read
-    counters = torch.zeros(_grown(counters_size, MIN_COUNTERS), dtype=torch.int32, device=device)
+    partials = torch.empty(partials_size, dtype=torch.float32, device=device)
+    spare_key = key[0]
+    if _capturing():
+        spare = _SPARE_COUNTERS.get(spare_key)
+        if spare is not None and spare.numel() >= counters_size:
+            del _SPARE_COUNTERS[spare_key]  # this stream's from now on
+            return _kept_pair(key, partials, spare)
+        counters = torch.zeros(counters_size, dtype=torch.int32, device=device)
+        _KEPT.append((partials, counters))
+        return (pack_tensors((partials, counters)),)  # the capture's own
     # [>= B * S * G] int32, all 0
-    arguments = (partials, counters) if SIMULATOR else (pack_tensors((partials, counters)),)
-    _KEPT.append((partials, counters))
-    if not SIMULATOR and torch.cuda.is_current_stream_capturing():
-        return arguments  # the capture's own
-    _WORKSPACES[key] = (partials, counters, arguments)
-    return arguments
+    counters = torch.zeros(counters_size, dtype=torch.int32, device=device)
+    _keep_a_spare(spare_key, counters_size)
+    return _kept_pair(key, partials, counters)
+
+
+def _keep_a_spare(device: torch.device, size: int) -> None:
+    """Outside a capture, make sure ``device`` has spare zero counters, at least ``size``:
+    a dictionary lookup where it has (at every launch)."""
+    spare = _SPARE_COUNTERS.get(device)
+    if (spare is None or spare.numel() < size) and not _capturing():
+        _SPARE_COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
 
 
 def cached_split_workspace(device: torch.device) -> tuple | None:
@@ -334,6 +383,7 @@ def cached_split_workspace(device: torch.device) -> tuple | None:
 
 
 def clear_split_workspaces() -> None:
-    """Forget every cached workspace (the next split launch makes a new one); the pairs
-    made stay alive, for the CUDA graphs captured with them."""
+    """Forget every cached workspace and spare (the next split launch makes a new one); the
+    pairs made stay alive, for the CUDA graphs captured with them."""
     _WORKSPACES.clear()
+    _SPARE_COUNTERS.clear()
