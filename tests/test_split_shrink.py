@@ -356,6 +356,21 @@ def test_the_op_takes_the_split_where_the_simulator_table_says():
 # -- 5. on the GPU ------------------------------------------------------------------------------
 
 
+def _down_projection(T: int, K: int, r: int, seed: int, loras: int = 8) -> tuple:
+    """``(gen, x, a, slots, meta, out)`` on the GPU: ``T`` bf16 tokens of width ``K``, a
+    token in turn on each of ``loras`` slots, their A of rank ``r``, the metadata and a zero
+    fp32 output (the generator goes on drawing)."""
+    from punica_numba.meta import LoRAKernelMeta
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
+    a = (torch.randn(loras, r, K, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    slots = torch.arange(T, device="cuda") % loras
+    meta = LoRAKernelMeta.make(loras, T, "cuda")
+    meta.prepare_tensors(slots)
+    return gen, x, a, slots, meta, torch.zeros(1, T, r, device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["split", "mma"])
 def test_a_cuda_graph_of_the_split_replays_right(kernel):
@@ -363,16 +378,8 @@ def test_a_cuda_graph_of_the_split_replays_right(kernel):
     nothing), the split shrink of a down projection (row or tensor-core) replays right
     with new inputs, replay after replay, the same bits as an eager call, and leaves
     every counter at 0."""
-    from punica_numba.meta import LoRAKernelMeta
-
-    T, L, K, r = 32, 8, 14336, 16
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
-    a = (torch.randn(L, r, K, device="cuda", generator=gen) / 64).to(torch.bfloat16)
-    slots = torch.arange(T, device="cuda") % L
-    meta = LoRAKernelMeta.make(L, T, "cuda")
-    meta.prepare_tensors(slots)
-    out = torch.zeros(1, T, r, device="cuda")
+    T, K, r = 32, 14336, 16
+    gen, x, a, slots, meta, out = _down_projection(T, K, r, seed=4)
     if kernel == "split":
         config = next(c for c in _gpu_splits() if c.tile_m == 4)  # (tiles of 4 tokens a slot)
     else:
@@ -413,16 +420,8 @@ def test_a_graph_captured_on_a_fresh_stream_holds_no_fill_of_its_counters():
     do), the split shrink's capture takes counters already zero before any replay (the
     spare): they read 0 before the first replay, the graph replays right, and leaves them
     at 0."""
-    from punica_numba.meta import LoRAKernelMeta
-
-    T, L, K, r = 32, 8, 4096, 16
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
-    a = (torch.randn(L, r, K, device="cuda", generator=gen) / 64).to(torch.bfloat16)
-    slots = torch.arange(T, device="cuda") % L
-    meta = LoRAKernelMeta.make(L, T, "cuda")
-    meta.prepare_tensors(slots)
-    out = torch.zeros(1, T, r, device="cuda")
+    T = 32
+    _, x, a, slots, meta, out = _down_projection(T, 4096, 16, seed=5)
     config = next(c for c in _gpu_splits() if c.tile_m == 4)
     with force_launch_config("shrink", config):
         lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)  # warm-up, default stream
