@@ -273,6 +273,10 @@ _GPU_CONFIGS = {
         # row shrink of 2 ranks a block took 4.80 µs against 5.25 at T=1, 6.04 against
         # 6.94 at T=8 over 8 LoRAs, 9.01 against 9.31 at T=32 over 6 (r=32). So the
         # heuristic leaves them to the tuner (``tuned_only``); both add the same sums.
+        # (Every split time measured before 8e0a61b carries a fill of the counters in the
+        # captured graph, 1.2-1.4 µs a call on an H100: kernels/shrink_split.py, "The
+        # workspace". Without it, on an H100, this block still took 9.43 µs against the
+        # rows' 9.04 at T=32 over 8 LoRAs, r=32.)
         LaunchConfig(
             "split",
             threads=128,
@@ -536,8 +540,8 @@ _GPU_CONFIGS = {
         # one LoRA (37.1 -> 35.8 µs), and on none of the other 127 it was timed on. Blocks of
         # 16 x 16 and 16 x 32 in 16 and 32 runs, for the down projections' few tokens a slot,
         # and two warps of 8 ranks for r <= 16 won nowhere there (h100_retime_staged_255c04c
-        # .json: the split blocks took 6.6 µs or more where the table's rows took 1.7) and
-        # were removed.
+        # .json: the split blocks took 6.6 µs or more, with the counters' fill, where the
+        # table's rows took 1.7) and were removed.
         LaunchConfig(
             "mma", threads=128, tile_m=16, tile_n=64, splits=8, staged=True, tuned_only=True
         ),

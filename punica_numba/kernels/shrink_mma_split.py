@@ -18,7 +18,10 @@ outputs (``accumulate``). A run past the end of K (a short K in many chunks) wal
 and still counts in. On the H200 (v33, ``h200_v33_split_probe.json``) it won from K=9728
 where the slots hold 16 tokens or more and the unsplit blocks are at most 32 (K=28672, r=16,
 T=128 on one LoRA: 20.9 -> 9.6 µs) and lost with fewer tokens (it never took less than 5.6
-µs at K=4096) or more blocks (:mod:`..launch` says where the heuristic takes it).
+µs at K=4096) or more blocks (:mod:`..launch` says where the heuristic takes it). Those
+times carry a fill of the counters that each captured call made until 8e0a61b
+(:mod:`.shrink_split`, "The workspace"): without it, on an H100, 4 runs of K took 8.36 µs
+at K=14336, r=32, 32 tokens over 8 LoRAs, where the rows took 9.04.
 
 Memory traffic per block: ``1 / splits`` of :mod:`.shrink_mma`'s x and A, and ``TILE_M *
 TILE_N`` partial sums written; the last block of a group reads ``splits`` of them per output

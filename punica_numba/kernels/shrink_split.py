@@ -69,9 +69,10 @@ Memory traffic per block: ``TILE_M`` rows of x and ``TILE_N`` rows of A over one
 each read once; ``TILE_M * TILE_N`` partial sums written; the last block of a group
 also reads ``SPLITS`` of them per output and reads and writes the output. On the H200 the
 tuner never found it the fastest of the shrinks (the tuned table at cc380e6, K=14336: 9.31
-µs against the row shrink's 9.01 at T=32 over 6 LoRAs, r=32), so the heuristic leaves it to
-the tuner; the tensor-core shrink split the same way (:mod:`.shrink_mma_split`) won
-where this one did not.
+µs against the row shrink's 9.01 at T=32 over 6 LoRAs, r=32; with the fill below, and
+without it on an H100 9.43 against 9.04 at T=32 over 8), so the heuristic leaves it to the
+tuner; the tensor-core shrink split the same way (:mod:`.shrink_mma_split`) won where this
+one did not.
 """
 
 from __future__ import annotations
