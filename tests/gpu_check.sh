@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a change to the kernels or the wrapper must pass on a GPU, in one command:
 #
-#   tests/gpu_check.sh [STEP ...]     # steps: bench ab moe peers tune grid grid_tree suite
+#   tests/gpu_check.sh [STEP ...]     # steps: bench ab moe peers tune retime_splits grid
+#                                     #        grid_tree suite
 #                                     #        sanitize demo
 #                                     # (default: bench demo suite sanitize)
 #
@@ -19,6 +20,12 @@
 #             once it is whole; e.g. TUNE_ARGS="--hiddens 4096 --ranks 16,64,128 --dtypes
 #             bf16 --part 1/2" for half of Llama-3-8B's layers, or TUNE_ARGS="--moe --quick" for
 #             the MoE op's entries (96 problems, 78 s on an H200 at 9fd11ec)
+# * retime_splits  python -m punica_numba tune --retime of every split configuration (the row
+#             and the tensor-core splits) on a copy of this GPU's shipped table, in
+#             $OUT/retime ($RETIME_ARGS added, e.g. "--ranks 16,32 --slices 1"): the split
+#             times the table holds carry the fill of the counters that each captured call
+#             made before 8e0a61b (kernels/shrink_split.py, "The workspace"); the table to
+#             copy into punica_numba/configs/ if its picks should change
 # * grid      python -m punica_numba bench --grid, the parts in $GRID_PARTS (default "1/3 2/3
 #             3/3", about 4 minutes each: split them over calls of a 10-minute limit), one
 #             JSON a part, to join with `bench --grid --merge`; $GRID_ARGS are added (e.g.
@@ -140,6 +147,23 @@ if want tune; then
     "$PYTHON" -m punica_numba tune "${tune_args[@]}" "${resume[@]}" --commit "$COMMIT" \
         --out "$OUT/configs" >"$OUT/tune.log" 2>&1 || status=1
     note "tune: $(tail -n 1 "$OUT/tune.log")"
+fi
+if want retime_splits; then
+    mkdir -p "$OUT/retime"
+    table=$("$PYTHON" -c "from punica_numba.tuning.table import gpu_name, table_file_name
+print(table_file_name(gpu_name()))")
+    splits=$("$PYTHON" -c "from punica_numba.launch import config_name, launch_configs
+print(','.join(config_name(c) for c in launch_configs('shrink') if c.kernel == 'split' or c.splits > 1))")
+    if [ -f "punica_numba/configs/$table" ] && [ -n "$splits" ]; then
+        [ -f "$OUT/retime/$table" ] || cp "punica_numba/configs/$table" "$OUT/retime/"
+        read -r -a retime_args <<<"${RETIME_ARGS:-}"
+        "$PYTHON" -m punica_numba tune --out "$OUT/retime" --retime "$splits" \
+            "${retime_args[@]}" --commit "$COMMIT" >"$OUT/retime.log" 2>&1 || status=1
+        note "retime_splits: $(tail -n 1 "$OUT/retime.log")"
+    else
+        note "retime_splits: no shipped table ($table) or no split configuration here"
+        status=1
+    fi
 fi
 read -r -a grid_args <<<"${GRID_ARGS:-}"
 if want grid; then

@@ -58,12 +58,13 @@ interleaved) it cost each split configuration 1.2-1.4 µs a call: the tensor-cor
 4 runs of K at the down projection (K=14336, r=32, 32 tokens over 8 LoRAs) 9.65 -> 8.36
 µs, now faster than the rows' 9.01; the row split on one token at K=4096 5.57 -> 4.39,
 still past the rows' 1.68.
-So each call outside a capture also makes sure of a *spare* set of counters, made zero,
-on its device; a capture that finds its stream without a
-workspace takes the spare as its stream's counters (and partial sums allocated in the
-capture, which need no filling), and caches the pair for the rest of the capture and
-after it. Only where no spare is large enough (no eager call before) are counters made
-zero in the capture, for that launch alone.
+
+So each call outside a capture also makes sure of a *spare* set of counters, made zero, on
+its device; a capture that finds its stream without a workspace takes the spare as its
+stream's counters (and partial sums allocated in the capture, which need no filling), and
+caches the pair for the rest of the capture and after it. Only where no spare is large
+enough (no call outside a capture before it) are counters made zero in the capture, for
+that launch alone.
 
 Memory traffic per block: ``TILE_M`` rows of x and ``TILE_N`` rows of A over one chunk,
 each read once; ``TILE_M * TILE_N`` partial sums written; the last block of a group
