@@ -274,7 +274,7 @@ _GPU_CONFIGS = {
         # 6.94 at T=8 over 8 LoRAs, 9.01 against 9.31 at T=32 over 6 (r=32). So the
         # heuristic leaves them to the tuner (``tuned_only``); both add the same sums.
         # (Every split time measured before 8e0a61b carries a fill of the counters in the
-        # captured graph, 1.2-1.4 µs a call on an H100: kernels/shrink_split.py, "The
+        # captured graph, 1.2-1.5 µs a call on an H100: kernels/shrink_split.py, "The
         # workspace". Without it, on an H100, this block still took 9.43 µs against the
         # rows' 9.04 at T=32 over 8 LoRAs, r=32.)
         LaunchConfig(

@@ -40,8 +40,8 @@ def in_shards(examples: int | None = None):
 
 def fewer_on_the_simulator(examples: int):
     """At most ``examples`` of the profile's on the simulator, the profile's elsewhere: for
-    the slowest property tests, whose simulated launches set the CI's time (each example of
-    a staged or two-passes-ahead shrink takes about 3 s there)."""
+    the slowest property tests, whose simulated launches set the CI's time (an example of a
+    staged shrink or expand, or of a shrink two passes ahead, takes seconds there)."""
     total = settings.default.max_examples
     return settings(max_examples=min(total, examples) if SIMULATOR else total)
 

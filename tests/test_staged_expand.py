@@ -27,7 +27,7 @@ from punica_numba.kernels.expand_mma_staged import staged_expand_stages
 from punica_numba.launch import LaunchConfig, config_name
 
 from .op_cases import ExpandCase, Problem, check_expand, rows_at_8_bytes
-from .strategies import LARGE
+from .strategies import LARGE, fewer_on_the_simulator
 from .test_split_shrink import forced
 
 #: Blocks drawn: on the simulator two warps (64 Python threads a block) of 16 tokens x 16
@@ -96,6 +96,7 @@ def staged_cases(draw) -> ExpandCase:
     )
 
 
+@fewer_on_the_simulator(6)
 @given(staged_cases(), st.sampled_from(BLOCKS))
 def test_staged_expand_matches_reference_with_the_tensor_cores_bits(case, block):
     config = staged_config(*block)

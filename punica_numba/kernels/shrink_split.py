@@ -54,7 +54,7 @@ its stream finds no workspace. Counters made zero in the capture put a fill into
 graph ahead of each such launch, which runs at every replay, and every split time the
 tuner and the benchmark measured before 8e0a61b carried it. On an H100 at 8e0a61b
 (``h100_split_fill_ab_8e0a61b.json``: the tuner's timing, with and without spare counters,
-interleaved) it cost each split configuration 1.2-1.4 µs a call: the tensor-core shrink in
+interleaved) it cost each split configuration 1.2-1.5 µs a call: the tensor-core shrink in
 4 runs of K at the down projection (K=14336, r=32, 32 tokens over 8 LoRAs) 9.65 -> 8.36
 µs, now faster than the rows' 9.01; the row split on one token at K=4096 5.57 -> 4.39,
 still past the rows' 1.68.
@@ -336,7 +336,7 @@ def split_workspace(
     During a CUDA graph capture a stream whose cache is too small takes the device's spare
     counters, made zero by an earlier call outside any capture, and partial sums allocated
     in the capture (which need no filling): the graph then holds no fill of its own, which
-    would run before the kernel at every replay (1.2-1.4 µs a call on an H100). Only where no
+    would run before the kernel at every replay (1.2-1.5 µs a call on an H100). Only where no
     spare is large enough are the counters made zero in the capture; that pair is the
     launch's alone, not cached, so an eager call after the capture never finds counters
     that only a replay would have zeroed."""
