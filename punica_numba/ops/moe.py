@@ -708,10 +708,7 @@ def _split_shrink(
     blocks, slots = metadata[1].shape[1], metadata[1].shape[0]
     slices, rank = len(a), a[0].shape[2]
     config, dtype = SPLIT_SHRINK, a[0].dtype
-    x_words, a_words = words(x), [words(w) for w in a]
-    packed = x_words is not None and all(w is not None for w in a_words)
-    if packed:
-        x, a = x_words, a_words
+    (x, *a), packed = _as_words([x, *a])
     walk = (slots_at_once(slots),) if compact else ()  # (a compact grid's walk)
     shrink = launcher_of(
         split_shrink.build_moe_split_shrink_kernel(dtype, *config, packed, compact, *walk)
@@ -751,15 +748,13 @@ def _columns_expand(call: _Expand, b: list[torch.Tensor]) -> None:
     slices, width, rank = len(b), b[0].shape[2], b[0].shape[3]
     config = COLUMNS_EXPAND
     vec, tile_p = columns_shape(rank, config)
-    b_words = [words(w) for w in b]
-    packed_b = all(w is not None for w in b_words)
+    kernel_b, packed_b = _as_words(b)
     wide = rows_start_at(buffer, 16)  # every buffer row at 16 bytes
     shape = (config.threads, vec, tile_p, rank)
     options = (packed_b, wide, by_pair, add_inputs)
     expand = launcher_of(
         columns_expand.build_moe_columns_expand_kernel(b[0].dtype, out.dtype, *shape, *options)
     )
-    kernel_b = b_words if packed_b else b
     column_groups = -(-width // (config.threads * vec))
     expand(
         (blocks, slots, slices * column_groups),
@@ -788,11 +783,8 @@ def _fused_pairs(
     slots, experts = metadata[1].shape[0], a[0].shape[1]
     rank, width = a[0].shape[2], b[0].shape[2]
     vec = fused_vec(rank, config)
-    x_words, a_words, b_words = words(x), [words(w) for w in a], [words(w) for w in b]
-    packed_xa = x_words is not None and all(w is not None for w in a_words)
-    packed_b = all(w is not None for w in b_words)
-    kernel_x, kernel_a = (x_words, a_words) if packed_xa else (x, a)
-    kernel_b = b_words if packed_b else b
+    (kernel_x, *kernel_a), packed_xa = _as_words([x, *a])
+    kernel_b, packed_b = _as_words(b)
     row_blocks = metadata[1].shape[1]
     column_groups = -(-width // (config.threads * vec))
     most = config.full_grid_blocks
@@ -818,6 +810,15 @@ def _fused_pairs(
     )  # fmt: skip
 
 
+def _as_words(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """``(tensors, True)`` as packed int64 words where every one of them allows it
+    (:func:`.operands.words`), else ``(tensors, False)`` as they are."""
+    packed = [words(t) for t in tensors]
+    if all(w is not None for w in packed):
+        return packed, True
+    return list(tensors), False
+
+
 @functools.cache
 def _multiprocessors(index: int | None) -> int:
     """The SMs of the CUDA device ``index`` (a host-side fact, asked once)."""
@@ -832,8 +833,7 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
     slots = metadata[1].shape[0]
     config = OUTER_EXPAND
     threads, chunk = outer_shape(rank, width, block_size, config)
-    b_words = [words(w) for w in b]
-    packed_b = all(w is not None for w in b_words)
+    kernel_b, packed_b = _as_words(b)
     packed_out = outer_expand.words_out(out, offset, width, config.vec)
     wide_out = outer_expand.wide_words_out(out, offset, width, config.vec)
     wide_x = rows_start_at(buffer, 16)  # every buffer row at 16 bytes
@@ -843,7 +843,6 @@ def _outer_expand(call: _Expand, b: list[torch.Tensor]) -> None:
             wide_out, wide_x, by_pair, add_inputs, slots_at_once(slots),
         )
     )  # fmt: skip
-    kernel_b = b_words if packed_b else b
     kernel_out = out.view(torch.int64) if packed_out else out
     column_groups = -(-width // (threads * config.vec))
     units = compact_units(buffer.shape[1], metadata, b[0].shape[1], block_size, 1)
