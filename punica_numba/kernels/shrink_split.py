@@ -315,12 +315,13 @@ def _grown(size: int, least: int) -> int:
     return max(least, 1 << max(0, size - 1).bit_length())
 
 
-def _kept_pair(key: tuple, partials: torch.Tensor, counters: torch.Tensor) -> tuple:
-    """``(partials, counters)`` as kernel arguments, cached for ``key``'s stream and kept
-    alive."""
+def _kept_pair(key: tuple | None, partials: torch.Tensor, counters: torch.Tensor) -> tuple:
+    """``(partials, counters)`` as kernel arguments, kept alive, and cached for ``key``'s
+    stream (None: the launch's alone)."""
     arguments = (partials, counters) if SIMULATOR else (pack_tensors((partials, counters)),)
     _KEPT.append((partials, counters))
-    _WORKSPACES[key] = (partials, counters, arguments)
+    if key is not None:
+        _WORKSPACES[key] = (partials, counters, arguments)
     return arguments
 
 
@@ -365,8 +366,7 @@ def split_workspace(
             del _SPARE_COUNTERS[spare_key]  # this stream's from now on
             return _kept_pair(key, partials, spare)
         counters = torch.zeros(counters_size, dtype=torch.int32, device=device)
-        _KEPT.append((partials, counters))
-        return (pack_tensors((partials, counters)),)  # the capture's own
+        return _kept_pair(None, partials, counters)  # the capture's own
     # [>= B * S * G] int32, all 0
     counters = torch.zeros(counters_size, dtype=torch.int32, device=device)
     _keep_a_spare(spare_key, counters_size)
