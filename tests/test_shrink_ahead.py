@@ -42,7 +42,7 @@ def ahead_cases() -> st.SearchStrategy:
     return tensor_core_shrink_cases(40, 24, 32, 3)
 
 
-@fewer_on_the_simulator(6)
+@fewer_on_the_simulator(4)
 @given(
     ahead_cases(),
     st.sampled_from((16, 32)),
