@@ -576,6 +576,22 @@ def smoke(monkeypatch, tmp_path):
     reload_tuned_tables()
 
 
+#: The smoke grid's table as the first test of this process to ask tuned it (the retime
+#: tests start from one: each tuning took 15-20 s on the simulator).
+_SMOKE_TABLE: dict = {}
+
+
+def tuned_smoke(smoke) -> None:
+    """The smoke grid's table in ``smoke`` (the folder of the fixture of that name): tuned
+    by the first test of this process to ask, a copy of it for the later ones."""
+    if "bytes" not in _SMOKE_TABLE:
+        assert sweep.main(["--out", str(smoke)]) == 0
+        _SMOKE_TABLE["bytes"] = (smoke / SMOKE_FILE).read_bytes()
+        return
+    smoke.mkdir(parents=True, exist_ok=True)
+    (smoke / SMOKE_FILE).write_bytes(_SMOKE_TABLE["bytes"])
+
+
 def counted(monkeypatch) -> list:
     """Record the key of every problem the tuner sweeps."""
     swept, real = [], sweep.tune_case
@@ -799,7 +815,7 @@ def test_retime_weighs_named_configurations_on_the_tables_problems(smoke, monkey
     """``--retime``: only the entries of the named configurations' op and of the slice
     counts asked for are timed again, each beside its own configuration, and the faster
     kept; every other entry is as it was."""
-    assert sweep.main(["--out", str(smoke)]) == 0
+    tuned_smoke(smoke)
     before = read_table(smoke / SMOKE_FILE)["entries"]
     name = _joint_name()
     timed = []
@@ -832,7 +848,7 @@ def test_retime_on_another_gpu_keeps_only_its_own_times(smoke, monkeypatch, caps
     """A table retimed on a GPU it was not tuned on (a copy under that GPU's name): the
     entries timed again hold only this run's times, none of the table's GPU beside them;
     the others are as they were."""
-    assert sweep.main(["--out", str(smoke)]) == 0
+    tuned_smoke(smoke)
     before = read_table(smoke / SMOKE_FILE)["entries"]
     copy = smoke / table.table_file_name("another GPU")
     copy.write_bytes((smoke / SMOKE_FILE).read_bytes())
@@ -851,7 +867,7 @@ def test_retime_on_another_gpu_keeps_only_its_own_times(smoke, monkeypatch, caps
 def test_retime_says_how_much_faster_the_new_picks_are(smoke, monkeypatch, capsys):
     """With made-up times (the named configuration 8 µs, the entry's own 10): the entry takes
     it, and the summary gives the old pick's time over the new one's."""
-    assert sweep.main(["--out", str(smoke)]) == 0
+    tuned_smoke(smoke)
     name = _joint_name()
 
     def measured(case, configs, repeats, seed):
@@ -895,7 +911,7 @@ def test_retime_leaves_the_moe_entries_as_they_are(smoke, monkeypatch, capsys):
 
 
 def test_retime_never_takes_a_configuration_that_fails_its_check(smoke, monkeypatch):
-    assert sweep.main(["--out", str(smoke)]) == 0
+    tuned_smoke(smoke)
     entry = next(e for e in read_table(smoke / SMOKE_FILE)["entries"] if e["slices"] == 2)
     name = _joint_name()
     _wrong_when(name, monkeypatch)
