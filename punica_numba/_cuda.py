@@ -151,7 +151,7 @@ if SIMULATOR:
 SM_REGISTERS, THREAD_REGISTERS = 65536, 255
 
 
-def jit_kernel(threads: int, max_registers: int | None = None):
+def jit_kernel(threads: int, max_registers: int | None = None, cluster: int = 1):
     """``@cuda.jit`` for a kernel always launched with ``threads`` threads per block.
 
     A block whose threads could need more registers than an SM has (more than 256
@@ -170,18 +170,22 @@ def jit_kernel(threads: int, max_registers: int | None = None):
     launches that one instead (:class:`RegisterCeiling`). Not a ceiling on every
     compilation, because ptxas spends registers up to one: with 128, the tensor-core
     expand at r=16 went from 78 registers to 102, and was slower.
+
+    ``cluster``: the kernel is always launched in thread block clusters of this many blocks
+    along grid.z (:mod:`.kernels.cluster`; compute capability 9.0), which
+    :class:`KernelLauncher` asks the driver for at every launch (``cuLaunchKernelEx``).
     """
     if SIMULATOR:
         return cuda.jit
     options = {} if threads * THREAD_REGISTERS <= SM_REGISTERS else {"launch_bounds": threads}
-    if max_registers is None:
-        return cuda.jit(**options)
 
     def jit(function):
         kernel = cuda.jit(**options)(function)
-        kernel.register_ceiling = RegisterCeiling(
-            max_registers, cuda.jit(**options, max_registers=max_registers)(function)
-        )
+        if max_registers is not None:
+            kernel.register_ceiling = RegisterCeiling(
+                max_registers, cuda.jit(**options, max_registers=max_registers)(function)
+            )
+        kernel.cluster = cluster
         return kernel
 
     return jit
@@ -317,6 +321,8 @@ class KernelLauncher:
         #: overload key -> the Numba kernel its launches run (to inspect: registers).
         self.kernels: dict[tuple, object] = {}
         self._configs: dict[tuple, object] = {}
+        #: blocks along grid.z of each cluster of a launch (:func:`jit_kernel`); 1: none
+        self.cluster = getattr(dispatcher, "cluster", 1)
 
     def __call__(self, grid: tuple, block: int, args: tuple) -> None:
         if SIMULATOR:
@@ -325,12 +331,20 @@ class KernelLauncher:
             return
         key, raw = key_and_params(args)
         entry = self._compiled.get(key)
-        if entry is None:  # first launch of these types: Numba compiles and launches it
+        if entry is None and self.cluster > 1:  # (Numba's launch makes no clusters)
+            entry = self._compile(key, args)
+        elif entry is None:  # first launch of these types: Numba compiles and launches it
             self._compile_and_launch(key, grid, block, args)
             return
         cu_kernel, scalars = entry
         for index, c_type in scalars:
             raw[index] = c_type(raw[index])
+        if self.cluster > 1:  # through the driver, which takes the cluster's shape
+            ready = ReadyLaunch(grid, block, cu_kernel, raw, self.cluster)
+            _driver_launch(_current_stream_handle(), ready)
+            if _recording.record is not None:
+                _recording.record.add(grid, block, cu_kernel, raw, args, self.cluster)
+            return
         config = self._configs.get((grid, block))
         if config is None:
             config = self._configs[(grid, block)] = _core_launch_config(grid, block)
@@ -344,11 +358,17 @@ class KernelLauncher:
         A kernel over its register ceiling (:func:`jit_kernel`) is remembered by its
         capped twin: later launches run that one (the same code, so the same results)."""
         _not_replayable()  # Numba's launch is not one a record can repeat
-        args = _unpacked(args)
-        numba_args = [_as_arg(a) for a in args]
+        numba_args = [_as_arg(a) for a in _unpacked(args)]
         self.dispatcher[grid, block, launch_stream()](*numba_args)
-        types = tuple(self.dispatcher.typeof_pyval(a) for a in numba_args)
-        kernel = self.dispatcher.overloads[types]
+        self._compile(key, args)
+
+    def _compile(self, key: tuple, args: tuple) -> tuple:
+        """Compile the kernel for the types of ``args`` (Numba keeps what it compiled
+        before), and remember it under ``key``, as :meth:`_compile_and_launch` says."""
+        _not_replayable()  # (the first launch of a kernel is not a record's)
+        args = _unpacked(args)
+        types = tuple(self.dispatcher.typeof_pyval(_as_arg(a)) for a in args)
+        kernel = self.dispatcher.compile(types)
         ceiling = getattr(self.dispatcher, "register_ceiling", None)
         if ceiling is not None and kernel.regs_per_thread > ceiling.registers:
             kernel = ceiling.capped.compile(types)  # the same code, fewer registers
@@ -360,7 +380,8 @@ class KernelLauncher:
             else:
                 scalars.append((index, _c_type(ty)))
                 index += 1
-        self._compiled[key] = (kernel._codelibrary.get_cufunc().kernel, tuple(scalars))
+        entry = self._compiled[key] = (kernel._codelibrary.get_cufunc().kernel, tuple(scalars))
+        return entry
 
 
 def array_params(t: torch.Tensor) -> tuple:
@@ -479,7 +500,7 @@ class LaunchRecord:
     def __exit__(self, *exception) -> None:
         _recording.record = None
 
-    def add(self, grid: tuple, block: int, kernel, raw: list, args) -> None:
+    def add(self, grid: tuple, block: int, kernel, raw: list, args, cluster: int = 1) -> None:
         """Note one launch of the cuda.core ``kernel`` with the raw parameters ``raw``, and
         whether each tensor in it is safe to point at again."""
         for a in args:
@@ -497,7 +518,7 @@ class LaunchRecord:
                 for i, v in enumerate(raw)
                 if type(v) is int and v in where
             ]
-        self.launches.append(ReadyLaunch(grid, block, kernel, raw))
+        self.launches.append(ReadyLaunch(grid, block, kernel, raw, cluster))
 
     def _apart(self, params: tuple) -> bool:
         return not any(type(v) is int and v in self.pointers for v in params)
@@ -561,9 +582,10 @@ class ReadyLaunch:
     first use: :func:`dependent_launch`).
     """
 
-    def __init__(self, grid: tuple, block: int, kernel, raw: list):
+    def __init__(self, grid: tuple, block: int, kernel, raw: list, cluster: int = 1):
         self.grid = (*grid, 1, 1)[:3]
         self.block = block
+        self.cluster = cluster  # blocks along z of each thread block cluster (1: none)
         self.kernel = kernel  # (it keeps its module, and so the code, loaded)
         self.function = _function_of(kernel)
         # Each value as the C object the kernel takes: the scalars already are (the
@@ -674,11 +696,12 @@ if not SIMULATOR:
 
     def _driver_launch(stream: int, launch: ReadyLaunch) -> None:
         """Launch a :class:`ReadyLaunch` on the stream whose handle is ``stream``: as a
-        dependent launch where :func:`dependent_launch` says so."""
-        if dependent_launch():
+        dependent launch where :func:`dependent_launch` says so, in clusters where the
+        launch has them."""
+        if launch.cluster > 1 or dependent_launch():
             config = launch.driver_config
             if config is None:
-                config = launch.driver_config = _dependent_launch_config(launch)
+                config = launch.driver_config = _launch_ex_config(launch)
             config.hStream = stream
             (result,) = _cu_launch_kernel_ex(config, launch.function, launch.params, 0)
             if result != _CUDA_SUCCESS:
@@ -690,19 +713,32 @@ if not SIMULATOR:
         if result != _CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel failed: {result!r}")
 
-    def _dependent_launch_config(launch: ReadyLaunch):
+    def _launch_ex_config(launch: ReadyLaunch):
         """``cuLaunchKernelEx``'s configuration of ``launch``: its grid and block, no
-        dynamic shared memory, and the one attribute that makes it a dependent launch
-        (the stream is set at each launch)."""
-        serialization = CUlaunchAttribute()
-        serialization.id = CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        serialization.value.programmaticStreamSerializationAllowed = 1
+        dynamic shared memory, the attribute that makes it a dependent launch (where
+        :func:`dependent_launch` says so) and the shape of its clusters (where it has
+        them: ``(1, 1, cluster)`` blocks); the stream is set at each launch."""
+        attributes = []
+        if dependent_launch():
+            serialization = CUlaunchAttribute()
+            serialization.id = (
+                CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            )
+            serialization.value.programmaticStreamSerializationAllowed = 1
+            attributes.append(serialization)
+        if launch.cluster > 1:
+            shape = CUlaunchAttribute()
+            shape.id = CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            dims = shape.value.clusterDim
+            dims.x, dims.y, dims.z = 1, 1, launch.cluster
+            shape.value.clusterDim = dims
+            attributes.append(shape)
         config = CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = launch.grid
         config.blockDimX, config.blockDimY, config.blockDimZ = launch.block, 1, 1
         config.sharedMemBytes = 0
-        config.attrs = [serialization]
-        config.numAttrs = 1
+        config.attrs = attributes
+        config.numAttrs = len(attributes)
         return config
 
     _stream_capturing = getattr(

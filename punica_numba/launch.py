@@ -77,7 +77,9 @@ class LaunchConfig:
     (:mod:`.kernels.expand_mma`, "Ranks past 64"). A tensor-core shrink with
     ``splits`` > 1 also cuts K into that many chunks, a block each along grid.z, the last
     block of each tile and rank group adding the chunks' sums
-    (:mod:`.kernels.shrink_mma_split`). A ``joint`` tensor-core shrink takes the slices'
+    (:mod:`.kernels.shrink_mma_split`); with ``cluster`` (2-8 chunks, compute capability
+    9.0) the chunks of a tile are one thread block cluster, and its first block adds their
+    sums from the others' shared memory. A ``joint`` tensor-core shrink takes the slices'
     ranks side by side, ``tile_n`` of them a block (:mod:`.kernels.shrink_mma_joint`: a
     tile's rows of x read once for every slice). A ``staged`` one copies a tile's rows of x
     and the block's ``tile_n`` rows of A into shared memory a chunk of K at a time, each
@@ -107,6 +109,7 @@ class LaunchConfig:
     joint: bool = False  # tensor-core shrink: the slices' ranks side by side in a block
     staged: bool = False  # tensor-core shrink: x and A staged in shared memory, warps of ranks
     ahead: int = 1  # tensor-core shrink walking K in its warps: passes of loads on their way
+    cluster: bool = False  # tensor-core shrink with K split: the runs add up in one cluster
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
     to_tokens: int | None = None  # and at most this many (None: any)
@@ -133,6 +136,13 @@ class LaunchConfig:
             raise ValueError(
                 "ahead takes 1, or 2 passes for a tensor-core shrink that is neither staged "
                 f"nor joint, got {self}"
+            )
+        if self.cluster and (
+            self.kernel != "mma" or self.staged or self.joint or not 2 <= self.splits <= 8
+        ):
+            raise ValueError(
+                "cluster takes a tensor-core shrink of 2-8 runs of K, neither staged nor "
+                f"joint, got {self}"
             )
         warps = self.threads // 32
         if self.staged and (
@@ -461,6 +471,19 @@ _GPU_CONFIGS = {
             from_slices=3,
         ),
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=8, splits=8, tuned_only=True),
+        # The three splits above with their runs added up in one thread block cluster
+        # (kernels.shrink_mma_split, "In one cluster"; compute capability 9.0): the same
+        # blocks and the same bits, with no workspace, counter or fence. Timed by the tuner
+        # only, until a GPU's table says where they win.
+        LaunchConfig(
+            "mma", threads=512, tile_m=16, tile_n=8, splits=4, cluster=True, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=512, tile_m=16, tile_n=8, splits=8, cluster=True, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=128, tile_m=16, tile_n=8, splits=8, cluster=True, tuned_only=True
+        ),
         # Timed by the tuner only (the one above too): 16-rank groups in 16 chunks were the
         # fastest on 5 of the 120 shrinks above (K=28672 r=64 T=32 over 8 LoRAs 17.57 ->
         # 16.10 µs), with no rule of thresholds that holds them apart.
@@ -883,7 +906,7 @@ def config_name(config: LaunchConfig) -> str:
     rank's fragments 32 ranks at a time), ``split_t128_m4_n4_k8`` (K in eight chunks) or
     ``mma_t256_m16_n48_j`` (48 of the slices' ranks side by side a block) or
     ``mma_t128_m32_n128_s`` (staged in shared memory) or ``mma_t256_m16_n0_a2`` (two passes
-    of loads ahead)."""
+    of loads ahead) or ``mma_t512_m16_n8_k4_cl`` (K's runs added up in one cluster)."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
         name += f"_v{config.vec}"
@@ -901,6 +924,8 @@ def config_name(config: LaunchConfig) -> str:
         name += "_s"
     if config.ahead > 1:
         name += f"_a{config.ahead}"
+    if config.cluster:
+        name += "_cl"
     return name
 
 

@@ -24,8 +24,9 @@
 #             and the tensor-core splits) on a copy of this GPU's shipped table, in
 #             $OUT/retime ($RETIME_ARGS added, e.g. "--ranks 16,32 --slices 1"): the split
 #             times the table holds carry the fill of the counters that each captured call
-#             made before 8e0a61b (kernels/shrink_split.py, "The workspace"); the table to
-#             copy into punica_numba/configs/ if its picks should change
+#             made before 8e0a61b (kernels/shrink_split.py, "The workspace"), and no table
+#             has timed the cluster forms (kernels/shrink_mma_split.py, "In one cluster");
+#             the table to copy into punica_numba/configs/ if its picks should change
 # * grid      python -m punica_numba bench --grid, the parts in $GRID_PARTS (default "1/3 2/3
 #             3/3", about 4 minutes each: split them over calls of a 10-minute limit), one
 #             JSON a part, to join with `bench --grid --merge`; $GRID_ARGS are added (e.g.

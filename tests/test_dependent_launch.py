@@ -370,13 +370,20 @@ def test_the_switch_and_both_launch_paths_ask_for_a_dependent_launch():
     assert eager.programmatic_stream_serialization is wanted
     if wanted:
         kernel = types.SimpleNamespace(handle=0)  # (a ReadyLaunch reads its handle)
-        config = _cuda._dependent_launch_config(_cuda.ReadyLaunch((3, 2, 1), 64, kernel, []))
+        config = _cuda._launch_ex_config(_cuda.ReadyLaunch((3, 2, 1), 64, kernel, []))
         assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (3, 2, 1)
         assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (64, 1, 1)
         assert config.numAttrs == 1
         (attribute,) = config.attrs
         assert attribute.value.programmaticStreamSerializationAllowed == 1
         assert attribute.id.name == "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"
+        # A launch in clusters asks for their shape too, after the dependent launch.
+        config = _cuda._launch_ex_config(_cuda.ReadyLaunch((3, 2, 4), 64, kernel, [], 4))
+        assert config.numAttrs == 2
+        serialization, shape = config.attrs
+        assert shape.id.name == "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION"
+        dims = shape.value.clusterDim
+        assert (dims.x, dims.y, dims.z) == (1, 1, 4)
 
 
 @pytest.mark.gpu

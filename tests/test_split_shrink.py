@@ -25,7 +25,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from punica_numba import launch, lora_shrink, reference
@@ -546,3 +546,110 @@ def test_the_heuristic_splits_the_tensor_core_shrink_where_blocks_are_few(
     assert picked.splits == splits, picked
     if splits > 1:
         assert picked.kernel == "mma" and not picked.tuned_only
+
+
+# -- 7. the runs of K in one cluster --------------------------------------------------------
+
+
+def cluster_config(threads: int, tile_n: int, splits: int) -> LaunchConfig:
+    """The tensor-core split whose runs add up in one thread block cluster (forced only)."""
+    return LaunchConfig("mma", threads, 16, tile_n, splits=splits, cluster=True, tuned_only=True)
+
+
+def test_a_cluster_takes_2_to_8_runs_of_an_unstaged_tensor_core_split():
+    """It adds the same sums in the same order as its twin of counters (one key), and its
+    name says so."""
+    config = cluster_config(256, 8, 4)
+    twin = mma_split_config(256, 8, 4)
+    assert config.arithmetic("shrink") == twin.arithmetic("shrink") == ("mma", 256, 4)
+    assert launch.config_name(config) == "mma_t256_m16_n8_k4_cl"
+    for fields in (
+        dict(splits=1),
+        dict(splits=9),
+        dict(splits=4, staged=True, tile_n=128, threads=128),
+        dict(splits=1, joint=True),
+    ):
+        with pytest.raises(ValueError, match="cluster"):
+            LaunchConfig(
+                "mma", **{"threads": 256, "tile_m": 16, "tile_n": 8, **fields}, cluster=True
+            )
+    with pytest.raises(ValueError, match="cluster"):
+        LaunchConfig("split", 128, 4, 4, splits=4, cluster=True)
+
+
+@pytest.mark.skipif(not launch.SIMULATOR, reason="the simulator's refusal")
+def test_the_simulator_builds_no_cluster():
+    """Its blocks run one after another: none could wait for another."""
+    from punica_numba.kernels import build_split_mma_shrink_kernel
+
+    with pytest.raises(ValueError, match="simulator"):
+        build_split_mma_shrink_kernel(torch.bfloat16, torch.float32, 64, 1, 1, 4, cluster=True)
+
+
+@pytest.mark.gpu
+@settings(max_examples=min(settings.default.max_examples, 60))  # (two builds an example)
+@given(
+    shrink_cases(LIMITS),
+    st.integers(1, LIMITS.hidden // 8),
+    st.sampled_from(MMA_THREADS),
+    st.sampled_from((0, 8, 16)),
+    st.integers(2, 8),
+    st.sampled_from((torch.bfloat16, torch.float16)),
+    st.booleans(),
+)
+def test_a_cluster_gives_the_bits_of_its_twin_of_counters(
+    case, words, threads, tile_n, splits, dtype, accumulate
+):
+    """Forced, the cluster's form is right at every drawn size (chunks past the row's end
+    included; added into a nonzero buffer or stored), the same bits as the same blocks
+    adding their runs through the workspace, and it touches no counter."""
+    case = dataclasses.replace(case, hidden=8 * words, dtype=dtype, four_d=False)
+    config, twin = (
+        cluster_config(threads, tile_n, splits),
+        mma_split_config(threads, tile_n, splits),
+    )
+    outputs = []
+
+    def kept(shrink):
+        def run(*args):
+            shrink(*args)
+            outputs.append(args[2].clone())
+
+        return run
+
+    for forced_config in (config, twin):
+        with forced(forced_config):
+            check_shrink(
+                kept(lora_shrink if accumulate else stored_shrink), case, stores=not accumulate
+            )
+    if outputs:
+        assert torch.equal(outputs[0], outputs[1])
+    assert counters_at_zero() or not outputs
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_of_a_cluster_replays_right():
+    """Captured on a stream of its own after a warm-up on another, the cluster's form of a
+    down projection allocates nothing in the capture, and replays the bits of an eager call
+    with new inputs, replay after replay."""
+    T, K, r = 32, 14336, 32
+    gen, x, a, slots, meta, out = _down_projection(T, K, r, seed=6)
+    config = cluster_config(256, 8, 8)
+    with forced(config):
+        lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)  # warm-up: compiles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_allocated()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+            lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
+        assert torch.cuda.memory_allocated() == before
+        for seed in range(3):
+            x.copy_(torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16))
+            out.zero_()
+            graph.replay()
+            got = out.clone()
+            out.zero_()
+            lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
+            assert torch.equal(got, out), seed
+            want = reference.lora_shrink(x, [a], torch.zeros_like(out), slots, 0.5)
+            assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5

@@ -157,7 +157,7 @@ def choose_shrink(
         )
         if config.splits > 1:  # K in runs too, a block each along grid.z
             kernel = build_split_mma_shrink_kernel(
-                *tiles, config.splits, accumulate, wide, ahead=config.ahead
+                *tiles, config.splits, accumulate, wide, ahead=config.ahead, cluster=config.cluster
             )
         else:
             kernel = build_mma_shrink_kernel(*tiles, accumulate, wide, ahead=config.ahead)
