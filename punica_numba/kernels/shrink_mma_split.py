@@ -237,12 +237,15 @@ def _cluster_kernel(parts, begin, walk_run, splits: int, out_dtype, accumulate: 
             if e < SUMS:
                 sums[e] = warps_total(partials, e // TILE_N, e % TILE_N)
         cluster_sync()  # every run's sums are in its block's shared memory
+        runs = cuda.local.array(SPLITS, float32)
         for j in range(PER_THREAD):
             if out_token[j] >= 0:
                 e = tid + THREADS * j
-                total = cluster_load(sums, e, 0)
+                for c in range(SPLITS):  # every run's sum asked for before any is added
+                    runs[c] = cluster_load(sums, e, c)
+                total = runs[0]
                 for c in range(1, SPLITS):  # then runs 1, 2, ..., SPLITS - 1, in order
-                    total += cluster_load(sums, e, c)
+                    total += runs[c]
                 n = n0 + e % TILE_N
                 out[out_slice, out_token[j], n] = store_out(old[j] + scaling * total)
         cluster_sync()  # no block leaves while run 0 may still read its sums
