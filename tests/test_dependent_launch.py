@@ -68,6 +68,7 @@ KERNEL_MODULES = {
     "moe_tiles",
     "shrink",
     "shrink_mma",
+    "shrink_mma_cluster",
     "shrink_mma_joint",
     "shrink_mma_split",
     "shrink_mma_staged",

@@ -580,10 +580,10 @@ def test_a_cluster_takes_2_to_8_runs_of_an_unstaged_tensor_core_split():
 @pytest.mark.skipif(not launch.SIMULATOR, reason="the simulator's refusal")
 def test_the_simulator_builds_no_cluster():
     """Its blocks run one after another: none could wait for another."""
-    from punica_numba.kernels import build_split_mma_shrink_kernel
+    from punica_numba.kernels import build_cluster_mma_shrink_kernel
 
     with pytest.raises(ValueError, match="simulator"):
-        build_split_mma_shrink_kernel(torch.bfloat16, torch.float32, 64, 1, 1, 4, cluster=True)
+        build_cluster_mma_shrink_kernel(torch.bfloat16, torch.float32, 64, 1, 1, 4)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,9 @@
   slot (prefill);
 * :mod:`.mma`      one warp's tensor-core product, on the GPU and on the simulator;
 * :mod:`.shrink_mma`, :mod:`.expand_mma` both ops on the tensor cores, for many tokens
-  per slot; :mod:`.shrink_mma_split` the tensor-core shrink with K split over blocks, and
+  per slot; :mod:`.shrink_mma_split` the tensor-core shrink with K split over blocks
+  (:mod:`.shrink_mma_cluster` with a tile's runs added up in one thread block cluster, its
+  barriers and reads :mod:`.cluster`'s), and
   :mod:`.shrink_mma_joint` with a layer's slices in one block, their ranks side by side;
   :mod:`.shrink_mma_staged` with x and A staged in shared memory and the block's ranks split
   among its warps (:mod:`.shrink_mma_staged_split` with K split over blocks too), its copies
@@ -40,6 +42,7 @@ from .expand_mma_staged import build_staged_mma_expand_kernel, staged_expand_war
 from .expand_tiled import build_tiled_expand_kernel
 from .shrink import MAX_SLICES, build_shrink_kernel
 from .shrink_mma import build_mma_shrink_kernel
+from .shrink_mma_cluster import build_cluster_mma_shrink_kernel
 from .shrink_mma_joint import build_joint_mma_shrink_kernel
 from .shrink_mma_split import build_split_mma_shrink_kernel
 from .shrink_mma_staged import build_staged_mma_shrink_kernel
@@ -51,6 +54,7 @@ __all__ = [
     "COMPILED_WORDS",
     "MAX_SLICES",
     "MAX_WORDS_PER_THREAD",
+    "build_cluster_mma_shrink_kernel",
     "build_expand_kernel",
     "build_joint_mma_shrink_kernel",
     "build_lanes_expand_kernel",

@@ -22,6 +22,7 @@ from ..kernels import (
     COMPILED_WORDS,
     MAX_SLICES,
     MAX_WORDS_PER_THREAD,
+    build_cluster_mma_shrink_kernel,
     build_expand_kernel,
     build_joint_mma_shrink_kernel,
     build_lanes_expand_kernel,
@@ -156,9 +157,10 @@ def choose_shrink(
             -(-min(rank, config.tile_n or rank) // 8),  # 8-rank tiles of one rank group
         )
         if config.splits > 1:  # K in runs too, a block each along grid.z
-            kernel = build_split_mma_shrink_kernel(
-                *tiles, config.splits, accumulate, wide, ahead=config.ahead, cluster=config.cluster
+            build = (
+                build_cluster_mma_shrink_kernel if config.cluster else build_split_mma_shrink_kernel
             )
+            kernel = build(*tiles, config.splits, accumulate, wide, ahead=config.ahead)
         else:
             kernel = build_mma_shrink_kernel(*tiles, accumulate, wide, ahead=config.ahead)
         return ShrinkChoice(config, kernel, x, packed, rank_groups, True, False)
