@@ -209,6 +209,7 @@ def test_tensor_core_shrink_loads_16_or_8_bytes(config, aligned, monkeypatch):
 
     built = []  # the last argument of each build: wide
     builds = ("build_mma_shrink_kernel", "build_split_mma_shrink_kernel")  # (K split)
+    builds += ("build_cluster_mma_shrink_kernel",)  # (K split, its runs in one cluster)
     staged = ("build_staged_mma_shrink_kernel", "build_split_staged_mma_shrink_kernel")
     for name in (*builds, "build_joint_mma_shrink_kernel", *staged):  # (side by side; staged)
         build = getattr(choice, name)
