@@ -471,19 +471,20 @@ _GPU_CONFIGS = {
             from_slices=3,
         ),
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=8, splits=8, tuned_only=True),
-        # The three splits above with their runs added up in one thread block cluster
+        # Splits with their runs added up in one thread block cluster
         # (kernels.shrink_mma_cluster; compute capability 9.0): the same blocks and the same
-        # bits, with no workspace, counter or fence; and 8 warps of 8 ranks in 8 runs, in a
-        # cluster only. On an H100 at 38688e3 (h100_split_clusters_38688e3.json: K=14336,
-        # 32 tokens over 8 LoRAs) the clusters of 4 and 8 warps took 0.45-0.64 µs less than
-        # their twins of counters at r=32 and r=16 (8 warps in 8 runs: 8.34 -> 7.89 and 7.07
-        # -> 6.57 µs), those of 16 warps 0.56 less at r=16 and 3.7-4.4 more at r=32. Timed
-        # by the tuner only, until a GPU's table says where they win.
+        # bits as their twins of counters, with no workspace, counter or fence. On an H100 at
+        # 38688e3 (h100_split_clusters_38688e3.json: K=14336, 32 tokens over 8 LoRAs) the
+        # clusters of 4 and 8 warps took 0.45-0.64 µs less than their twins at r=32 and r=16
+        # (8 warps of 8 ranks in 8 runs: 8.34 -> 7.89 and 7.07 -> 6.57 µs), those of 16 warps
+        # 0.56-0.61 less at r=16 (16 ranks in 8 runs: 6.98 -> 6.37, the fastest there) and
+        # 3.7-4.4 more at r=32; 16 warps of 8 ranks in 8 runs lost at both and is left out.
+        # Timed by the tuner only, until a GPU's table says where they win.
         LaunchConfig(
             "mma", threads=512, tile_m=16, tile_n=8, splits=4, cluster=True, tuned_only=True
         ),
         LaunchConfig(
-            "mma", threads=512, tile_m=16, tile_n=8, splits=8, cluster=True, tuned_only=True
+            "mma", threads=512, tile_m=16, tile_n=16, splits=8, cluster=True, tuned_only=True
         ),
         LaunchConfig(
             "mma", threads=128, tile_m=16, tile_n=8, splits=8, cluster=True, tuned_only=True
