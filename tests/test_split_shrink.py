@@ -371,6 +371,23 @@ def _down_projection(T: int, K: int, r: int, seed: int, loras: int = 8) -> tuple
     return gen, x, a, slots, meta, torch.zeros(1, T, r, device="cuda")
 
 
+def _assert_replays_right(graph, gen, x, a, slots, meta, out) -> None:
+    """Three times: new inputs drawn into ``x``, the graph of a shrink of ``x`` into ``out``
+    (scaling 0.5) replayed, the same bits as an eager call made now, and the float64
+    reference's values."""
+    T = x.shape[0]
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16))
+        out.zero_()
+        graph.replay()
+        got = out.clone()
+        out.zero_()
+        lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
+        assert torch.equal(got, out), seed
+        want = reference.lora_shrink(x, [a], torch.zeros_like(out), slots, 0.5)
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["split", "mma"])
 def test_a_cuda_graph_of_the_split_replays_right(kernel):
@@ -399,17 +416,8 @@ def test_a_cuda_graph_of_the_split_replays_right(kernel):
         lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
     with torch.cuda.stream(stream):
         assert shrink_split.cached_split_workspace("cuda")[0] is cached[0]  # nothing new
-    for seed in range(3):
-        x.copy_(torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16))
-        out.zero_()
-        graph.replay()
-        got = out.clone()
-        out.zero_()
-        with force_launch_config("shrink", config):
-            lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
-        assert torch.equal(got, out), seed
-        want = reference.lora_shrink(x, [a], torch.zeros_like(out), slots, 0.5)
-        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    with force_launch_config("shrink", config):
+        _assert_replays_right(graph, gen, x, a, slots, meta, out)
     torch.cuda.synchronize()
     assert counters_at_zero()
 
@@ -644,13 +652,4 @@ def test_a_cuda_graph_of_a_cluster_replays_right():
             lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
             # (a split of counters would have taken a workspace for this fresh stream)
             assert shrink_split.cached_split_workspace("cuda") is None
-        for seed in range(3):
-            x.copy_(torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16))
-            out.zero_()
-            graph.replay()
-            got = out.clone()
-            out.zero_()
-            lora_shrink(x, [a], out, *meta.meta_args(T), 0.5)
-            assert torch.equal(got, out), seed
-            want = reference.lora_shrink(x, [a], torch.zeros_like(out), slots, 0.5)
-            assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+        _assert_replays_right(graph, gen, x, a, slots, meta, out)
