@@ -332,7 +332,7 @@ class KernelLauncher:
         key, raw = key_and_params(args)
         entry = self._compiled.get(key)
         if entry is None and self.cluster > 1:  # (Numba's launch makes no clusters)
-            entry = self._compile(key, args)
+            entry = self._compile(key, args, launched=False)
         elif entry is None:  # first launch of these types: Numba compiles and launches it
             self._compile_and_launch(key, grid, block, args)
             return
@@ -360,15 +360,16 @@ class KernelLauncher:
         _not_replayable()  # Numba's launch is not one a record can repeat
         numba_args = [_as_arg(a) for a in _unpacked(args)]
         self.dispatcher[grid, block, launch_stream()](*numba_args)
-        self._compile(key, args)
+        self._compile(key, args, launched=True)
 
-    def _compile(self, key: tuple, args: tuple) -> tuple:
-        """Compile the kernel for the types of ``args`` (Numba keeps what it compiled
-        before), and remember it under ``key``, as :meth:`_compile_and_launch` says."""
+    def _compile(self, key: tuple, args: tuple, launched: bool) -> tuple:
+        """The kernel for the types of ``args``: the overload Numba compiled for the launch
+        it just made (``launched``), else compiled now; remembered under ``key``, as
+        :meth:`_compile_and_launch` says."""
         _not_replayable()  # (the first launch of a kernel is not a record's)
         args = _unpacked(args)
         types = tuple(self.dispatcher.typeof_pyval(_as_arg(a)) for a in args)
-        kernel = self.dispatcher.compile(types)
+        kernel = self.dispatcher.overloads[types] if launched else self.dispatcher.compile(types)
         ceiling = getattr(self.dispatcher, "register_ceiling", None)
         if ceiling is not None and kernel.regs_per_thread > ceiling.registers:
             kernel = ceiling.capped.compile(types)  # the same code, fewer registers

@@ -302,6 +302,32 @@ def test_the_gpu_path_packs_raw_parameters(monkeypatch):
     assert converted == [ctypes.c_int32, ctypes.c_float, bool, ctypes.c_int64]
 
 
+def test_a_kernel_of_clusters_is_compiled_not_launched_by_numba(monkeypatch):
+    """A kernel launched in clusters (``jit_kernel(..., cluster=n)``): Numba's launch makes
+    none, so its first launch only compiles through the dispatcher, and every launch goes
+    to the driver as a ready launch of that cluster's shape, recorded as one."""
+    driven = []
+    monkeypatch.setattr(_cuda, "SIMULATOR", False)
+    monkeypatch.setattr(_cuda, "_function_of", lambda kernel: kernel, raising=False)
+    monkeypatch.setattr(_cuda, "_current_stream_handle", lambda: 7, raising=False)
+    monkeypatch.setattr(
+        _cuda, "_driver_launch", lambda stream, ready: driven.append((stream, ready)), raising=False
+    )
+    x = torch.randn(4, 8)
+    dispatcher = _FakeDispatcher((nt.Array(nt.float32, 2, "C"), nt.int32))
+    dispatcher.compile = lambda types: dispatcher.overloads[types]
+    dispatcher.cluster = 4
+    launcher = _cuda.KernelLauncher(dispatcher)
+    with _cuda.LaunchRecord((x,)) as record:
+        for _ in range(2):
+            launcher((3, 2, 4), 64, (x, 5))
+    assert dispatcher.launches == []  # (compiled, never launched the ordinary way)
+    assert [stream for stream, _ in driven] == [7, 7]
+    for _, ready in driven:
+        assert (ready.grid, ready.block, ready.cluster) == ((3, 2, 4), 64, 4)
+    assert [ready.cluster for ready in record.launches] == [4, 4]
+
+
 @pytest.mark.gpu
 def test_the_launcher_sees_torchs_current_stream():
     """The launcher reads torch's current stream through a fast path; it must be the
