@@ -28,6 +28,7 @@ import contextlib
 from dataclasses import dataclass
 
 from ._cuda import SIMULATOR
+from .kernels.cluster import PORTABLE_CLUSTER
 from .kernels.expand_lanes import lanes_columns
 from .tuning.table import tuned_config
 
@@ -138,11 +139,14 @@ class LaunchConfig:
                 f"nor joint, got {self}"
             )
         if self.cluster and (
-            self.kernel != "mma" or self.staged or self.joint or not 2 <= self.splits <= 8
+            self.kernel != "mma"
+            or self.staged
+            or self.joint
+            or not 2 <= self.splits <= PORTABLE_CLUSTER
         ):
             raise ValueError(
-                "cluster takes a tensor-core shrink of 2-8 runs of K, neither staged nor "
-                f"joint, got {self}"
+                f"cluster takes a tensor-core shrink of 2-{PORTABLE_CLUSTER} runs of K, neither "
+                f"staged nor joint, got {self}"
             )
         warps = self.threads // 32
         if self.staged and (

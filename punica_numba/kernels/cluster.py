@@ -45,7 +45,14 @@ PORTABLE_CLUSTER = 8
 
 
 @functools.cache
-def _intrinsics():
+def cluster_device_functions():
+    """``(cluster_sync, cluster_load)``, the intrinsics of the module notes, for a kernel
+    built for the GPU (a kernel launched in clusters):
+
+    * ``cluster_sync()``: every thread of every block of the cluster waits here until all
+      have come, their writes to shared memory then visible to the others;
+    * ``cluster_load(array, q, rank)``: element ``q`` (fp32) of the 1-D shared array
+      ``array`` of block ``rank`` of the cluster (the same array of the same kernel)."""
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -88,14 +95,3 @@ def _intrinsics():
         return signature, codegen
 
     return cluster_sync, cluster_load
-
-
-def cluster_device_functions():
-    """``(cluster_sync, cluster_load)``, the intrinsics of the module notes, for a kernel
-    built for the GPU (a kernel launched in clusters):
-
-    * ``cluster_sync()``: every thread of every block of the cluster waits here until all
-      have come, their writes to shared memory then visible to the others;
-    * ``cluster_load(array, q, rank)``: element ``q`` (fp32) of the 1-D shared array
-      ``array`` of block ``rank`` of the cluster (the same array of the same kernel)."""
-    return _intrinsics()

@@ -28,8 +28,7 @@ cluster, with no workspace: :mod:`.shrink_mma_cluster`.
 
 Memory traffic per block: ``1 / splits`` of :mod:`.shrink_mma`'s x and A, and ``TILE_M *
 TILE_N`` partial sums written; the last block of a group reads ``splits`` of them per output
-and reads and writes the output (in a cluster, run 0 reads the other runs' sums from their
-shared memory, and reads and writes the output).
+and reads and writes the output.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def shrink_launch(
     launcher = launcher_of(chosen.kernel)
     scaling32 = np.float32(scaling)
     sizes = None  # a split-K shrink's workspace sizes (its pair is taken at each launch)
-    # (one whose runs add up in a cluster takes none: kernels.shrink_mma_split)
+    # (one whose runs add up in a cluster takes none: kernels.shrink_mma_cluster)
     if (config.kernel == "split" or config.splits > 1) and blocks and not config.cluster:
         slices = min(len(kernel_weights), MAX_SLICES)  # (the most one launch covers)
         rank = weights[0].rows

@@ -28,6 +28,7 @@ import torch
 
 from punica_numba import launch
 from punica_numba.kernels import shrink_split
+from punica_numba.kernels.cluster import PORTABLE_CLUSTER
 from punica_numba.launch import LaunchConfig, config_name, launch_configs
 from punica_numba.tuning.sweep import SweepCase, _measure_all
 
@@ -82,7 +83,9 @@ def main() -> None:
         twins = (  # and the cluster's form of every split of 2-8 runs
             dataclasses.replace(c, cluster=True)
             for c in shrinks
-            if c.kernel == "mma" and 2 <= c.splits <= 8 and not (c.staged or c.cluster)
+            if c.kernel == "mma"
+            and 2 <= c.splits <= PORTABLE_CLUSTER
+            and not (c.staged or c.cluster)
         )
         shrinks += tuple(c for c in twins if c not in shrinks)
         mock.patch.dict(launch._GPU_CONFIGS, {"shrink": shrinks}).start()
