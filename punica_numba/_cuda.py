@@ -341,6 +341,10 @@ class KernelLauncher:
             raw[index] = c_type(raw[index])
         if self.cluster > 1:  # through the driver, which takes the cluster's shape
             ready = ReadyLaunch(grid, block, cu_kernel, raw, self.cluster)
+            config = self._configs.get((grid, block))  # (made once a grid and block)
+            if config is None:
+                config = self._configs[(grid, block)] = _launch_ex_config(ready)
+            ready.driver_config = config
             _driver_launch(_current_stream_handle(), ready)
             if _recording.record is not None:
                 _recording.record.add(grid, block, cu_kernel, raw, args, self.cluster)

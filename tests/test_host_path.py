@@ -305,14 +305,19 @@ def test_the_gpu_path_packs_raw_parameters(monkeypatch):
 def test_a_kernel_of_clusters_is_compiled_not_launched_by_numba(monkeypatch):
     """A kernel launched in clusters (``jit_kernel(..., cluster=n)``): Numba's launch makes
     none, so its first launch only compiles through the dispatcher, and every launch goes
-    to the driver as a ready launch of that cluster's shape, recorded as one."""
-    driven = []
+    to the driver as a ready launch of that cluster's shape, recorded as one; the driver's
+    configuration of a grid and block is made once (an eager launch makes no other)."""
+    driven, configs = [], []
     monkeypatch.setattr(_cuda, "SIMULATOR", False)
     monkeypatch.setattr(_cuda, "_function_of", lambda kernel: kernel, raising=False)
     monkeypatch.setattr(_cuda, "_current_stream_handle", lambda: 7, raising=False)
     monkeypatch.setattr(
         _cuda, "_driver_launch", lambda stream, ready: driven.append((stream, ready)), raising=False
     )
+    monkeypatch.setattr(
+        _cuda, "_launch_ex_config", lambda ready: configs.append(ready.grid) or ready.grid,
+        raising=False,
+    )  # fmt: skip
     x = torch.randn(4, 8)
     dispatcher = _FakeDispatcher((nt.Array(nt.float32, 2, "C"), nt.int32))
     dispatcher.compile = lambda types: dispatcher.overloads[types]
@@ -321,10 +326,13 @@ def test_a_kernel_of_clusters_is_compiled_not_launched_by_numba(monkeypatch):
     with _cuda.LaunchRecord((x,)) as record:
         for _ in range(2):
             launcher((3, 2, 4), 64, (x, 5))
+    launcher((3, 2, 8), 64, (x, 5))
     assert dispatcher.launches == []  # (compiled, never launched the ordinary way)
-    assert [stream for stream, _ in driven] == [7, 7]
+    assert [stream for stream, _ in driven] == [7, 7, 7]
+    assert configs == [(3, 2, 4), (3, 2, 8)]  # one a grid and block
     for _, ready in driven:
-        assert (ready.grid, ready.block, ready.cluster) == ((3, 2, 4), 64, 4)
+        assert (ready.block, ready.cluster) == (64, 4)
+        assert ready.driver_config == ready.grid  # (the stub's configuration: the grid)
     assert [ready.cluster for ready in record.launches] == [4, 4]
 
 
