@@ -54,7 +54,7 @@ from .tolerance import assert_close
 #: Each example runs a kernel of up to 16 rank steps (the simulator: a few seconds), and
 #: draws of new ranks compile new kernels (a GPU): a few examples on the simulator, at most
 #: 50 on a GPU.
-FEW = settings(max_examples=min(settings().max_examples, 3 if SIMULATOR else 50))
+FEW = settings(max_examples=min(settings().max_examples, 2 if SIMULATOR else 50))
 
 
 def _mma_configs(op: str) -> list:

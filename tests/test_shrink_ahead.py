@@ -42,7 +42,7 @@ def ahead_cases() -> st.SearchStrategy:
     return tensor_core_shrink_cases(40, 24, 32, 3)
 
 
-@fewer_on_the_simulator(4)
+@fewer_on_the_simulator(3)
 @given(
     ahead_cases(),
     st.sampled_from((16, 32)),
@@ -58,9 +58,11 @@ def test_two_passes_ahead_match_the_reference(case, tile_m, tile_n, splits, accu
 def test_the_same_bits_as_one_pass_ahead(splits):
     """K = 456 is 15 chunks of 32 (the last partly past K): with two warps and two chunks
     each a pass, 4 passes a block (2 in each of 3 runs), neither a multiple of three, so
-    the walk of two passes ahead multiplies passes of zeros at its end."""
+    the walk of two passes ahead multiplies passes of zeros at its end. A rank of 8, one
+    group of the blocks' 8 (the walk is the same in every group; each costs the simulator
+    seconds)."""
     problem = Problem(slots=[1, 0, 2, -1, 0, 1] * 6, prepared=36, num_loras=3, seed=3)
-    case = ShrinkCase(problem, 456, 16, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+    case = ShrinkCase(problem, 456, 8, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
     two = ahead_config(16, 8, splits)
     one, two = outputs_under([dataclasses.replace(two, ahead=1), two], case)
     assert torch.equal(one, two)

@@ -96,7 +96,7 @@ def staged_cases(draw) -> ExpandCase:
     )
 
 
-@fewer_on_the_simulator(4)
+@fewer_on_the_simulator(3)
 @given(staged_cases(), st.sampled_from(BLOCKS))
 def test_staged_expand_matches_reference_with_the_tensor_cores_bits(case, block):
     config = staged_config(*block)

@@ -57,7 +57,7 @@ def staged_cases() -> st.SearchStrategy:
     return tensor_core_shrink_cases(40, 10, 40, 3)
 
 
-@fewer_on_the_simulator(4)
+@fewer_on_the_simulator(3)
 @given(
     staged_cases(),
     st.sampled_from((16, 32, 64)),
