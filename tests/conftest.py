@@ -21,6 +21,8 @@ from hypothesis import HealthCheck, settings
 
 from punica_numba._cuda import SIMULATOR  # first: it may switch the simulator on
 
+from .gpu_memory import release_cached_memory
+
 _SLOW_DRAWS = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("dev", max_examples=10, deadline=None, suppress_health_check=_SLOW_DRAWS)
 settings.register_profile(
@@ -51,6 +53,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)  # (after the test's fixtures are torn down)
+def pytest_runtest_teardown(item):
+    """On a GPU, a worker's cache past its limit goes back to the GPU (tests/gpu_memory.py)."""
+    if not SIMULATOR:
+        release_cached_memory()
 
 
 def pytest_report_header(config):
