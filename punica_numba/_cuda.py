@@ -151,7 +151,9 @@ if SIMULATOR:
 SM_REGISTERS, THREAD_REGISTERS = 65536, 255
 
 
-def jit_kernel(threads: int, max_registers: int | None = None, cluster: int = 1):
+def jit_kernel(
+    threads: int, max_registers: int | None = None, cluster: int = 1, shared_bytes: int = 0
+):
     """``@cuda.jit`` for a kernel always launched with ``threads`` threads per block.
 
     A block whose threads could need more registers than an SM has (more than 256
@@ -174,9 +176,20 @@ def jit_kernel(threads: int, max_registers: int | None = None, cluster: int = 1)
     ``cluster``: the kernel is always launched in thread block clusters of this many blocks
     along grid.z (:mod:`.kernels.cluster`; compute capability 9.0), which
     :class:`KernelLauncher` asks the driver for at every launch (``cuLaunchKernelEx``).
+
+    ``shared_bytes``: the kernel's dynamic shared memory (``cuda.shared.array(0, ...)``),
+    the same at every launch. Past the driver's default of 48 KB a kernel must be allowed
+    more before it launches: :class:`KernelLauncher` compiles it, raises the kernel's
+    ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` to ``shared_bytes`` once, and launches it with them.
     """
     if SIMULATOR:
-        return cuda.jit
+
+        def simulated(function):
+            kernel = cuda.jit(function)
+            kernel.shared_bytes = shared_bytes
+            return kernel
+
+        return simulated
     options = {} if threads * THREAD_REGISTERS <= SM_REGISTERS else {"launch_bounds": threads}
 
     def jit(function):
@@ -186,6 +199,7 @@ def jit_kernel(threads: int, max_registers: int | None = None, cluster: int = 1)
                 max_registers, cuda.jit(**options, max_registers=max_registers)(function)
             )
         kernel.cluster = cluster
+        kernel.shared_bytes = shared_bytes
         return kernel
 
     return jit
@@ -323,15 +337,20 @@ class KernelLauncher:
         self._configs: dict[tuple, object] = {}
         #: blocks along grid.z of each cluster of a launch (:func:`jit_kernel`); 1: none
         self.cluster = getattr(dispatcher, "cluster", 1)
+        #: dynamic shared memory of each launch, bytes (:func:`jit_kernel`)
+        self.shared_bytes = getattr(dispatcher, "shared_bytes", 0)
+        # Numba's own launch takes neither clusters nor more than 48 KB of shared memory.
+        self._driven = self.cluster > 1 or self.shared_bytes > 0
 
     def __call__(self, grid: tuple, block: int, args: tuple) -> None:
         if SIMULATOR:
             _not_replayable()  # the simulator takes numpy views, not raw parameters
-            self.dispatcher[grid, block](*[_as_arg(a) for a in _unpacked(args)])
+            launch = self.dispatcher[grid, block, 0, self.shared_bytes]
+            launch(*[_as_arg(a) for a in _unpacked(args)])
             return
         key, raw = key_and_params(args)
         entry = self._compiled.get(key)
-        if entry is None and self.cluster > 1:  # (Numba's launch makes no clusters)
+        if entry is None and self._driven:
             entry = self._compile(key, args, launched=False)
         elif entry is None:  # first launch of these types: Numba compiles and launches it
             self._compile_and_launch(key, grid, block, args)
@@ -339,15 +358,17 @@ class KernelLauncher:
         cu_kernel, scalars = entry
         for index, c_type in scalars:
             raw[index] = c_type(raw[index])
-        if self.cluster > 1:  # through the driver, which takes the cluster's shape
-            ready = ReadyLaunch(grid, block, cu_kernel, raw, self.cluster)
+        if self._driven:  # through the driver, which takes the cluster's shape
+            ready = ReadyLaunch(grid, block, cu_kernel, raw, self.cluster, self.shared_bytes)
             config = self._configs.get((grid, block))  # (made once a grid and block)
             if config is None:
                 config = self._configs[(grid, block)] = _launch_ex_config(ready)
             ready.driver_config = config
             _driver_launch(_current_stream_handle(), ready)
             if _recording.record is not None:
-                _recording.record.add(grid, block, cu_kernel, raw, args, self.cluster)
+                _recording.record.add(
+                    grid, block, cu_kernel, raw, args, self.cluster, self.shared_bytes
+                )
             return
         config = self._configs.get((grid, block))
         if config is None:
@@ -378,6 +399,8 @@ class KernelLauncher:
         if ceiling is not None and kernel.regs_per_thread > ceiling.registers:
             kernel = ceiling.capped.compile(types)  # the same code, fewer registers
         self.kernels[key] = kernel
+        if self.shared_bytes > 0:
+            _allow_shared_bytes(kernel, self.shared_bytes)
         scalars, index = [], 0
         for ty, a in zip(kernel.argument_types, args):
             if isinstance(a, torch.Tensor):
@@ -505,7 +528,16 @@ class LaunchRecord:
     def __exit__(self, *exception) -> None:
         _recording.record = None
 
-    def add(self, grid: tuple, block: int, kernel, raw: list, args, cluster: int = 1) -> None:
+    def add(
+        self,
+        grid: tuple,
+        block: int,
+        kernel,
+        raw: list,
+        args,
+        cluster: int = 1,
+        shared_bytes: int = 0,
+    ) -> None:
         """Note one launch of the cuda.core ``kernel`` with the raw parameters ``raw``, and
         whether each tensor in it is safe to point at again."""
         for a in args:
@@ -523,7 +555,7 @@ class LaunchRecord:
                 for i, v in enumerate(raw)
                 if type(v) is int and v in where
             ]
-        self.launches.append(ReadyLaunch(grid, block, kernel, raw, cluster))
+        self.launches.append(ReadyLaunch(grid, block, kernel, raw, cluster, shared_bytes))
 
     def _apart(self, params: tuple) -> bool:
         return not any(type(v) is int and v in self.pointers for v in params)
@@ -587,10 +619,13 @@ class ReadyLaunch:
     first use: :func:`dependent_launch`).
     """
 
-    def __init__(self, grid: tuple, block: int, kernel, raw: list, cluster: int = 1):
+    def __init__(
+        self, grid: tuple, block: int, kernel, raw: list, cluster: int = 1, shared_bytes: int = 0
+    ):
         self.grid = (*grid, 1, 1)[:3]
         self.block = block
         self.cluster = cluster  # blocks along z of each thread block cluster (1: none)
+        self.shared_bytes = shared_bytes  # dynamic shared memory of each block
         self.kernel = kernel  # (it keeps its module, and so the code, loaded)
         self.function = _function_of(kernel)
         # Each value as the C object the kernel takes: the scalars already are (the
@@ -713,14 +748,32 @@ if not SIMULATOR:
                 raise RuntimeError(f"cuLaunchKernelEx failed: {result!r}")
             return
         (result,) = _cu_launch_kernel(
-            launch.function, *launch.grid, launch.block, 1, 1, 0, stream, launch.params, 0
+            launch.function,
+            *launch.grid,
+            launch.block,
+            1,
+            1,
+            launch.shared_bytes,
+            stream,
+            launch.params,
+            0,
         )
         if result != _CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel failed: {result!r}")
 
+    def _allow_shared_bytes(kernel, shared_bytes: int) -> None:
+        """Let the compiled ``kernel`` (a Numba overload) launch with ``shared_bytes`` of
+        dynamic shared memory, past the driver's default of 48 KB (on the kernel, for its
+        device; once, when it is compiled)."""
+        from numba.cuda.cudadrv.driver import binding, driver
+
+        function = kernel._codelibrary.get_cufunc()
+        attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attribute, shared_bytes, function.handle, function.device.id)
+
     def _launch_ex_config(launch: ReadyLaunch):
-        """``cuLaunchKernelEx``'s configuration of ``launch``: its grid and block, no
-        dynamic shared memory, the attribute that makes it a dependent launch (where
+        """``cuLaunchKernelEx``'s configuration of ``launch``: its grid, block and dynamic
+        shared memory, the attribute that makes it a dependent launch (where
         :func:`dependent_launch` says so) and the shape of its clusters (where it has
         them: ``(1, 1, cluster)`` blocks); the stream is set at each launch."""
         attributes = []
@@ -741,7 +794,7 @@ if not SIMULATOR:
         config = CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = launch.grid
         config.blockDimX, config.blockDimY, config.blockDimZ = launch.block, 1, 1
-        config.sharedMemBytes = 0
+        config.sharedMemBytes = launch.shared_bytes
         config.attrs = attributes
         config.numAttrs = len(attributes)
         return config

@@ -111,6 +111,7 @@ class LaunchConfig:
     staged: bool = False  # tensor-core shrink: x and A staged in shared memory, warps of ranks
     ahead: int = 1  # tensor-core shrink walking K in its warps: passes of loads on their way
     cluster: bool = False  # tensor-core shrink with K split: the runs add up in one cluster
+    stages: int = 0  # staged tensor-core expand: stages in dynamic shared memory (0: 48 KB's)
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
     to_tokens: int | None = None  # and at most this many (None: any)
@@ -148,6 +149,8 @@ class LaunchConfig:
                 f"cluster takes a tensor-core shrink of 2-{PORTABLE_CLUSTER} runs of K, neither "
                 f"staged nor joint, got {self}"
             )
+        if self.stages and (not self.staged or self.stages < 2):
+            raise ValueError(f"stages takes a staged configuration and 2 or more, got {self}")
         warps = self.threads // 32
         if self.staged and (
             self.kernel != "mma" or self.tile_m % 16 or not self.tile_n or self.tile_n % (8 * warps)
@@ -254,6 +257,10 @@ _SIMULATOR_CONFIGS = {
         # The buffer and B staged in shared memory, two warps of 16 columns (as the GPU's
         # below; 16 tokens, a tile size the simulator has): timed by the tuner only.
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=32, staged=True, tuned_only=True),
+        # The same with three stages in dynamic shared memory (as the GPU's deeper rings).
+        LaunchConfig(
+            "mma", threads=64, tile_m=16, tile_n=32, staged=True, stages=3, tuned_only=True
+        ),
     ),
 }
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
@@ -744,6 +751,24 @@ _GPU_CONFIGS = {
         LaunchConfig("mma", threads=128, tile_m=32, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=256, tile_m=64, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=64, tile_n=128, staged=True, tuned_only=True),
+        # ... and deeper rings in dynamic shared memory (kernels/expand_mma_staged.py, "Deeper
+        # rings"): 48 KB hold two stages of 64 x 128, so at r=128 a block waits a trip to
+        # memory for each of its four chunks. Five stages put every chunk of r=128 on its
+        # way at once (87 KB: two blocks an SM), and larger tiles read the buffer and B
+        # less often for each output (128 x 128 and 64 x 256: 133 and 102 KB, one block or
+        # two an SM). Not yet timed: for the tuner.
+        LaunchConfig(
+            "mma", threads=256, tile_m=64, tile_n=128, staged=True, stages=5, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=128, tile_m=64, tile_n=128, staged=True, stages=5, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=256, tile_m=128, tile_n=128, staged=True, stages=5, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=256, tile_m=64, tile_n=256, staged=True, stages=4, tuned_only=True
+        ),
     ),
 }
 
@@ -917,7 +942,8 @@ def config_name(config: LaunchConfig) -> str:
     ``mma_t64_m16_n128_p2`` (two column groups per block), ``mma_t32_m16_n64_c32`` (the
     rank's fragments 32 ranks at a time), ``split_t128_m4_n4_k8`` (K in eight chunks) or
     ``mma_t256_m16_n48_j`` (48 of the slices' ranks side by side a block) or
-    ``mma_t128_m32_n128_s`` (staged in shared memory) or ``mma_t256_m16_n0_a2`` (two passes
+    ``mma_t128_m32_n128_s`` (staged in shared memory; ``_s5``: five stages in dynamic shared
+    memory) or ``mma_t256_m16_n0_a2`` (two passes
     of loads ahead) or ``mma_t512_m16_n8_k4_cl`` (K's runs added up in one cluster)."""
     name = f"{config.kernel}_t{config.threads}_m{config.tile_m}_n{config.tile_n}"
     if config.vec > 1:
@@ -933,7 +959,7 @@ def config_name(config: LaunchConfig) -> str:
     if config.joint:
         name += "_j"
     if config.staged:
-        name += "_s"
+        name += f"_s{config.stages}" if config.stages else "_s"
     if config.ahead > 1:
         name += f"_a{config.ahead}"
     if config.cluster:

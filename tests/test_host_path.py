@@ -336,6 +336,39 @@ def test_a_kernel_of_clusters_is_compiled_not_launched_by_numba(monkeypatch):
     assert [ready.cluster for ready in record.launches] == [4, 4]
 
 
+def test_a_kernel_of_dynamic_shared_memory_is_allowed_it_once(monkeypatch):
+    """A kernel of dynamic shared memory (``jit_kernel(..., shared_bytes=n)``): Numba's launch
+    would ask for it with the driver's default ceiling of 48 KB, so its first launch only
+    compiles; the compiled kernel is allowed ``n`` bytes once, and every launch goes to the
+    driver with them, recorded with them, without clusters."""
+    driven, allowed = [], []
+    monkeypatch.setattr(_cuda, "SIMULATOR", False)
+    monkeypatch.setattr(_cuda, "_function_of", lambda kernel: kernel, raising=False)
+    monkeypatch.setattr(_cuda, "_current_stream_handle", lambda: 7, raising=False)
+    monkeypatch.setattr(
+        _cuda, "_driver_launch", lambda stream, ready: driven.append(ready), raising=False
+    )
+    monkeypatch.setattr(_cuda, "_launch_ex_config", lambda ready: ready.grid, raising=False)
+    monkeypatch.setattr(
+        _cuda, "_allow_shared_bytes", lambda kernel, n: allowed.append((kernel, n)),
+        raising=False,
+    )  # fmt: skip
+    x = torch.randn(4, 8)
+    dispatcher = _FakeDispatcher((nt.Array(nt.float32, 2, "C"), nt.int32))
+    dispatcher.compile = lambda types: dispatcher.overloads[types]
+    dispatcher.shared_bytes = 100_000
+    launcher = _cuda.KernelLauncher(dispatcher)
+    with _cuda.LaunchRecord((x,)) as record:
+        for _ in range(2):
+            launcher((3, 2, 4), 64, (x, 5))
+    launcher((5, 1, 1), 128, (x, 5))
+    assert dispatcher.launches == []  # (compiled, never launched the ordinary way)
+    (overload,) = set(dispatcher.overloads.values())
+    assert allowed == [(overload, 100_000)]  # once, for the one compiled kernel
+    assert [(r.shared_bytes, r.cluster) for r in driven] == [(100_000, 1)] * 3
+    assert [r.shared_bytes for r in record.launches] == [100_000, 100_000]
+
+
 @pytest.mark.gpu
 def test_the_launcher_sees_torchs_current_stream():
     """The launcher reads torch's current stream through a fast path; it must be the

@@ -24,27 +24,38 @@ from hypothesis import strategies as st
 from punica_numba import ops
 from punica_numba.kernels import staged_expand_warps
 from punica_numba.kernels.expand_mma_staged import staged_expand_stages
-from punica_numba.launch import LaunchConfig, config_name
+from punica_numba.launch import LaunchConfig, config_name, launch_configs
 
 from .op_cases import ExpandCase, Problem, check_expand, rows_at_8_bytes
 from .strategies import LARGE, fewer_on_the_simulator
 from .test_split_shrink import forced
 
-#: Blocks drawn: on the simulator two warps (64 Python threads a block) of 16 tokens x 16
-#: columns side by side, or along the tokens of 16 x 32 or 16 x 64; on the GPU the table's
-#: sizes.
+#: Blocks drawn, ``(threads, tokens, columns, stages)`` (stages 0: what 48 KB declared in
+#: the kernel hold): on the simulator two warps (64 Python threads a block) of 16 tokens x 16
+#: columns side by side, also with three stages in dynamic shared memory, or along the
+#: tokens of 16 x 32 or 16 x 64; on the GPU the table's.
 BLOCKS = (
-    ((128, 64, 64), (128, 32, 128), (64, 32, 64), (256, 64, 128), (128, 64, 128))
+    (
+        (128, 64, 64, 0),
+        (128, 32, 128, 0),
+        (64, 32, 64, 0),
+        (256, 64, 128, 0),
+        (128, 64, 128, 0),
+        (256, 64, 128, 5),
+        (128, 64, 128, 5),
+        (256, 128, 128, 5),
+        (256, 64, 256, 4),
+    )
     if LARGE
-    else ((64, 16, 32), (64, 32, 32), (64, 32, 64))
+    else ((64, 16, 32, 0), (64, 16, 32, 3), (64, 32, 32, 0), (64, 32, 64, 0))
 )
 #: A plain tensor-core expand of every rank (one warp of 32 columns, the rank in chunks of
 #: 32): the bits the staged blocks must give.
 PLAIN = LaunchConfig("mma", 32, 16, 32, chunk=32, tuned_only=True)
 
 
-def staged_config(threads: int, tile_m: int, tile_n: int) -> LaunchConfig:
-    return LaunchConfig("mma", threads, tile_m, tile_n, staged=True, tuned_only=True)
+def staged_config(threads: int, tile_m: int, tile_n: int, stages: int = 0) -> LaunchConfig:
+    return LaunchConfig("mma", threads, tile_m, tile_n, staged=True, stages=stages, tuned_only=True)
 
 
 def run_under(config: LaunchConfig, case: ExpandCase) -> tuple:
@@ -219,3 +230,33 @@ def test_the_stages_fill_what_a_block_may_declare():
     assert staged_expand_stages(64, 128) == 2
     with pytest.raises(ValueError, match="two stages"):
         staged_expand_stages(128, 128)
+
+
+def test_stages_asked_for_are_kept_in_dynamic_shared_memory_up_to_its_limit():
+    """Asked for, a block keeps that many stages however large (64 x 128: 17,408 bytes each,
+    13 of them in Hopper's 227 KB), never fewer than two nor more than fit."""
+    assert staged_expand_stages(64, 128, 5) == 5
+    assert staged_expand_stages(128, 128, 5) == 5
+    assert staged_expand_stages(64, 128, 13) == 13
+    for stages in (1, 14):
+        with pytest.raises(ValueError, match="at most"):
+            staged_expand_stages(64, 128, stages)
+    with pytest.raises(ValueError, match="stages takes a staged configuration"):
+        LaunchConfig("mma", 64, 16, 32, stages=3, tuned_only=True)
+
+
+def test_a_ring_of_dynamic_stages_gives_the_bits_of_the_static_one():
+    """Three stages in dynamic shared memory over r=128 (four chunks: the ring turns), as
+    the GPU's deeper rings keep theirs: the buffer's stages and B's share one buffer, so a
+    stage of B written over the buffer's (or the reverse) would show here. 19 tokens on one
+    LoRA and one without, one slice of 32 columns, bf16: the bits of the static ring's."""
+    deep, static = staged_config(64, 16, 32, 3), staged_config(64, 16, 32)
+    if deep not in launch_configs("expand"):
+        pytest.skip("this machine's table has no such block")
+    problem = Problem([0] * 9 + [-1] + [0] * 10, 20, 1, seed=7)
+    bf16 = torch.bfloat16
+    case = ExpandCase(problem, 128, [32], 0, 0, torch.float32, bf16, bf16, True, False, False)
+    ran, got = run_under(deep, case)
+    assert ran == deep, config_name(ran)
+    _, want = run_under(static, case)
+    assert torch.equal(got, want)

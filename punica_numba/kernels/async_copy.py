@@ -46,14 +46,28 @@ __all__ = [
 ]
 
 #: The most shared memory a block may declare statically (bytes), and the most stages a
-#: staged kernel keeps.
+#: staged kernel keeps there.
 STATIC_SHARED_BYTES, MOST_STAGES = 48 * 1024, 8
+#: The most dynamic shared memory a block may ask for on compute capability 9.0 (227 KB), which
+#: the launcher allows a kernel above the 48 KB of the driver's default
+#: (:func:`punica_numba._cuda.jit_kernel`'s ``shared_bytes``).
+DYNAMIC_SHARED_BYTES = 227 * 1024
 
 
-def stages_that_fit(stage_bytes: int, what: str) -> int:
-    """The stages of ``stage_bytes`` each that a staged kernel's block keeps: the most, up to
-    :data:`MOST_STAGES`, that fit :data:`STATIC_SHARED_BYTES`; a ``ValueError`` naming
-    ``what`` (the block) where two do not."""
+def stages_that_fit(stage_bytes: int, what: str, stages: int = 0) -> int:
+    """The stages of ``stage_bytes`` each that a staged kernel's block keeps.
+
+    ``stages`` 0: the most, up to :data:`MOST_STAGES`, that fit :data:`STATIC_SHARED_BYTES`
+    (declared in the kernel); a ``ValueError`` naming ``what`` (the block) where two do not.
+    Otherwise that many, in dynamic shared memory: a ``ValueError`` below 2 or past
+    :data:`DYNAMIC_SHARED_BYTES`."""
+    if stages:
+        if stages < 2 or stages * stage_bytes > DYNAMIC_SHARED_BYTES:
+            raise ValueError(
+                f"{what} keeps 2 stages or more of {stage_bytes} bytes, at most "
+                f"{DYNAMIC_SHARED_BYTES} bytes in all; got {stages}"
+            )
+        return stages
     stages = min(MOST_STAGES, STATIC_SHARED_BYTES // stage_bytes)
     if stages < 2:
         raise ValueError(

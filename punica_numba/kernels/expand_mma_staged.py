@@ -49,6 +49,15 @@ so that the 8 lanes of a quarter warp, two rows x four 16-byte pieces, meet ever
 and ``TILE_N`` rows of B of 64 bytes; the most stages, up to 8, that fit 48 KB
 (:func:`staged_expand_stages`).
 
+**Deeper rings.** 48 KB hold two stages of a block of 64 tokens x 128 columns (17 KB each):
+at r=128, four chunks, each chunk's copies wait a trip to memory of their own, and the
+block's products are few beside those trips. Built with ``stages``, a block keeps that many
+stages in dynamic shared memory instead (up to 227 KB on Hopper; the launcher allows the
+kernel them: :func:`punica_numba._cuda.jit_kernel`'s ``shared_bytes``): with one stage
+more than the rank's chunks, every chunk is on its way before the first is multiplied. One
+buffer holds both, the buffer's stages first; the ring, the copies and the sums are the
+same, so the bits are too.
+
 **Traffic.** A block reads ``TILE_M * r`` buffer elements and ``TILE_N * r`` of B for
 ``TILE_M * TILE_N`` outputs: with 64 x 64, B a quarter as often as :mod:`.expand_mma`'s
 16-token tiles and the buffer no more often than its blocks of 64 columns. On the H200
@@ -94,7 +103,12 @@ from .mma import (
 )
 from .segments import read_tile, slice_of, tile_token
 
-__all__ = ["build_staged_mma_expand_kernel", "staged_expand_stages", "staged_expand_warps"]
+__all__ = [
+    "build_staged_mma_expand_kernel",
+    "staged_expand_stage_bytes",
+    "staged_expand_stages",
+    "staged_expand_warps",
+]
 
 #: Rank steps of 16 a chunk holds (32 ranks).
 CHUNK_STEPS = 2
@@ -103,11 +117,18 @@ CHUNK_STEPS = 2
 X_PADDED_ROW, B_ROW = 36, 8
 
 
-def staged_expand_stages(tile_m: int, tile_n: int) -> int:
+def staged_expand_stage_bytes(tile_m: int, tile_n: int) -> int:
+    """The bytes of one stage of a block of ``tile_m`` tokens and ``tile_n`` columns."""
+    return tile_m * X_PADDED_ROW * 4 + tile_n * B_ROW * 8
+
+
+def staged_expand_stages(tile_m: int, tile_n: int, stages: int = 0) -> int:
     """The stages of shared memory a block of ``tile_m`` tokens and ``tile_n`` columns keeps:
-    the most, up to 8, that fit 48 KB (a ``ValueError`` below 2)."""
-    stage_bytes = tile_m * X_PADDED_ROW * 4 + tile_n * B_ROW * 8
-    return stages_that_fit(stage_bytes, f"a staged expand of {tile_m} tokens x {tile_n} columns")
+    ``stages`` 0, the most, up to 8, that fit 48 KB declared in the kernel; else ``stages``,
+    in dynamic shared memory (:func:`.async_copy.stages_that_fit`; a ``ValueError`` below 2
+    or past what a block may have)."""
+    what = f"a staged expand of {tile_m} tokens x {tile_n} columns"
+    return stages_that_fit(staged_expand_stage_bytes(tile_m, tile_n), what, stages)
 
 
 def staged_expand_warps(threads: int, tile_m: int, tile_n: int) -> tuple[int, int, int, int]:
@@ -197,13 +218,16 @@ def build_staged_mma_expand_kernel(
     k_steps: int,
     wide: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    stages: int = 0,
 ):
     """Compile-time specialisation: warps per block (``threads // 32``), the block's tile of
     ``tile_m`` tokens x ``tile_n`` columns (:func:`staged_expand_warps`), the rank in steps
     of 16 (``k_steps``, even: the rank a multiple of 32), ``wide`` (16-byte words of output:
     a warp's 8-column tiles a multiple of 4; the caller's promise that output rows start at
     multiples of 16 bytes and slices start and end at multiples of 8 columns) and the dtype
-    of B and of the output (bf16, or fp16 on the f16 tensor cores, the buffer's rows scaled).
+    of B and of the output (bf16, or fp16 on the f16 tensor cores, the buffer's rows scaled),
+    and ``stages``: 0, the stages that fit 48 KB of shared memory declared in the kernel, or
+    that many in dynamic shared memory ("Deeper rings").
 
     The kernel takes what :func:`.expand_mma.build_mma_expand_kernel`'s takes, but the sorted
     tokens in place of each tile's row of tokens, and an fp32 buffer in contiguous rows at
@@ -228,9 +252,12 @@ def build_staged_mma_expand_kernel(
     THREADS, K_STEPS, CHUNKS = threads, k_steps, k_steps // CHUNK_STEPS
     KQ = 4 * k_steps  # buffer elements of a row one lane multiplies, over every rank step
     TILE_M, TILE_N, WARP_M, WARP_N = tile_m, tile_n, 16 * M_TILES, 8 * N_TILES
-    STAGES = staged_expand_stages(TILE_M, TILE_N)
+    STAGES = staged_expand_stages(TILE_M, TILE_N, stages)
     X_STAGE, B_STAGE = TILE_M * X_PADDED_ROW, TILE_N * B_ROW  # a stage's floats, words
     X_STAGED, B_STAGED = STAGES * X_STAGE, STAGES * B_STAGE  # (compile-time sizes)
+    # Dynamic: one buffer, the buffer's stages first (a stage's bytes are a multiple of 16).
+    SHARED_BYTES = 4 * X_STAGED + 8 * B_STAGED if stages else 0
+    B_FROM = X_STAGED // 2  # the int64 word of the dynamic buffer where B's stages start
     X_COPIES, B_COPIES = TILE_M * 8, TILE_N * 4  # 16-byte copies of a stage
     COPIES = -(-(X_COPIES + B_COPIES) // THREADS)  # a thread's, a stage
     ROWS = 2 * M_TILES  # token rows of a lane: g + 8 * (i % 2) of its m-tile i // 2
@@ -320,10 +347,28 @@ def build_staged_mma_expand_kernel(
                         q = 8 * mi + 4 * term
                         add_product(acc, p, a[q], a[q + 1], a[q + 2], a[q + 3], b0, b1, my_scratch)
 
+    if SHARED_BYTES:
+
+        @cuda.jit(device=True, inline="always")
+        def stage_arrays():
+            """The buffer's stages and B's, in the launch's dynamic shared memory."""
+            xs = cuda.shared.array(0, float32, alignment=ALIGNMENT)
+            words = cuda.shared.array(0, int64, alignment=ALIGNMENT)
+            return xs[:X_STAGED], words[B_FROM : B_FROM + B_STAGED]
+
+    else:
+
+        @cuda.jit(device=True, inline="always")
+        def stage_arrays():
+            """The buffer's stages and B's, declared here (at most 48 KB)."""
+            xs = cuda.shared.array(X_STAGED, float32, alignment=ALIGNMENT)
+            bs = cuda.shared.array(B_STAGED, int64, alignment=ALIGNMENT)
+            return xs, bs
+
     fill, turn = stage_ring(STAGES, start_stage, multiply_stage)
     begin = prologue()
 
-    @jit_kernel(THREADS)
+    @jit_kernel(THREADS, shared_bytes=SHARED_BYTES)
     def expand(x, w0, w1, w2, out, slice_base, col0, col1, col2, tiles, sorted_tokens, add_inputs):
         # x: [S, M, r] fp32; w*: [L, N_s, r/4] int64 words; out: [M, W/4] int64 words;
         # col*: the word of a slice's first column; tiles: [B, 4] the tile table
@@ -346,8 +391,7 @@ def build_staged_mma_expand_kernel(
         tile = (sorted_tokens, position, rows, first_token)
         scratch = cuda.shared.array((SCRATCH_WARPS, 32, FRAGMENT_WORDS), uint32)
         my_scratch = scratch[warp if SIMULATOR else 0]
-        xs = cuda.shared.array(X_STAGED, float32, alignment=ALIGNMENT)
-        bs = cuda.shared.array(B_STAGED, int64, alignment=ALIGNMENT)
+        xs, bs = stage_arrays()
         x_base, b_base = stage_base(xs), stage_base(bs)
         source = cuda.local.array(COPIES, int64)
         sources(x, s, b_rows, tile, n_block, last_n, tid, source)

@@ -277,6 +277,7 @@ def choose_expand(
                 rank // 16,
                 wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
                 dtype,
+                config.stages,
             )
         else:
             n_tiles = config.tile_n // (8 * config.threads // 32)  # 8-column tiles per warp

@@ -6,7 +6,8 @@ launch table offers the tuner (:mod:`punica_numba.kernels.expand_mma_staged`), c
 -arch=sm_90a -v``, ``cuobjdump -sass``; the same tools are needed).
 
 Each build in ``VARIANTS`` takes an fp32 buffer and writes 16-byte words of output:
-``t<threads>_m<tokens>_n<columns>_r<rank>_<B's dtype>``.
+``t<threads>_m<tokens>_n<columns>_r<rank>_<B's dtype>``, and ``_s<stages>`` for a ring of
+that many stages in dynamic shared memory.
 
 Run from the repository root: ``python docs/benchmarks/probes/expand_staged_static.py [NAME
 ...]``. Prints one JSON line: the commit and ptxas's version, and for each build what
@@ -23,17 +24,24 @@ VARIANTS = {  # name: (threads, tokens, columns, rank, B's dtype)
     "t128_m64_n128_r128_bf16": (128, 64, 128, 128, "bf16"),
     "t128_m64_n64_r128_fp16": (128, 64, 64, 128, "fp16"),
     "t128_m64_n64_r256_bf16": (128, 64, 64, 256, "bf16"),
+    "t256_m64_n128_r128_bf16_s5": (256, 64, 128, 128, "bf16", 5),
+    "t128_m64_n128_r128_bf16_s5": (128, 64, 128, 128, "bf16", 5),
+    "t256_m128_n128_r128_bf16_s5": (256, 128, 128, 128, "bf16", 5),
+    "t256_m64_n256_r128_bf16_s4": (256, 64, 256, 128, "bf16", 4),
+    "t256_m128_n128_r128_fp16_s5": (256, 128, 128, 128, "fp16", 5),
 }
 
 
-def build(threads, tile_m, tile_n, rank, dtype):
+def build(threads, tile_m, tile_n, rank, dtype, stages=0):
     """The expand of a variant, built (on whatever machine runs this)."""
     import torch
 
     from punica_numba.kernels import build_staged_mma_expand_kernel
 
     b_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    return build_staged_mma_expand_kernel(threads, tile_m, tile_n, rank // 16, True, b_dtype)
+    return build_staged_mma_expand_kernel(
+        threads, tile_m, tile_n, rank // 16, True, b_dtype, stages
+    )
 
 
 def _signature():
