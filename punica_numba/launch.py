@@ -111,7 +111,7 @@ class LaunchConfig:
     staged: bool = False  # tensor-core shrink: x and A staged in shared memory, warps of ranks
     ahead: int = 1  # tensor-core shrink walking K in its warps: passes of loads on their way
     cluster: bool = False  # tensor-core shrink with K split: the runs add up in one cluster
-    stages: int = 0  # staged tensor-core expand: stages in dynamic shared memory (0: 48 KB's)
+    stages: int = 0  # staged tensor-core kernel: stages in dynamic shared memory (0: 48 KB's)
     from_tokens_per_slot: float = 0.0
     from_tokens: int = 0  # and where the activation has at least this many rows
     to_tokens: int | None = None  # and at most this many (None: any)
@@ -238,6 +238,10 @@ _SIMULATOR_CONFIGS = {
         # x and A staged in shared memory, each of two warps 8 of a block's 16 ranks (as the
         # GPU's below): timed by the tuner only.
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=16, staged=True, tuned_only=True),
+        # The same with three stages in dynamic shared memory (as the GPU's deeper rings).
+        LaunchConfig(
+            "mma", threads=64, tile_m=16, tile_n=16, staged=True, stages=3, tuned_only=True
+        ),
     ),
     "expand": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
@@ -598,6 +602,23 @@ _GPU_CONFIGS = {
         ),
         LaunchConfig(
             "mma", threads=128, tile_m=32, tile_n=128, joint=True, staged=True, tuned_only=True
+        ),
+        # ... and deeper rings in dynamic shared memory (kernels/shrink_mma_staged.py, "Deeper
+        # rings"): a chunk of 32 elements of K is a hundred-odd cycles of products a warp,
+        # a trip to memory over a thousand, and 48 KB held 3-7 chunks ahead. Blocks of 32 x
+        # 128 with 8 or 16 stages (80, 160 KB), 64 x 128 with 8 in eight warps or 12 in four
+        # (96, 144 KB). Not yet timed: for the tuner.
+        LaunchConfig(
+            "mma", threads=128, tile_m=32, tile_n=128, staged=True, stages=8, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=128, tile_m=32, tile_n=128, staged=True, stages=16, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=256, tile_m=64, tile_n=128, staged=True, stages=8, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma", threads=128, tile_m=64, tile_n=128, staged=True, stages=12, tuned_only=True
         ),
     ),
     "expand": (

@@ -39,13 +39,29 @@ from .test_split_shrink import forced
 #: of 8 or 16 ranks each; on the GPU the configurations' sizes.
 THREADS = 128 if LARGE else 64
 BLOCK_RANKS = (64, 128) if LARGE else (16, 32)
+#: Stages drawn: 0, what 48 KB declared in the kernel hold, or a deeper ring in dynamic shared
+#: memory (3 on the simulator, 8 on the GPU, as the launch tables' deeper rings).
+DEEP = 8 if LARGE else 3
 
 
 def staged_config(
-    tile_m: int, tile_n: int, splits: int = 1, threads: int = THREADS, joint: bool = False
+    tile_m: int,
+    tile_n: int,
+    splits: int = 1,
+    threads: int = THREADS,
+    joint: bool = False,
+    stages: int = 0,
 ) -> LaunchConfig:
     return LaunchConfig(
-        "mma", threads, tile_m, tile_n, splits=splits, joint=joint, staged=True, tuned_only=True
+        "mma",
+        threads,
+        tile_m,
+        tile_n,
+        splits=splits,
+        joint=joint,
+        staged=True,
+        stages=stages,
+        tuned_only=True,
     )
 
 
@@ -64,10 +80,12 @@ def staged_cases() -> st.SearchStrategy:
     st.sampled_from(BLOCK_RANKS),
     st.sampled_from(((1, False), (3, False), (1, True))),  # (runs of K, side by side)
     st.booleans(),
+    st.sampled_from((0, DEEP)),
 )
-def test_staged_shrink_matches_reference(case, tile_m, tile_n, runs, accumulate):
+def test_staged_shrink_matches_reference(case, tile_m, tile_n, runs, accumulate, stages):
     splits, joint = runs
-    check_forced_shrink(staged_config(tile_m, tile_n, splits, joint=joint), case, accumulate)
+    config = staged_config(tile_m, tile_n, splits, joint=joint, stages=stages)
+    check_forced_shrink(config, case, accumulate)
 
 
 @pytest.mark.parametrize(
@@ -166,6 +184,29 @@ def test_only_a_tensor_core_shrink_of_whole_warp_tiles_is_staged(fields):
     assert config_name(staged_config(32, 128, 1, 128)) == "mma_t128_m32_n128_s"
     assert config_name(staged_config(32, 128, 4, 128)) == "mma_t128_m32_n128_k4_s"
     assert config_name(staged_config(32, 64, 1, 128, joint=True)) == "mma_t128_m32_n64_j_s"
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_deep_ring_gives_the_bits_of_the_declared_one(splits):
+    """Three stages in dynamic shared memory, over a K that goes round them more than twice
+    (as the GPU's deeper rings, 8-16 stages, go round theirs), alone and in 3 runs of K:
+    the bits of the ring that 48 KB declared in the kernel hold (8 stages here)."""
+    problem = Problem(slots=[0, -1, 1, 0, 1] * 4, prepared=20, num_loras=2, seed=12)
+    case = ShrinkCase(problem, 32 * 9 + 8, 16, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+    deep = staged_config(16, 16, splits, 64, stages=3)
+    assert config_name(deep).endswith("_s3")
+    outputs = outputs_under([deep, staged_config(16, 16, splits, 64)], case)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_stages_asked_for_are_kept_up_to_what_a_block_may_have():
+    """Asked for, a block keeps that many stages in dynamic shared memory, past 8 and past
+    48 KB (64 x 128: 12 KB a stage, 18 of them in Hopper's 227 KB), never fewer than two."""
+    assert staged_stages(64, 128, 12) == 12
+    assert staged_stages(64, 128, 18) == 18
+    for stages in (1, 19):
+        with pytest.raises(ValueError, match="at most"):
+            staged_stages(64, 128, stages)
 
 
 def test_a_block_keeps_the_most_stages_that_fit_48_kb():

@@ -55,6 +55,13 @@ table's 143 shrinks at r=64 and 128, all of 2048 tokens or more, 1.05-1.92x fast
 picks before (QKV at r=128, 8192 tokens on one LoRA: 254.4 -> 132.5 µs); the table takes them
 there.
 
+**Deeper rings.** A chunk is 32 elements of K: a block of 64 x 128 multiplies one in about a
+hundred cycles a warp, where a trip to memory takes over a thousand, so with three chunks
+ahead a block waits on memory most of its time. Built with ``stages``, a block keeps that
+many in dynamic shared memory (up to 227 KB on Hopper; :func:`punica_numba._cuda.jit_kernel`'s
+``shared_bytes``): 12 stages of 64 x 128 hold 144 KB. The ring and the sums are the same, so
+the bits are too.
+
 Shared memory: ``STAGES x (TILE_M + TILE_N) x 64`` bytes (40 KB for 32 x 128 in 4 stages), the
 most stages of at most 8 that fit 48 KB: small blocks keep more chunks in flight (16 tokens x 64
 ranks, 7 chunks ahead, 35 KB). On an H100 (lab notes, at 255c04c against 61de306) 8 stages
@@ -94,11 +101,14 @@ __all__ = [
 CHUNK_WORDS = 8
 
 
-def staged_stages(tile_m: int, tile_n: int) -> int:
+def staged_stages(tile_m: int, tile_n: int, stages: int = 0) -> int:
     """The stages of shared memory a block of ``tile_m`` tokens and ``tile_n`` ranks keeps:
-    the most, up to 8, whose rows fit 48 KB (a ``ValueError`` below 2)."""
+    ``stages`` 0, the most, up to 8, whose rows fit 48 KB declared in the kernel; else
+    ``stages``, in dynamic shared memory (:func:`.async_copy.stages_that_fit`: a
+    ``ValueError`` below 2 or past what a block may have)."""
     stage_bytes = (tile_m + tile_n) * CHUNK_WORDS * 8
-    return stages_that_fit(stage_bytes, f"a staged shrink of {tile_m} tokens x {tile_n} ranks")
+    what = f"a staged shrink of {tile_m} tokens x {tile_n} ranks"
+    return stages_that_fit(stage_bytes, what, stages)
 
 
 @cuda.jit(device=True, inline="always")
@@ -169,16 +179,25 @@ class StagedShrinkParts(NamedTuple):
     m_tiles: int
     n_tiles: int  # 8-rank tiles of a warp
     lane_rows: int  # token rows of a lane's outputs (g + 8 r)
+    shared_bytes: int  # the stages' dynamic shared memory (0: declared in the kernel)
 
 
 @functools.cache
 def staged_shrink_parts(
-    dtype: torch.dtype, threads: int, m_tiles: int, n_tiles: int, wide: bool, joint: bool = False
+    dtype: torch.dtype,
+    threads: int,
+    m_tiles: int,
+    n_tiles: int,
+    wide: bool,
+    joint: bool = False,
+    stages: int = 0,
 ) -> StagedShrinkParts:
     """The parts of a staged shrink of x and A of ``dtype``, ``threads // 32`` warps,
     ``m_tiles`` 16-token tiles a block and ``n_tiles`` 8-rank tiles a *warp*, 16-byte copies
     or 8 (``wide``: every row of x and A starts at a multiple of 16 bytes). ``joint``: a
-    block's ranks are the launch's slices' side by side (see "Slices side by side")."""
+    block's ranks are the launch's slices' side by side (see "Slices side by side").
+    ``stages``: 0, the stages that 48 KB declared in the kernel hold, or that many in the
+    launch's dynamic shared memory ("Deeper rings")."""
     if threads % 32 or threads <= 0:
         raise ValueError(f"threads must be whole warps, got {threads}")
     add_product = mma_into(dtype)
@@ -188,9 +207,10 @@ def staged_shrink_parts(
     TILE_M, WARP_N = 16 * m_tiles, 8 * n_tiles
     TILE_N = WARP_N * WARPS
     ROWS = TILE_M + TILE_N  # a stage's rows: the tile's rows of x, then the block's of A
-    STAGES = staged_stages(TILE_M, TILE_N)
+    STAGES = staged_stages(TILE_M, TILE_N, stages)
     STAGE_WORDS = ROWS * CHUNK_WORDS
     STAGED_WORDS = STAGES * STAGE_WORDS
+    SHARED_BYTES = 8 * STAGED_WORDS if stages else 0
     COPIES = -(-ROWS * 4 // THREADS)  # 16-byte copies a thread starts a stage
     PAIRS = ROWS * 4  # 16-byte pairs of words in a stage
     LANE_ROWS = 2 * M_TILES  # token rows of a lane's fragments and outputs: g + 8 r
@@ -269,11 +289,25 @@ def staged_shrink_parts(
 
     fill, turn = stage_ring(STAGES, start_stage, multiply_stage)
 
+    if SHARED_BYTES:
+
+        @cuda.jit(device=True, inline="always")
+        def stage_array():
+            """The stages, in the launch's dynamic shared memory."""
+            return cuda.shared.array(0, int64, alignment=ALIGNMENT)[:STAGED_WORDS]
+
+    else:
+
+        @cuda.jit(device=True, inline="always")
+        def stage_array():
+            """The stages, declared here (at most 48 KB)."""
+            return cuda.shared.array(STAGED_WORDS, int64, alignment=ALIGNMENT)
+
     @cuda.jit(device=True, inline="always")
     def walk(x, w0, w1, w2, slot, source, first_chunk, end_chunk, tid, warp, g, t, acc, scratch):
         """The block's chunks ``first_chunk .. end_chunk - 1``, through the stages
         (:func:`.async_copy.stage_ring`)."""
-        staged = cuda.shared.array(STAGED_WORDS, int64, alignment=ALIGNMENT)
+        staged = stage_array()
         base = stage_base(staged)
         copying = (staged, base, x, w0, w1, w2, slot, source, tid)
         fill(first_chunk, end_chunk, copying)
@@ -316,7 +350,9 @@ def staged_shrink_parts(
         n = n0 + WARP_N * (tid // 32) + 8 * nj + 2 * (tid % 4) + i % 2
         return (mi * N_TILES + nj) * 4 + i, 2 * mi + i // 2, n
 
-    return StagedShrinkParts(block_sums, place, rank_of, OUTPUTS, M_TILES, N_TILES, LANE_ROWS)
+    return StagedShrinkParts(
+        block_sums, place, rank_of, OUTPUTS, M_TILES, N_TILES, LANE_ROWS, SHARED_BYTES
+    )
 
 
 @functools.cache
@@ -329,6 +365,7 @@ def build_staged_mma_shrink_kernel(
     joint: bool = False,
     accumulate: bool = True,
     wide: bool = True,
+    stages: int = 0,
 ):
     """Compile-time specialisation: the dtype of x and A (bf16 or fp16), the output's,
     warps per block (``threads // 32``), 16-token tiles per block, 8-rank tiles per *warp*
@@ -336,11 +373,12 @@ def build_staged_mma_shrink_kernel(
     group), whether a block's ranks are the slices' side by side (``joint``: a block a
     tile, grid ``(tiles, groups of joint ranks, 1)``), whether the products are added to the
     output or stored, and whether every row of x and A starts at a multiple of 16 bytes
-    (``wide``: 16-byte copies, else 8).
+    (``wide``: 16-byte copies, else 8), and the stages (0: what 48 KB declared in the kernel
+    hold; else that many in dynamic shared memory).
 
     The kernel takes x as ``[T, K/4]`` and A as ``[L, r, K/4]`` int64 words of four
     elements (K a multiple of 8), as :func:`.shrink_mma.build_mma_shrink_kernel`'s."""
-    parts = staged_shrink_parts(dtype, threads, m_tiles, n_tiles, wide, joint)
+    parts = staged_shrink_parts(dtype, threads, m_tiles, n_tiles, wide, joint, stages)
     block_sums, place, rank_of = parts.block_sums, parts.place, parts.rank_of
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, OUTPUTS, LANE_ROWS, ACCUMULATE = threads, parts.outputs, parts.lane_rows, accumulate
@@ -348,7 +386,7 @@ def build_staged_mma_shrink_kernel(
 
     begin = prologue()
 
-    @jit_kernel(THREADS)
+    @jit_kernel(THREADS, shared_bytes=parts.shared_bytes)
     def shrink(x, w0, w1, w2, out, slice_base, slices, tiles, sorted_tokens, scaling):
         # x: [M, K/4] int64 words; w*: [L, R, K/4] words; out: [S, M, R]; tiles: [B, 4]
         # grid: (tiles * slices, rank groups, 1)

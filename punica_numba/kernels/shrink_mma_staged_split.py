@@ -38,13 +38,14 @@ def build_split_staged_mma_shrink_kernel(
     splits: int,
     accumulate: bool = True,
     wide: bool = True,
+    stages: int = 0,
 ):
     """:func:`.shrink_mma_staged.build_staged_mma_shrink_kernel`'s specialisation, and the
     runs K is cut into (``splits``, a block each along grid.z). The kernel takes the
     workspace of :func:`.shrink_split.split_workspace` after the slice count."""
     if splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
-    parts = staged_shrink_parts(dtype, threads, m_tiles, n_tiles, wide)
+    parts = staged_shrink_parts(dtype, threads, m_tiles, n_tiles, wide, stages=stages)
     block_sums, place = parts.block_sums, parts.place
     arrived_last, add_chunks = last_block_adds(splits, out_dtype, accumulate)
     THREADS, OUTPUTS, LANE_ROWS, SPLITS = threads, parts.outputs, parts.lane_rows, splits
@@ -52,7 +53,7 @@ def build_split_staged_mma_shrink_kernel(
 
     begin = prologue()
 
-    @jit_kernel(THREADS)
+    @jit_kernel(THREADS, shared_bytes=parts.shared_bytes)
     def shrink_split_k(
         x, w0, w1, w2, out, slice_base, slices, workspace, arrivals, tiles, sorted_tokens, scaling
     ):

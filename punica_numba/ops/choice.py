@@ -129,10 +129,12 @@ def choose_shrink(
             tiles = (inputs.dtype, output.dtype, config.threads, config.tile_m // 16, per_warp)
             if config.splits > 1:  # K in runs too, a block each along grid.z
                 kernel = build_split_staged_mma_shrink_kernel(
-                    *tiles, config.splits, accumulate, wide
+                    *tiles, config.splits, accumulate, wide, config.stages
                 )
             else:
-                kernel = build_staged_mma_shrink_kernel(*tiles, config.joint, accumulate, wide)
+                kernel = build_staged_mma_shrink_kernel(
+                    *tiles, config.joint, accumulate, wide, config.stages
+                )
             rank_groups = -(-ranks // (8 * per_warp * warps))
             return ShrinkChoice(config, kernel, x, packed, rank_groups, True, False)
         if config.joint:  # the slices' ranks side by side (a launch takes up to MAX_SLICES)
