@@ -775,17 +775,14 @@ _GPU_CONFIGS = {
         # ... and deeper rings in dynamic shared memory (kernels/expand_mma_staged.py, "Deeper
         # rings"): 48 KB hold two stages of 64 x 128, so at r=128 a block waits a trip to
         # memory for each of its four chunks. Five stages put every chunk of r=128 on its
-        # way at once (87 KB: two blocks an SM), and larger tiles read the buffer and B
-        # less often for each output (128 x 128 and 64 x 256: 133 and 102 KB, one block or
-        # two an SM). Not yet timed: for the tuner.
+        # way at once (87 KB: two blocks an SM), and a tile of 256 columns reads the buffer
+        # half as often (102 KB in four stages; no tile of more tokens: each tile size is a
+        # table the metadata fills at every step). Not yet timed: for the tuner.
         LaunchConfig(
             "mma", threads=256, tile_m=64, tile_n=128, staged=True, stages=5, tuned_only=True
         ),
         LaunchConfig(
             "mma", threads=128, tile_m=64, tile_n=128, staged=True, stages=5, tuned_only=True
-        ),
-        LaunchConfig(
-            "mma", threads=256, tile_m=128, tile_n=128, staged=True, stages=5, tuned_only=True
         ),
         LaunchConfig(
             "mma", threads=256, tile_m=64, tile_n=256, staged=True, stages=4, tuned_only=True
