@@ -238,10 +238,6 @@ _SIMULATOR_CONFIGS = {
         # x and A staged in shared memory, each of two warps 8 of a block's 16 ranks (as the
         # GPU's below): timed by the tuner only.
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=16, staged=True, tuned_only=True),
-        # The same with three stages in dynamic shared memory (as the GPU's deeper rings).
-        LaunchConfig(
-            "mma", threads=64, tile_m=16, tile_n=16, staged=True, stages=3, tuned_only=True
-        ),
     ),
     "expand": (
         LaunchConfig("rows", threads=16, tile_m=1, tile_n=16, spread=False),
@@ -261,10 +257,6 @@ _SIMULATOR_CONFIGS = {
         # The buffer and B staged in shared memory, two warps of 16 columns (as the GPU's
         # below; 16 tokens, a tile size the simulator has): timed by the tuner only.
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=32, staged=True, tuned_only=True),
-        # The same with three stages in dynamic shared memory (as the GPU's deeper rings).
-        LaunchConfig(
-            "mma", threads=64, tile_m=16, tile_n=32, staged=True, stages=3, tuned_only=True
-        ),
     ),
 }
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from punica_numba import ops
 from punica_numba.kernels import staged_expand_warps
 from punica_numba.kernels.expand_mma_staged import staged_expand_stages
-from punica_numba.launch import LaunchConfig, config_name, launch_configs
+from punica_numba.launch import LaunchConfig, config_name
 
 from .op_cases import ExpandCase, Problem, check_expand, rows_at_8_bytes
 from .strategies import LARGE, fewer_on_the_simulator
@@ -250,8 +250,6 @@ def test_a_ring_of_dynamic_stages_gives_the_bits_of_the_static_one():
     stage of B written over the buffer's (or the reverse) would show here. 19 tokens on one
     LoRA and one without, one slice of 32 columns, bf16: the bits of the static ring's."""
     deep, static = staged_config(64, 16, 32, 3), staged_config(64, 16, 32)
-    if deep not in launch_configs("expand"):
-        pytest.skip("this machine's table has no such block")
     problem = Problem([0] * 9 + [-1] + [0] * 10, 20, 1, seed=7)
     bf16 = torch.bfloat16
     case = ExpandCase(problem, 128, [32], 0, 0, torch.float32, bf16, bf16, True, False, False)

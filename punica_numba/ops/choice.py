@@ -129,11 +129,11 @@ def choose_shrink(
             tiles = (inputs.dtype, output.dtype, config.threads, config.tile_m // 16, per_warp)
             if config.splits > 1:  # K in runs too, a block each along grid.z
                 kernel = build_split_staged_mma_shrink_kernel(
-                    *tiles, config.splits, accumulate, wide, config.stages
+                    *tiles, config.splits, accumulate, wide, stages=config.stages
                 )
             else:
                 kernel = build_staged_mma_shrink_kernel(
-                    *tiles, config.joint, accumulate, wide, config.stages
+                    *tiles, config.joint, accumulate, wide, stages=config.stages
                 )
             rank_groups = -(-ranks // (8 * per_warp * warps))
             return ShrinkChoice(config, kernel, x, packed, rank_groups, True, False)
@@ -279,7 +279,7 @@ def choose_expand(
                 rank // 16,
                 wide and n_tiles % 4 == 0,  # 16-byte words of output: 4 tiles each
                 dtype,
-                config.stages,
+                stages=config.stages,
             )
         else:
             n_tiles = config.tile_n // (8 * config.threads // 32)  # 8-column tiles per warp
