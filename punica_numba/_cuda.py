@@ -179,7 +179,8 @@ def jit_kernel(
 
     ``shared_bytes``: the kernel's dynamic shared memory (``cuda.shared.array(0, ...)``),
     the same at every launch. Past the driver's default of 48 KB a kernel must be allowed
-    more before it launches: :class:`KernelLauncher` compiles it, raises the kernel's
+    more before it launches: :class:`KernelLauncher` compiles it (not Numba's launch, which
+    would ask for them under the default), raises the kernel's
     ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` to ``shared_bytes`` once, and launches it with them.
     """
     if SIMULATOR:
@@ -339,8 +340,9 @@ class KernelLauncher:
         self.cluster = getattr(dispatcher, "cluster", 1)
         #: dynamic shared memory of each launch, bytes (:func:`jit_kernel`)
         self.shared_bytes = getattr(dispatcher, "shared_bytes", 0)
-        # Numba's own launch takes neither clusters nor more than 48 KB of shared memory.
-        self._driven = self.cluster > 1 or self.shared_bytes > 0
+        # Numba's own launch makes no clusters, and gives a kernel no more than 48 KB of
+        # shared memory: such a kernel is compiled before its first launch, not by it.
+        self._compiled_first = self.cluster > 1 or self.shared_bytes > 0
 
     def __call__(self, grid: tuple, block: int, args: tuple) -> None:
         if SIMULATOR:
@@ -350,7 +352,7 @@ class KernelLauncher:
             return
         key, raw = key_and_params(args)
         entry = self._compiled.get(key)
-        if entry is None and self._driven:
+        if entry is None and self._compiled_first:
             entry = self._compile(key, args, launched=False)
         elif entry is None:  # first launch of these types: Numba compiles and launches it
             self._compile_and_launch(key, grid, block, args)
@@ -358,7 +360,7 @@ class KernelLauncher:
         cu_kernel, scalars = entry
         for index, c_type in scalars:
             raw[index] = c_type(raw[index])
-        if self._driven:  # through the driver, which takes the cluster's shape
+        if self.cluster > 1:  # through the driver, which takes the cluster's shape
             ready = ReadyLaunch(grid, block, cu_kernel, raw, self.cluster, self.shared_bytes)
             config = self._configs.get((grid, block))  # (made once a grid and block)
             if config is None:
@@ -372,10 +374,11 @@ class KernelLauncher:
             return
         config = self._configs.get((grid, block))
         if config is None:
-            config = self._configs[(grid, block)] = _core_launch_config(grid, block)
+            config = _core_launch_config(grid, block, self.shared_bytes)
+            self._configs[(grid, block)] = config
         _core_launch(_core_stream(), config, cu_kernel, *raw)
         if _recording.record is not None:
-            _recording.record.add(grid, block, cu_kernel, raw, args)
+            _recording.record.add(grid, block, cu_kernel, raw, args, 1, self.shared_bytes)
 
     def _compile_and_launch(self, key: tuple, grid: tuple, block: int, args: tuple) -> None:
         """Launch through Numba's dispatcher (which compiles), and remember the compiled
@@ -704,12 +707,17 @@ if not SIMULATOR:
     _CUDA_SUCCESS = CUresult.CUDA_SUCCESS
     _THREAD_LOCAL_CAPTURE = CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
 
-    def _core_launch_config(grid, block):
+    def _core_launch_config(grid, block, shared_bytes: int = 0):
+        """cuda.core's configuration of a launch: its grid, block and dynamic shared memory,
+        as a dependent launch where :func:`dependent_launch` says so."""
         if dependent_launch():
             return _CoreLaunchConfig(
-                grid=grid, block=block, shmem_size=0, programmatic_stream_serialization=True
+                grid=grid,
+                block=block,
+                shmem_size=shared_bytes,
+                programmatic_stream_serialization=True,
             )
-        return _CoreLaunchConfig(grid=grid, block=block, shmem_size=0)
+        return _CoreLaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
 
     # torch.cuda.current_stream() builds a Stream object through several Python calls,
     # a few µs on a slow host for every launch. torch's compiler reads the raw handle

@@ -261,7 +261,7 @@ def test_the_gpu_path_packs_raw_parameters(monkeypatch):
     monkeypatch.setattr(_cuda, "SIMULATOR", False)
     monkeypatch.setattr(_cuda, "launch_stream", lambda: 0)
     monkeypatch.setattr(_cuda, "_core_stream", lambda: "stream", raising=False)
-    monkeypatch.setattr(_cuda, "_core_launch_config", lambda g, b: (g, b), raising=False)
+    monkeypatch.setattr(_cuda, "_core_launch_config", lambda g, b, shared=0: (g, b), raising=False)
     monkeypatch.setattr(_cuda, "_core_launch", lambda *a: sent.append(a), raising=False)
 
     x, w, table = torch.randn(4, 8), torch.randn(3, 2, 8), torch.zeros(2, 5, dtype=torch.int32)
@@ -338,17 +338,18 @@ def test_a_kernel_of_clusters_is_compiled_not_launched_by_numba(monkeypatch):
 
 def test_a_kernel_of_dynamic_shared_memory_is_allowed_it_once(monkeypatch):
     """A kernel of dynamic shared memory (``jit_kernel(..., shared_bytes=n)``): Numba's launch
-    would ask for it with the driver's default ceiling of 48 KB, so its first launch only
-    compiles; the compiled kernel is allowed ``n`` bytes once, and every launch goes to the
-    driver with them, recorded with them, without clusters."""
-    driven, allowed = [], []
+    would ask for it under the driver's default ceiling of 48 KB, so its first launch only
+    compiles; the compiled kernel is allowed ``n`` bytes once, and every launch asks for
+    them, on the ordinary path (cuda.core's configuration, made once a grid and block) and
+    in a record."""
+    sent, allowed, configs = [], [], []
     monkeypatch.setattr(_cuda, "SIMULATOR", False)
-    monkeypatch.setattr(_cuda, "_function_of", lambda kernel: kernel, raising=False)
-    monkeypatch.setattr(_cuda, "_current_stream_handle", lambda: 7, raising=False)
+    monkeypatch.setattr(_cuda, "_core_stream", lambda: "stream", raising=False)
     monkeypatch.setattr(
-        _cuda, "_driver_launch", lambda stream, ready: driven.append(ready), raising=False
+        _cuda, "_core_launch_config", lambda *a: configs.append(a) or a, raising=False
     )
-    monkeypatch.setattr(_cuda, "_launch_ex_config", lambda ready: ready.grid, raising=False)
+    monkeypatch.setattr(_cuda, "_core_launch", lambda *a: sent.append(a), raising=False)
+    monkeypatch.setattr(_cuda, "_function_of", lambda kernel: kernel, raising=False)
     monkeypatch.setattr(
         _cuda, "_allow_shared_bytes", lambda kernel, n: allowed.append((kernel, n)),
         raising=False,
@@ -365,8 +366,9 @@ def test_a_kernel_of_dynamic_shared_memory_is_allowed_it_once(monkeypatch):
     assert dispatcher.launches == []  # (compiled, never launched the ordinary way)
     (overload,) = set(dispatcher.overloads.values())
     assert allowed == [(overload, 100_000)]  # once, for the one compiled kernel
-    assert [(r.shared_bytes, r.cluster) for r in driven] == [(100_000, 1)] * 3
-    assert [r.shared_bytes for r in record.launches] == [100_000, 100_000]
+    assert configs == [((3, 2, 4), 64, 100_000), ((5, 1, 1), 128, 100_000)]
+    assert [config for _, config, *_ in sent] == [configs[0], configs[0], configs[1]]
+    assert [(r.shared_bytes, r.cluster) for r in record.launches] == [(100_000, 1)] * 2
 
 
 @pytest.mark.gpu
@@ -393,7 +395,7 @@ def _stub_driver(monkeypatch) -> list:
     monkeypatch.setattr(_cuda, "launch_stream", lambda: 0)
     monkeypatch.setattr(_cuda, "_core_stream", lambda: "stream", raising=False)
     monkeypatch.setattr(_cuda, "_current_stream_handle", lambda: "stream", raising=False)
-    monkeypatch.setattr(_cuda, "_core_launch_config", lambda g, b: (g, b), raising=False)
+    monkeypatch.setattr(_cuda, "_core_launch_config", lambda g, b, shared=0: (g, b), raising=False)
     monkeypatch.setattr(_cuda, "_function_of", lambda kernel: kernel, raising=False)
     monkeypatch.setattr(
         _cuda,
