@@ -599,7 +599,8 @@ _GPU_CONFIGS = {
         # rings"): a chunk of 32 elements of K is a hundred-odd cycles of products a warp,
         # a trip to memory over a thousand, and 48 KB held 3-7 chunks ahead. Blocks of 32 x
         # 128 with 8 or 16 stages (80, 160 KB), 64 x 128 with 8 in eight warps or 12 in four
-        # (96, 144 KB). Not yet timed: for the tuner.
+        # (96, 144 KB); 96-146 registers for sm_90, no spills (sm90_deep_rings_static.json).
+        # Not yet timed: for the tuner.
         LaunchConfig(
             "mma", threads=128, tile_m=32, tile_n=128, staged=True, stages=8, tuned_only=True
         ),
@@ -769,7 +770,8 @@ _GPU_CONFIGS = {
         # memory for each of its four chunks. Five stages put every chunk of r=128 on its
         # way at once (87 KB: two blocks an SM), and a tile of 256 columns reads the buffer
         # half as often (102 KB in four stages; no tile of more tokens: each tile size is a
-        # table the metadata fills at every step). Not yet timed: for the tuner.
+        # table the metadata fills at every step). 88, 216 and 192 registers for sm_90, no
+        # spills (sm90_deep_rings_static.json). Not yet timed: for the tuner.
         LaunchConfig(
             "mma", threads=256, tile_m=64, tile_n=128, staged=True, stages=5, tuned_only=True
         ),

@@ -10,7 +10,7 @@ twin) and of the tensor-core shrink the tuned table takes at r=128 with many tok
 
 Each build in ``VARIANTS`` takes bf16 x and A in 16-byte rows and adds into an fp32 buffer:
 ``staged_t<threads>_m<tokens>_n<ranks>`` (``_k<n>``: K in n runs; ``staged_joint_``: the slices'
-ranks side by side) and ``walk_t128_m16_n64``.
+ranks side by side; ``_s<n>``: n stages in dynamic shared memory) and ``walk_t128_m16_n64``.
 
 Run from the repository root: ``python docs/benchmarks/probes/shrink_staged_static.py [NAME
 ...]``. Prints one JSON line: the commit and ptxas's version, and for each build what
@@ -20,7 +20,7 @@ Run from the repository root: ``python docs/benchmarks/probes/shrink_staged_stat
 import os
 
 # name: (staged, threads, 16-token tiles, 8-rank tiles a warp (staged) or a block, splits,
-# the slices' ranks side by side)
+# the slices' ranks side by side[, stages in dynamic shared memory])
 VARIANTS = {
     "walk_t128_m16_n64": (False, 128, 1, 8, 1, False),
     "staged_t128_m32_n128": (True, 128, 2, 4, 1, False),
@@ -36,10 +36,14 @@ VARIANTS = {
     "staged_joint_t96_m32_n48": (True, 96, 2, 2, 1, True),
     "staged_joint_t128_m32_n64": (True, 128, 2, 2, 1, True),
     "staged_joint_t128_m32_n128": (True, 128, 2, 4, 1, True),
+    "staged_t128_m32_n128_s8": (True, 128, 2, 4, 1, False, 8),
+    "staged_t128_m32_n128_s16": (True, 128, 2, 4, 1, False, 16),
+    "staged_t256_m64_n128_s8": (True, 256, 4, 2, 1, False, 8),
+    "staged_t128_m64_n128_s12": (True, 128, 4, 4, 1, False, 12),
 }
 
 
-def build(staged, threads, m_tiles, n_tiles, splits, joint):
+def build(staged, threads, m_tiles, n_tiles, splits, joint, stages=0):
     """The shrink of a variant, built (on whatever machine runs this)."""
     import torch
 
@@ -53,8 +57,8 @@ def build(staged, threads, m_tiles, n_tiles, splits, joint):
     if not staged:
         return build_mma_shrink_kernel(*tiles)
     if splits > 1:
-        return build_split_staged_mma_shrink_kernel(*tiles, splits)
-    return build_staged_mma_shrink_kernel(*tiles, joint=joint)
+        return build_split_staged_mma_shrink_kernel(*tiles, splits, stages=stages)
+    return build_staged_mma_shrink_kernel(*tiles, joint=joint, stages=stages)
 
 
 def _signature(split):
