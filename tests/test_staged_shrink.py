@@ -150,9 +150,12 @@ def test_the_same_bits_as_one_warp_walking_k(splits):
     """A staged block's outputs are each one warp's sums over its run of K, in the order of
     one warp of the tensor-core shrink (the key ``("mma", 32)``, or with ``splits``), so the
     outputs are equal bit for bit, whatever the staged block's warps and tiles. K = 104: its
-    fourth chunk of 32 is partly past the end; in 3 runs, of 2, 2 and no chunks."""
+    fourth chunk of 32 is partly past the end; in 3 runs, of 2, 2 and no chunks. Two slices
+    in one run (the side-by-side block's 16 joint ranks then straddle them), one in three
+    (a slice's blocks are any other's but for its weights)."""
     problem = Problem(slots=[2, 0, 1, 1, -1, 0, 2] * 5, prepared=35, num_loras=3, seed=8)
-    case = ShrinkCase(problem, 104, 24, 2, 0, torch.bfloat16, torch.float32, 0.5, False)
+    slices = 2 if splits == 1 else 1
+    case = ShrinkCase(problem, 104, 24, slices, 0, torch.bfloat16, torch.float32, 0.5, False)
     one_warp = LaunchConfig("mma", 32, 16, 8, splits=splits, tuned_only=True)
     configs = [staged_config(32, 16, splits, 64), staged_config(16, 32, splits, 64)]
     configs.append(staged_config(64, 16, splits, 32))  # (one warp of 16 ranks, 64 tokens)
