@@ -596,19 +596,20 @@ _GPU_CONFIGS = {
             "mma", threads=128, tile_m=32, tile_n=128, joint=True, staged=True, tuned_only=True
         ),
         # ... and deeper rings in dynamic shared memory (kernels/shrink_mma_staged.py, "Deeper
-        # rings"): a chunk of 32 elements of K is a hundred-odd cycles of products a warp,
-        # a trip to memory over a thousand, and 48 KB held 3-7 chunks ahead. Blocks of 32 x
-        # 128 with 8 or 16 stages (80, 160 KB), 64 x 128 with 8 in eight warps or 12 in four
-        # (96, 144 KB); 96-146 registers for sm_90, no spills (sm90_deep_rings_static.json).
-        # Not yet timed: for the tuner.
+        # rings"): 48 KB held 3-7 chunks of K ahead. Timed on an H100 (1ff097d,
+        # h100_deep_rings_1ff097d.json, the H200 table's 76 shrinks at r=128) they were the
+        # fastest on 3, all of 8192 tokens: 64 x 128 in 12 stages at K=14336 on one LoRA
+        # (222.5 -> 191.2 µs against its 4-stage twin), 32 x 128 in 16 and in 8 on QKV over
+        # 256 and 91 LoRAs (1.08x, 1.02x). Elsewhere the declared rings were as fast or
+        # faster: a block's chunk is a chain inside the SM (copies, wait, barrier, loads from
+        # the stage, products), not a wait on memory, and a block of 32 x 128 took 42 µs at
+        # K=4096 whatever its stages. 64 x 128 in 8 stages of eight warps won nowhere and was
+        # removed. Timed by the tuner only.
         LaunchConfig(
             "mma", threads=128, tile_m=32, tile_n=128, staged=True, stages=8, tuned_only=True
         ),
         LaunchConfig(
             "mma", threads=128, tile_m=32, tile_n=128, staged=True, stages=16, tuned_only=True
-        ),
-        LaunchConfig(
-            "mma", threads=256, tile_m=64, tile_n=128, staged=True, stages=8, tuned_only=True
         ),
         LaunchConfig(
             "mma", threads=128, tile_m=64, tile_n=128, staged=True, stages=12, tuned_only=True
@@ -765,22 +766,6 @@ _GPU_CONFIGS = {
         LaunchConfig("mma", threads=128, tile_m=32, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=256, tile_m=64, tile_n=128, staged=True, tuned_only=True),
         LaunchConfig("mma", threads=128, tile_m=64, tile_n=128, staged=True, tuned_only=True),
-        # ... and deeper rings in dynamic shared memory (kernels/expand_mma_staged.py, "Deeper
-        # rings"): 48 KB hold two stages of 64 x 128, so at r=128 a block waits a trip to
-        # memory for each of its four chunks. Five stages put every chunk of r=128 on its
-        # way at once (87 KB: two blocks an SM), and a tile of 256 columns reads the buffer
-        # half as often (102 KB in four stages; no tile of more tokens: each tile size is a
-        # table the metadata fills at every step). 88, 216 and 192 registers for sm_90, no
-        # spills (sm90_deep_rings_static.json). Not yet timed: for the tuner.
-        LaunchConfig(
-            "mma", threads=256, tile_m=64, tile_n=128, staged=True, stages=5, tuned_only=True
-        ),
-        LaunchConfig(
-            "mma", threads=128, tile_m=64, tile_n=128, staged=True, stages=5, tuned_only=True
-        ),
-        LaunchConfig(
-            "mma", threads=256, tile_m=64, tile_n=256, staged=True, stages=4, tuned_only=True
-        ),
     ),
 }
 

@@ -56,7 +56,11 @@ stages in dynamic shared memory instead (up to 227 KB on Hopper; the launcher al
 kernel them: :func:`punica_numba._cuda.jit_kernel`'s ``shared_bytes``): with one stage
 more than the rank's chunks, every chunk is on its way before the first is multiplied. One
 buffer holds both, the buffer's stages first; the ring, the copies and the sums are the
-same, so the bits are too.
+same, so the bits are too. Timed on an H100 (``h100_deep_rings_1ff097d.json``: the tuned
+table's 57 expands at r=128, beside their picks) they were the fastest nowhere but by 0.6 %
+once: five stages of 64 x 128 took what its two stages take (1.00-1.12x), and 64 x 256 lost
+everywhere. So the launch table offers none; the blocks of this kernel wait on something
+other than their copies (not measured apart), and ``stages`` stays for that search.
 
 **Traffic.** A block reads ``TILE_M * r`` buffer elements and ``TILE_N * r`` of B for
 ``TILE_M * TILE_N`` outputs: with 64 x 64, B a quarter as often as :mod:`.expand_mma`'s
