@@ -302,6 +302,22 @@ def test_the_gpu_path_packs_raw_parameters(monkeypatch):
     assert converted == [ctypes.c_int32, ctypes.c_float, bool, ctypes.c_int64]
 
 
+def _launched_in_a_record_and_after(**attributes):
+    """A fake kernel with ``attributes`` (``cluster``, ``shared_bytes``) launched twice on grid
+    ``(3, 2, 4)`` in a record, then once on ``(3, 2, 8)``: its dispatcher and the record."""
+    x = torch.randn(4, 8)
+    dispatcher = _FakeDispatcher((nt.Array(nt.float32, 2, "C"), nt.int32))
+    dispatcher.compile = lambda types: dispatcher.overloads[types]
+    for name, value in attributes.items():
+        setattr(dispatcher, name, value)
+    launcher = _cuda.KernelLauncher(dispatcher)
+    with _cuda.LaunchRecord((x,)) as record:
+        for _ in range(2):
+            launcher((3, 2, 4), 64, (x, 5))
+    launcher((3, 2, 8), 64, (x, 5))
+    return dispatcher, record
+
+
 def test_a_kernel_of_clusters_is_compiled_not_launched_by_numba(monkeypatch):
     """A kernel launched in clusters (``jit_kernel(..., cluster=n)``): Numba's launch makes
     none, so its first launch only compiles through the dispatcher, and every launch goes
@@ -318,15 +334,7 @@ def test_a_kernel_of_clusters_is_compiled_not_launched_by_numba(monkeypatch):
         _cuda, "_launch_ex_config", lambda ready: configs.append(ready.grid) or ready.grid,
         raising=False,
     )  # fmt: skip
-    x = torch.randn(4, 8)
-    dispatcher = _FakeDispatcher((nt.Array(nt.float32, 2, "C"), nt.int32))
-    dispatcher.compile = lambda types: dispatcher.overloads[types]
-    dispatcher.cluster = 4
-    launcher = _cuda.KernelLauncher(dispatcher)
-    with _cuda.LaunchRecord((x,)) as record:
-        for _ in range(2):
-            launcher((3, 2, 4), 64, (x, 5))
-    launcher((3, 2, 8), 64, (x, 5))
+    dispatcher, record = _launched_in_a_record_and_after(cluster=4)
     assert dispatcher.launches == []  # (compiled, never launched the ordinary way)
     assert [stream for stream, _ in driven] == [7, 7, 7]
     assert configs == [(3, 2, 4), (3, 2, 8)]  # one a grid and block
@@ -354,19 +362,11 @@ def test_a_kernel_of_dynamic_shared_memory_is_allowed_it_once(monkeypatch):
         _cuda, "_allow_shared_bytes", lambda kernel, n: allowed.append((kernel, n)),
         raising=False,
     )  # fmt: skip
-    x = torch.randn(4, 8)
-    dispatcher = _FakeDispatcher((nt.Array(nt.float32, 2, "C"), nt.int32))
-    dispatcher.compile = lambda types: dispatcher.overloads[types]
-    dispatcher.shared_bytes = 100_000
-    launcher = _cuda.KernelLauncher(dispatcher)
-    with _cuda.LaunchRecord((x,)) as record:
-        for _ in range(2):
-            launcher((3, 2, 4), 64, (x, 5))
-    launcher((5, 1, 1), 128, (x, 5))
+    dispatcher, record = _launched_in_a_record_and_after(shared_bytes=100_000)
     assert dispatcher.launches == []  # (compiled, never launched the ordinary way)
     (overload,) = set(dispatcher.overloads.values())
     assert allowed == [(overload, 100_000)]  # once, for the one compiled kernel
-    assert configs == [((3, 2, 4), 64, 100_000), ((5, 1, 1), 128, 100_000)]
+    assert configs == [((3, 2, 4), 64, 100_000), ((3, 2, 8), 64, 100_000)]
     assert [config for _, config, *_ in sent] == [configs[0], configs[0], configs[1]]
     assert [(r.shared_bytes, r.cluster) for r in record.launches] == [(100_000, 1)] * 2
 

@@ -73,6 +73,14 @@ def run_under(config: LaunchConfig, case: ExpandCase) -> tuple:
     return result
 
 
+def assert_the_bits_of(twin: LaunchConfig, config: LaunchConfig, case: ExpandCase) -> None:
+    """``case`` under ``config`` (the configuration that ran) gives ``twin``'s bits."""
+    ran, got = run_under(config, case)
+    assert ran == config, config_name(ran)
+    _, want = run_under(twin, case)
+    assert torch.equal(got, want), f"{config_name(config)} and {config_name(twin)} differ"
+
+
 @st.composite
 def staged_cases(draw) -> ExpandCase:
     """An expand the staged blocks take: an fp32 buffer, a rank of whole chunks of 32 (up to
@@ -130,10 +138,7 @@ def test_a_rank_of_more_chunks_than_stages_goes_round_them():
     problem = Problem([0] * 9 + [-1] + [0] * 10, 20, 1, seed=6)
     half = torch.float16
     case = ExpandCase(problem, 256, [64], 0, 0, torch.float32, half, half, True, False, False)
-    ran, got = run_under(config, case)
-    assert ran == config, config_name(ran)
-    _, want = run_under(PLAIN, case)
-    assert torch.equal(got, want)
+    assert_the_bits_of(PLAIN, config, case)
 
 
 def _case(rank: int, x_dtype=torch.float32, strided: bool = False) -> ExpandCase:
@@ -245,15 +250,11 @@ def test_stages_asked_for_are_kept_in_dynamic_shared_memory_up_to_its_limit():
 
 
 def test_a_ring_of_dynamic_stages_gives_the_bits_of_the_static_one():
-    """Three stages in dynamic shared memory over r=128 (four chunks: the ring turns), as
-    the GPU's deeper rings keep theirs: the buffer's stages and B's share one buffer, so a
-    stage of B written over the buffer's (or the reverse) would show here. 5 tokens on one
-    LoRA and one without, one slice of 32 columns, bf16: the bits of the static ring's."""
-    deep, static = staged_config(64, 16, 32, 3), staged_config(64, 16, 32)
+    """Three stages in dynamic shared memory over r=128 (four chunks: the ring turns): the
+    buffer's stages and B's share one buffer, so a stage of B written over the buffer's (or
+    the reverse) would show here. 5 tokens on one LoRA and one without, one slice of 32
+    columns, bf16: the bits of the ring declared in the kernel."""
     problem = Problem([0, 0, -1, 0, 0, 0], 6, 1, seed=7)
     bf16 = torch.bfloat16
     case = ExpandCase(problem, 128, [32], 0, 0, torch.float32, bf16, bf16, True, False, False)
-    ran, got = run_under(deep, case)
-    assert ran == deep, config_name(ran)
-    _, want = run_under(static, case)
-    assert torch.equal(got, want)
+    assert_the_bits_of(staged_config(64, 16, 32), staged_config(64, 16, 32, 3), case)
