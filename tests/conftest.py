@@ -27,7 +27,7 @@ _SLOW_DRAWS = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("dev", max_examples=10, deadline=None, suppress_health_check=_SLOW_DRAWS)
 settings.register_profile(
     "ci",
-    max_examples=12,
+    max_examples=10,
     deadline=None,
     derandomize=True,
     print_blob=True,
