@@ -109,7 +109,6 @@ from .segments import read_tile, slice_of, tile_token
 
 __all__ = [
     "build_staged_mma_expand_kernel",
-    "staged_expand_stage_bytes",
     "staged_expand_stages",
     "staged_expand_warps",
 ]
@@ -121,18 +120,14 @@ CHUNK_STEPS = 2
 X_PADDED_ROW, B_ROW = 36, 8
 
 
-def staged_expand_stage_bytes(tile_m: int, tile_n: int) -> int:
-    """The bytes of one stage of a block of ``tile_m`` tokens and ``tile_n`` columns."""
-    return tile_m * X_PADDED_ROW * 4 + tile_n * B_ROW * 8
-
-
 def staged_expand_stages(tile_m: int, tile_n: int, stages: int = 0) -> int:
     """The stages of shared memory a block of ``tile_m`` tokens and ``tile_n`` columns keeps:
     ``stages`` 0, the most, up to 8, that fit 48 KB declared in the kernel; else ``stages``,
     in dynamic shared memory (:func:`.async_copy.stages_that_fit`; a ``ValueError`` below 2
     or past what a block may have)."""
+    stage_bytes = tile_m * X_PADDED_ROW * 4 + tile_n * B_ROW * 8
     what = f"a staged expand of {tile_m} tokens x {tile_n} columns"
-    return stages_that_fit(staged_expand_stage_bytes(tile_m, tile_n), what, stages)
+    return stages_that_fit(stage_bytes, what, stages)
 
 
 def staged_expand_warps(threads: int, tile_m: int, tile_n: int) -> tuple[int, int, int, int]:
