@@ -21,8 +21,8 @@ later change of backend stays local. It does five things:
    CUDA graph, outside someone else's capture). On Hopper and newer every launch is a
    *dependent launch* (:func:`dependent_launch`): the GPU may start a kernel while the
    one before it on the stream is still finishing.
-5. **Mends the simulator.** On the simulator, every thread of a block gets the same
-   ``cuda.shared.array`` of a line (:func:`_one_shared_array_per_site`).
+5. **Mends the simulator** (:mod:`._simulator`): a block's barrier without Numba's
+   poller, and one ``cuda.shared.array`` a line of a kernel for every thread of a block.
 """
 
 from __future__ import annotations
@@ -99,52 +99,10 @@ from numba.cuda.core import config as _numba_cuda_config  # noqa: E402
 #: True when kernels run on Numba's CUDA simulator rather than a GPU.
 SIMULATOR: bool = bool(_numba_cuda_config.ENABLE_CUDASIM)
 
-#: The GIL switch interval (seconds) set on the simulator. Its block manager polls
-#: its threads in a busy loop; with Python's default of 5 ms, each thread that
-#: leaves a barrier waits out the poller's time slice. 0.3 ms made a shrink launch
-#: about 5 times faster on a 2-core machine. Only the simulator changes it.
-SIMULATOR_SWITCH_INTERVAL = 3e-4
 if SIMULATOR:
-    sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL)
+    from . import _simulator
 
-
-def _one_shared_array_per_site() -> None:
-    """Make the simulator hand every thread of a block the same shared array.
-
-    Numba's simulator (numba-cuda 0.30) makes a block's ``cuda.shared.array`` on the
-    first call from each line of code: it looks the line up in a dict, and when it
-    finds nothing, makes the array and stores it, with no lock. Two threads that come
-    between the look-up and the store each make their own array, and the block then
-    works on two arrays: a shrink's sums in shared memory come out as garbage for
-    that tile. Measured here: one allocation in about 2,000 split, with the switch
-    interval above, enough for about one run of the test suite in four to fail one
-    check. This replacement does the look-up and the store under a lock.
-    Dynamic shared memory (``shape == 0``), one buffer per launch, is left as it was.
-    """
-    from numba.cuda.np import numpy_support
-    from numba.cuda.simulator.kernelapi import FakeCUDAShared
-
-    as_made = FakeCUDAShared.array
-    lock = threading.Lock()
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:  # (an alignment raises, as before)
-            return as_made(self, shape, dtype, alignment)
-        caller = sys._getframe(1)  # the kernel line that asks: one array per line
-        site = (caller.f_code.co_filename, caller.f_lineno)
-        with lock:
-            found = self._allocations.get(site)
-            if found is None:
-                if isinstance(dtype, _numba_types.Type):
-                    dtype = numpy_support.as_dtype(dtype)
-                found = self._allocations[site] = np.empty(shape, dtype)
-        return found
-
-    FakeCUDAShared.array = array
-
-
-if SIMULATOR:
-    _one_shared_array_per_site()
+    _simulator.mend()
 
 
 #: Registers of one SM, and the most one thread can have.

@@ -1,9 +1,11 @@
 """The simulator's own behaviour that the package relies on (skipped on a GPU).
 
-Numba's CUDA simulator runs each CUDA thread as a Python thread. ``punica_numba._cuda``
-mends one race in it: the first call of ``cuda.shared.array`` from a line of a kernel
-makes the block's array, and two threads that made it at the same moment each got
-their own (see ``_cuda._one_shared_array_per_site``).
+Numba's CUDA simulator runs each CUDA thread as a Python thread. ``punica_numba._simulator``
+changes two of its ways: a block's threads meet at ``cuda.syncthreads()`` by their own
+counts, where Numba's block manager polled them in a busy loop
+(``_simulator._barrier_without_a_poller``); and the first call of ``cuda.shared.array``
+from a line of a kernel makes the block's array under a lock, where two threads that made
+it at the same moment each got their own (``_simulator._one_shared_array_per_site``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from punica_numba._cuda import SIMULATOR
+from punica_numba._cuda import SIMULATOR, cuda
 
 pytestmark = pytest.mark.skipif(not SIMULATOR, reason="Numba's CUDA simulator only")
 
@@ -66,3 +68,81 @@ def test_shared_arrays_of_different_lines_stay_apart():
     again = [shared.array(4, np.int64) for _ in range(2)]  # one line, called twice
     assert first is not second
     assert again[0] is again[1]
+
+
+def test_threads_meet_at_each_barrier_and_those_that_returned_are_not_waited_for():
+    """Two rounds through shared memory, each thread reading its neighbour's value of the
+    round; the first two threads of each block return before the first barrier."""
+    threads, blocks, rounds = 8, 3, 2
+
+    @cuda.jit
+    def kernel(values, out):
+        shared = cuda.shared.array(8, np.float64)
+        i, b = cuda.threadIdx.x, cuda.blockIdx.x
+        if i < 2:
+            return
+        total = 0.0
+        for r in range(rounds):
+            shared[i] = values[b, i] * (r + 1)
+            cuda.syncthreads()
+            total += shared[2 + (i - 3) % (threads - 2)]  # the one before, round the six
+            cuda.syncthreads()
+        out[b, i] = total
+
+    values = np.arange(blocks * threads, dtype=np.float64).reshape(blocks, threads)
+    out = np.full_like(values, -1.0)
+    kernel[blocks, threads](values, out)
+    neighbour = np.roll(values[:, 2:], 1, axis=1)
+    np.testing.assert_array_equal(out[:, 2:], neighbour * sum(range(1, rounds + 1)))
+    assert (out[:, :2] == -1.0).all()
+
+
+def test_syncthreads_count_counts_the_threads_of_the_block():
+    @cuda.jit
+    def kernel(out):
+        i = cuda.threadIdx.x
+        n = cuda.syncthreads_count(i % 3 == 0)
+        out[cuda.blockIdx.x, i] = n
+
+    out = np.zeros((2, 10), dtype=np.int64)
+    kernel[2, 10](out)
+    assert (out == 4).all()
+
+
+def test_a_thread_that_raises_stops_its_block_and_its_error_is_the_launchs():
+    """Thread 5 reads past its array after a barrier; the others, waiting at the next
+    barrier, are let go with the abort, and the launch raises thread 5's IndexError."""
+
+    @cuda.jit
+    def kernel(values, out):
+        i = cuda.threadIdx.x
+        cuda.syncthreads()
+        out[i] = values[i + 100 * (i == 5)]
+        cuda.syncthreads()
+        out[i] += 1.0
+
+    values, out = np.ones(8), np.zeros(8)
+    with pytest.raises(IndexError, match=r"tid=\[5, 0, 0\]"):
+        kernel[1, 8](values, out)
+
+
+def test_threads_waiting_at_a_barrier_keep_no_processor_busy():
+    """One thread sleeps before the barrier that the block's other threads wait at: the
+    process spends next to no processor time meanwhile. Numba's own manager polled the
+    waiting threads in a loop and kept a processor busy all the while."""
+    pause = 0.3
+
+    @cuda.jit
+    def kernel(out):
+        if cuda.threadIdx.x == 0:
+            time.sleep(pause)
+        cuda.syncthreads()
+        out[cuda.threadIdx.x] = 1
+
+    out = np.zeros(16, dtype=np.int64)
+    wall, processor = time.perf_counter(), time.process_time()
+    kernel[1, 16](out)
+    wall, processor = time.perf_counter() - wall, time.process_time() - processor
+    assert (out == 1).all()
+    assert wall >= pause
+    assert processor < pause / 3, f"{processor:.3f} s of processor time in {wall:.3f} s"

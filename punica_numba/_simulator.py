@@ -1,0 +1,165 @@
+"""Mends to Numba's CUDA simulator, made once by :mod:`._cuda` when it runs the kernels.
+
+The simulator runs each CUDA thread of a block as a Python thread. Two of its ways cost
+the package, and :func:`mend` changes both:
+
+1. **A block's barrier without a poller** (:func:`_barrier_without_a_poller`). Numba's
+   block manager starts a block's threads and then polls them in a loop of Python until
+   every live thread waits at ``cuda.syncthreads()``, when it lets them all go. The loop
+   never sleeps: it holds the interpreter's lock for its whole time slice, over and over,
+   while the threads that have work wait for it. Profiled on a test of the MoE shrink
+   (numba-cuda 0.30, 2 cores), three quarters of the time the lock was held went to that
+   loop and a tenth to the kernel's own threads. Here the threads keep count themselves:
+   the last to reach the barrier, or the last to finish while the others wait there, lets
+   them go, and the launch waits for them with ``join``. What a barrier means is kept:
+   the threads still running meet at it, a thread that has returned is not waited for,
+   and the first thread to raise aborts the block and its exception is the launch's.
+   Run alone on 2 cores, a test of the staged shrink (``test_staged_shrink``'s bits test
+   of three runs) took 8.1 s where it took 50.2, and the test suite on both cores 587 s
+   where it took 808.
+2. **One shared array a line** (:func:`_one_shared_array_per_site`): every thread of a
+   block gets the same ``cuda.shared.array`` of a line of the kernel.
+
+The interpreter's switch interval is left at Python's own 5 ms. With Numba's poller it
+had to be short (0.3 ms made a shrink launch about 5 times faster on 2 cores than 5 ms),
+since every thread that left a barrier waited out the poller's time slice; without it the
+threads of a block run until they wait, and the short interval only costs switches: two
+cases of that MoE test took 48 s at 0.3 ms and 36 s at 5 ms (20 ms: 35 s).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+
+def mend() -> None:
+    """Make the simulator's changes of this module (once; :mod:`._cuda` calls it)."""
+    _barrier_without_a_poller()
+    _one_shared_array_per_site()
+
+
+class _Block:
+    """The barrier of one block of simulated threads: how many still run, how many wait
+    at the barrier, a count of the times it opened, and whether a thread raised."""
+
+    def __init__(self, threads: int):
+        self.lock = threading.Condition(threading.Lock())
+        self.running = threads
+        self.waiting = 0
+        self.openings = 0
+        self.aborted = False
+
+    def open_if_every_running_thread_waits(self) -> None:
+        """(Under ``lock``.) Let the waiting threads go once no running thread is not
+        waiting: at the last thread's arrival, or at the finish of the last that was not."""
+        if self.waiting and self.waiting == self.running:
+            self.waiting = 0
+            self.openings += 1
+            self.lock.notify_all()
+
+    def wait(self) -> None:
+        """``cuda.syncthreads()`` of one thread."""
+        with self.lock:
+            if self.aborted:
+                raise RuntimeError("abort flag set on syncthreads call")
+            self.waiting += 1
+            opening = self.openings
+            self.open_if_every_running_thread_waits()
+            while self.openings == opening and not self.aborted:
+                self.lock.wait()
+            if self.aborted:
+                raise RuntimeError("abort flag set on syncthreads clear")
+
+    def finished(self, raised: bool) -> None:
+        """A thread returned (or raised: then every thread of the block is aborted)."""
+        with self.lock:
+            self.running -= 1
+            if raised:
+                self.aborted = True
+                self.lock.notify_all()
+            else:
+                self.open_if_every_running_thread_waits()
+
+
+def _barrier_without_a_poller() -> None:
+    """Replace the block manager's polling loop by :class:`_Block`'s counts (see the
+    module's notes)."""
+    from numba.cuda.simulator import kernel as simulator
+
+    thread_class = simulator.BlockThread
+    polled_run = thread_class.run  # names the failing thread and block in the exception
+
+    def run(self):
+        try:
+            polled_run(self)
+        finally:
+            self._block.finished(raised=self.exception is not None)
+
+    def syncthreads(self):
+        self._block.wait()
+
+    def run_block(self, grid_point, *args):
+        block = _Block(int(np.prod(self._block_dim)))
+
+        def target():
+            self._f(*args)
+
+        threads = []
+        for block_point in np.ndindex(*self._block_dim):
+            thread = thread_class(target, self, grid_point, block_point, self._debug)
+            thread._block = block
+            threads.append(thread)
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        raised = [t.exception for t in threads if t.exception is not None]
+        # The thread that raised first is not always first in the block: the others
+        # raised only because it aborted them.
+        own = [e for e in raised if "abort flag set on syncthreads" not in str(e[0])]
+        if own or raised:
+            error, traceback = (own or raised)[0]
+            raise error.with_traceback(traceback)
+
+    thread_class.run = run
+    thread_class.syncthreads = syncthreads
+    simulator.BlockManager.run = run_block
+
+
+def _one_shared_array_per_site() -> None:
+    """Make the simulator hand every thread of a block the same shared array.
+
+    Numba's simulator (numba-cuda 0.30) makes a block's ``cuda.shared.array`` on the
+    first call from each line of code: it looks the line up in a dict, and when it
+    finds nothing, makes the array and stores it, with no lock. Two threads that come
+    between the look-up and the store each make their own array, and the block then
+    works on two arrays: a shrink's sums in shared memory come out as garbage for
+    that tile. Measured here: one allocation in about 2,000 split, with a switch
+    interval of 0.3 ms, enough for about one run of the test suite in four to fail one
+    check. This replacement does the look-up and the store under a lock.
+    Dynamic shared memory (``shape == 0``), one buffer per launch, is left as it was.
+    """
+    from numba.cuda import types as numba_types
+    from numba.cuda.np import numpy_support
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    as_made = FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # (an alignment raises, as before)
+            return as_made(self, shape, dtype, alignment)
+        caller = sys._getframe(1)  # the kernel line that asks: one array per line
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            found = self._allocations.get(site)
+            if found is None:
+                if isinstance(dtype, numba_types.Type):
+                    dtype = numpy_support.as_dtype(dtype)
+                found = self._allocations[site] = np.empty(shape, dtype)
+        return found
+
+    FakeCUDAShared.array = array
