@@ -12,6 +12,8 @@ pairs the tensor-core expand writes (``kernels.expand_mma``, "Precision").
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from punica_numba._cuda import SIMULATOR, cuda, device_of, kernel_array, launch_
 from punica_numba.kernels.dtypes import f16_pair, f16_pair_values
 from punica_numba.kernels.mma import (
     FRAGMENT_WORDS,
+    largest_of_lane_group,
     mma_m16n8k16,
     pair_of,
     split_f16_pair,
@@ -81,6 +84,71 @@ def test_one_product_tile_equals_torch_bit_for_bit(dtype, seed):
         kernel_array(a16), kernel_array(b16), kernel_array(c), kernel_array(d)
     )
     assert torch.equal(d.cpu(), want), (d.cpu() - want).abs().max()
+
+
+PRODUCTS_IN_A_ROW, WARPS = 6, 2
+
+
+@cuda.jit
+def _products_in_a_row(a, b, d, largest):
+    # a: [WARPS, PRODUCTS_IN_A_ROW, 16, 16], b: [.., 16 (k), 8 (n)] as 16-bit bits; d: [.., 16,
+    # 8] fp32; largest: [.., 32]. Simulator only: the lanes wait different times.
+    warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+    g, t = lane // 4, lane % 4
+    scratch = cuda.shared.array((WARPS, 32, FRAGMENT_WORDS), uint32)
+    for p in range(PRODUCTS_IN_A_ROW):
+        time.sleep(0.0005 * ((lane + p) % 3))
+        x, w = a[warp, p], b[warp, p]
+        (
+            d[warp, p, g, 2 * t],
+            d[warp, p, g, 2 * t + 1],
+            d[warp, p, g + 8, 2 * t],
+            d[warp, p, g + 8, 2 * t + 1],
+        ) = _products_in_a_row_mma(
+            pair_of(x[g, 2 * t], x[g, 2 * t + 1]),
+            pair_of(x[g + 8, 2 * t], x[g + 8, 2 * t + 1]),
+            pair_of(x[g, 8 + 2 * t], x[g, 9 + 2 * t]),
+            pair_of(x[g + 8, 8 + 2 * t], x[g + 8, 9 + 2 * t]),
+            pair_of(w[2 * t, g], w[2 * t + 1, g]),
+            pair_of(w[8 + 2 * t, g], w[9 + 2 * t, g]),
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            scratch[warp],
+        )
+        largest[warp, p, lane] = largest_of_lane_group(np.int32(lane * (p + 1) % 7), scratch[warp])
+
+
+_products_in_a_row_mma = mma_m16n8k16(torch.bfloat16)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's exchange of fragments between lanes")
+def test_products_in_a_row_each_trade_their_own_fragments():
+    """Two warps each make six products one after another, and find the largest of a value
+    over each group of four lanes after each, their lanes delayed by different times: every
+    product is the float64 one bit for bit, every largest the group's. The lanes trade their
+    fragments through the warp's scratch at one barrier an exchange (``kernels.mma``,
+    ``_scratch_turn``): a lane that posted its next words over those another lane had yet
+    to read would fail it."""
+    generator = torch.Generator().manual_seed(3)
+    shape = (WARPS, PRODUCTS_IN_A_ROW)
+    a = _exact_operand((*shape, 16, 16), generator, torch.bfloat16)
+    b = _exact_operand((*shape, 16, 8), generator, torch.bfloat16)
+    want = (a.double() @ b.double()).float()
+    d = torch.full((*shape, 16, 8), float("nan"))
+    largest = torch.full((*shape, 32), -1, dtype=torch.int32)
+    _products_in_a_row[1, 32 * WARPS](
+        kernel_array(a.view(torch.int16).contiguous()),
+        kernel_array(b.view(torch.int16).contiguous()),
+        kernel_array(d),
+        kernel_array(largest),
+    )
+    assert torch.equal(d, want), (d - want).abs().max()
+    lanes, p = torch.arange(32), torch.arange(1, PRODUCTS_IN_A_ROW + 1)[:, None]
+    values = (lanes * p % 7).view(PRODUCTS_IN_A_ROW, 8, 4)
+    groups = values.amax(dim=2, keepdim=True).expand(-1, -1, 4).reshape(PRODUCTS_IN_A_ROW, 32)
+    assert torch.equal(largest, groups.expand(WARPS, -1, -1).to(torch.int32))
 
 
 def _split_kernel():

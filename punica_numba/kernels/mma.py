@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 import torch
@@ -60,8 +61,29 @@ __all__ = [
 #: The operand dtypes the tensor-core kernels take, and each one's PTX type name.
 MMA_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
-#: Words one lane keeps in the simulator's scratch for one product: a0..a3, b0, b1.
-FRAGMENT_WORDS = 6
+#: Words of a lane's row of its warp's scratch, which only the simulator uses: a product's
+#: fragments a0..a3, b0, b1 (6 words), there twice, one set of 6 for each of two turns
+#: (:func:`_scratch_turn`).
+FRAGMENT_WORDS = 12 if SIMULATOR else 6
+
+
+def _scratch_turn() -> int:
+    """(Simulator only: plain Python.) The first word of the calling thread's set of its
+    scratch row for its next exchange with the warp's lanes: 0 and 6 in turn, from 0 in a
+    block's every thread.
+
+    An exchange posts the lane's words, waits at one ``syncthreads`` for every lane's, and
+    reads the others'. It needs no second barrier before the next exchange posts again: that
+    one posts into the other set, which no lane still reads, and the one after it, back in
+    this set, comes after the next barrier, which every lane reaches only once it has read
+    this exchange's words (all threads of a block pass the same count of barriers, and the
+    lanes of a warp exchange together). One barrier an exchange where there were two: on 2
+    cores, blocks of 128 threads making 40 products each took 196 µs a thread a product,
+    where they took 292 (``test_mma`` checks the turns, its lanes delayed by different times)."""
+    thread = threading.current_thread()
+    turn = getattr(thread, "scratch_turn", 0)
+    thread.scratch_turn = 6 - turn
+    return turn
 
 
 @cuda.jit(device=True)
@@ -134,25 +156,23 @@ def _largest_of_lane_group_on_gpu(value, scratch):
 
 @cuda.jit(device=True)
 def _largest_of_lane_group_simulated(value, scratch):
-    # Simulator only (it has no warp shuffles): through the warp's scratch, between two
-    # syncthreads, as the emulated product trades fragments.
-    lane = cuda.threadIdx.x % 32
-    scratch[lane, 0] = value
+    # Simulator only (it has no warp shuffles): through the warp's scratch, one barrier,
+    # as the emulated product trades fragments (_scratch_turn).
+    lane, at = cuda.threadIdx.x % 32, _scratch_turn()
+    scratch[lane, at] = value
     cuda.syncthreads()
     first = lane - lane % 4
-    largest = max(
-        max(np.int32(scratch[first, 0]), np.int32(scratch[first + 1, 0])),
-        max(np.int32(scratch[first + 2, 0]), np.int32(scratch[first + 3, 0])),
+    return max(
+        max(np.int32(scratch[first, at]), np.int32(scratch[first + 1, at])),
+        max(np.int32(scratch[first + 2, at]), np.int32(scratch[first + 3, at])),
     )
-    cuda.syncthreads()  # the scratch is reused
-    return largest
 
 
 #: ``largest_of_lane_group(value, scratch) -> int32``: the largest of a non-negative int32
 #: ``value`` over the four lanes of the caller's group ``lane // 4`` (the lanes that hold
 #: rows ``g`` and ``g + 8`` of a fragment). Two ``shfl.sync.bfly`` on the GPU (lane xor 1,
 #: then xor 2; ``scratch`` unused); on the simulator, which has no warp shuffles, the
-#: warp's ``[32, FRAGMENT_WORDS]`` uint32 scratch and two ``syncthreads`` (so there, as for
+#: warp's ``[32, FRAGMENT_WORDS]`` uint32 scratch and a ``syncthreads`` (so there, as for
 #: :func:`mma_m16n8k16`, every thread of the block must call it the same number of times).
 #: Every lane of the warp calls it together.
 largest_of_lane_group = (
@@ -221,7 +241,7 @@ def mma_m16n8k16(dtype: torch.dtype):
     ``scratch`` is a ``[32, FRAGMENT_WORDS]`` uint32 shared array of the calling warp,
     used only on the simulator (the GPU ignores it). There every thread of the *block*
     must call the function the same number of times: the lanes trade fragments through
-    ``scratch`` between two ``syncthreads`` (the simulator has no warp-level barrier).
+    ``scratch`` at a ``syncthreads`` (the simulator has no warp-level barrier).
     """
     kind = MMA_DTYPES[dtype]
     if SIMULATOR:
@@ -247,11 +267,14 @@ def mma_into(dtype: torch.dtype):
 
 
 #: Where the simulator finds the operands of a lane's outputs among the 32 lanes'
-#: fragments (the layout above, inverted): for k = 0..15, the lane offset ``(k % 8) // 2``
-#: (after ``4 * g`` for A, ``4 * n`` for B), the register (after a0 for A's row g, a1 for
-#: row g + 8, b0 for B) and the shift of the element in it.
+#: fragments (the layout above, inverted): for k = 0..15, the lanes of A's rows g and
+#: g + 8 (``_A_LANES[g]``) and of B's columns n = 2t, 2t + 1 (``_B_LANES[t]``), the word of
+#: the set a0..a3, b0, b1 (a0 for A's row g, a1 for row g + 8, b0 for B) and the shift of
+#: the element in it.
 _K = np.arange(16)
 _LANE_OF_K = (_K % 8) // 2
+_A_LANES = [4 * g + _LANE_OF_K for g in range(8)]
+_B_LANES = [4 * np.array([[2 * t], [2 * t + 1]]) + _LANE_OF_K for t in range(4)]
 _A_REGISTER = np.stack([2 * (_K // 8), 1 + 2 * (_K // 8)])  # rows g and g + 8
 _B_REGISTER = 4 + _K // 8
 _SHIFT_OF_K = (16 * (_K % 2)).astype(np.uint32)
@@ -268,20 +291,18 @@ def _emulated(kind: str):
     @cuda.jit(device=True)
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
         # Simulator only (plain Python with numpy): every lane posts its fragments, then
-        # reads the two rows of A and two columns of B its outputs need.
-        lane = cuda.threadIdx.x % 32
-        scratch[lane, 0] = a0
-        scratch[lane, 1] = a1
-        scratch[lane, 2] = a2
-        scratch[lane, 3] = a3
-        scratch[lane, 4] = b0
-        scratch[lane, 5] = b1
+        # reads the two rows of A and two columns of B its outputs need (_scratch_turn).
+        lane, at = cuda.threadIdx.x % 32, _scratch_turn()
+        scratch[lane, at] = a0
+        scratch[lane, at + 1] = a1
+        scratch[lane, at + 2] = a2
+        scratch[lane, at + 3] = a3
+        scratch[lane, at + 4] = b0
+        scratch[lane, at + 5] = b1
         cuda.syncthreads()
         g, t = lane // 4, lane % 4
-        a_bits = scratch[4 * g + _LANE_OF_K, _A_REGISTER] >> _SHIFT_OF_K  # [2, 16]
-        columns = 4 * np.array([[2 * t], [2 * t + 1]]) + _LANE_OF_K  # lanes of B's n = 2t, 2t+1
-        b_bits = scratch[columns, _B_REGISTER] >> _SHIFT_OF_K  # [2, 16]
-        cuda.syncthreads()  # the scratch is reused by the next product
+        a_bits = scratch[_A_LANES[g], at + _A_REGISTER] >> _SHIFT_OF_K  # [2, 16]
+        b_bits = scratch[_B_LANES[t], at + _B_REGISTER] >> _SHIFT_OF_K  # [2, 16]
         a = _decoded(a_bits & np.uint32(0xFFFF), kind)
         b = _decoded(b_bits & np.uint32(0xFFFF), kind)
         with np.errstate(all="ignore"):  # inf and NaN propagate as on the GPU, silently
