@@ -33,6 +33,20 @@ from punica_numba.kernels.mma import (
 DTYPES = [torch.bfloat16, torch.float16]
 
 
+@cuda.jit(device=True)
+def _fragments(a, b, g, t):
+    """Lane ``4 g + t``'s fragments a0..a3, b0, b1 of a [16, 16] tile ``a`` and a [16 (k),
+    8 (n)] tile ``b`` (16-bit bits), in the layout of ``kernels.mma``."""
+    return (
+        pair_of(a[g, 2 * t], a[g, 2 * t + 1]),
+        pair_of(a[g + 8, 2 * t], a[g + 8, 2 * t + 1]),
+        pair_of(a[g, 8 + 2 * t], a[g, 9 + 2 * t]),
+        pair_of(a[g + 8, 8 + 2 * t], a[g + 8, 9 + 2 * t]),
+        pair_of(b[2 * t, g], b[2 * t + 1, g]),
+        pair_of(b[8 + 2 * t, g], b[9 + 2 * t, g]),
+    )
+
+
 def _product_kernel(dtype):
     mma = mma_m16n8k16(dtype)
 
@@ -42,19 +56,11 @@ def _product_kernel(dtype):
         lane = cuda.threadIdx.x
         g, t = lane // 4, lane % 4
         scratch = cuda.shared.array((32, FRAGMENT_WORDS), uint32)
+        a0, a1, a2, a3, b0, b1 = _fragments(a, b, g, t)
         d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = mma(
-            pair_of(a[g, 2 * t], a[g, 2 * t + 1]),
-            pair_of(a[g + 8, 2 * t], a[g + 8, 2 * t + 1]),
-            pair_of(a[g, 8 + 2 * t], a[g, 9 + 2 * t]),
-            pair_of(a[g + 8, 8 + 2 * t], a[g + 8, 9 + 2 * t]),
-            pair_of(b[2 * t, g], b[2 * t + 1, g]),
-            pair_of(b[8 + 2 * t, g], b[9 + 2 * t, g]),
-            c[g, 2 * t],
-            c[g, 2 * t + 1],
-            c[g + 8, 2 * t],
-            c[g + 8, 2 * t + 1],
-            scratch,
-        )
+            a0, a1, a2, a3, b0, b1, c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t],
+            c[g + 8, 2 * t + 1], scratch,
+        )  # fmt: skip
 
     return product
 
@@ -98,24 +104,10 @@ def _products_in_a_row(a, b, d, largest):
     scratch = cuda.shared.array((WARPS, 32, FRAGMENT_WORDS), uint32)
     for p in range(PRODUCTS_IN_A_ROW):
         time.sleep(0.0005 * ((lane + p) % 3))
-        x, w = a[warp, p], b[warp, p]
-        (
-            d[warp, p, g, 2 * t],
-            d[warp, p, g, 2 * t + 1],
-            d[warp, p, g + 8, 2 * t],
-            d[warp, p, g + 8, 2 * t + 1],
-        ) = _products_in_a_row_mma(
-            pair_of(x[g, 2 * t], x[g, 2 * t + 1]),
-            pair_of(x[g + 8, 2 * t], x[g + 8, 2 * t + 1]),
-            pair_of(x[g, 8 + 2 * t], x[g, 9 + 2 * t]),
-            pair_of(x[g + 8, 8 + 2 * t], x[g + 8, 9 + 2 * t]),
-            pair_of(w[2 * t, g], w[2 * t + 1, g]),
-            pair_of(w[8 + 2 * t, g], w[9 + 2 * t, g]),
-            0.0,
-            0.0,
-            0.0,
-            0.0,
-            scratch[warp],
+        a0, a1, a2, a3, b0, b1 = _fragments(a[warp, p], b[warp, p], g, t)
+        out = d[warp, p]
+        out[g, 2 * t], out[g, 2 * t + 1], out[g + 8, 2 * t], out[g + 8, 2 * t + 1] = (
+            _products_in_a_row_mma(a0, a1, a2, a3, b0, b1, 0.0, 0.0, 0.0, 0.0, scratch[warp])
         )
         largest[warp, p, lane] = largest_of_lane_group(np.int32(lane * (p + 1) % 7), scratch[warp])
 
