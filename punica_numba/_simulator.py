@@ -120,7 +120,7 @@ def _barrier_without_a_poller() -> None:
         # The thread that raised first is not always first in the block: the others
         # raised only because it aborted them.
         own = [e for e in raised if "abort flag set on syncthreads" not in str(e[0])]
-        if own or raised:
+        if raised:
             error, traceback = (own or raised)[0]
             raise error.with_traceback(traceback)
 

@@ -93,6 +93,7 @@ def test_one_product_tile_equals_torch_bit_for_bit(dtype, seed):
 
 
 PRODUCTS_IN_A_ROW, WARPS = 6, 2
+_products_in_a_row_mma = mma_m16n8k16(torch.bfloat16)
 
 
 @cuda.jit
@@ -110,9 +111,6 @@ def _products_in_a_row(a, b, d, largest):
             _products_in_a_row_mma(a0, a1, a2, a3, b0, b1, 0.0, 0.0, 0.0, 0.0, scratch[warp])
         )
         largest[warp, p, lane] = largest_of_lane_group(np.int32(lane * (p + 1) % 7), scratch[warp])
-
-
-_products_in_a_row_mma = mma_m16n8k16(torch.bfloat16)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the simulator's exchange of fragments between lanes")

@@ -61,16 +61,18 @@ __all__ = [
 #: The operand dtypes the tensor-core kernels take, and each one's PTX type name.
 MMA_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
-#: Words of a lane's row of its warp's scratch, which only the simulator uses: a product's
-#: fragments a0..a3, b0, b1 (6 words), there twice, one set of 6 for each of two turns
-#: (:func:`_scratch_turn`).
-FRAGMENT_WORDS = 12 if SIMULATOR else 6
+#: Words of one exchange of a lane's fragments on the simulator: a0..a3, b0, b1.
+_EXCHANGE_WORDS = 6
+
+#: Words of a lane's row of its warp's scratch, which only the simulator uses: two sets of
+#: ``_EXCHANGE_WORDS``, one for each of two turns (:func:`_scratch_turn`).
+FRAGMENT_WORDS = 2 * _EXCHANGE_WORDS if SIMULATOR else _EXCHANGE_WORDS
 
 
 def _scratch_turn() -> int:
     """(Simulator only: plain Python.) The first word of the calling thread's set of its
-    scratch row for its next exchange with the warp's lanes: 0 and 6 in turn, from 0 in a
-    block's every thread.
+    scratch row for its next exchange with the warp's lanes: 0 and ``_EXCHANGE_WORDS`` in
+    turn, from 0 in a block's every thread.
 
     An exchange posts the lane's words, waits at one ``syncthreads`` for every lane's, and
     reads the others'. It needs no second barrier before the next exchange posts again: that
@@ -82,7 +84,7 @@ def _scratch_turn() -> int:
     where they took 292 (``test_mma`` checks the turns, its lanes delayed by different times)."""
     thread = threading.current_thread()
     turn = getattr(thread, "scratch_turn", 0)
-    thread.scratch_turn = 6 - turn
+    thread.scratch_turn = _EXCHANGE_WORDS - turn
     return turn
 
 
