@@ -27,7 +27,7 @@ from punica_numba.launch import (
 )
 from punica_numba.ops import api, moe_dense
 from punica_numba.ops import moe as moe_ops
-from punica_numba.tuning import moe_sweep, report, sweep, table
+from punica_numba.tuning import moe_sweep, near, report, sweep, table
 from punica_numba.tuning.table import (
     CONFIG_DIR_VARIABLE,
     MAX_DISTANCE,
@@ -944,6 +944,160 @@ def test_the_tuner_needs_an_output_folder(smoke, capsys):
     assert cli.main(["tune", "--dry-run", "--out", str(smoke)]) == 0
     assert "3 problems" in capsys.readouterr().out
     assert "tune" in cli.COMMANDS
+
+
+# --------------------------------------------------------------------------- #
+# tune --near: a problem timed under its neighbours' picks
+# --------------------------------------------------------------------------- #
+def doc_of(*entries, gpu=GPU) -> dict:
+    doc = new_table(gpu, "0.1.0", "abc123")
+    doc["entries"] = list(entries)
+    return doc
+
+
+def test_near_entries_are_the_launchers_nearest_in_order(fake_gpu):
+    """The count nearest entries of the problem's layer, op and slice count whose
+    configuration takes its rank, nearest first (ties: the smaller problem); of its own dtype
+    where any is near, else of the sibling 16-bit one; none past the cut-off."""
+    sizes = dict(K=4096, N=16, rank=16, T=256, tokens_per_lora=16)
+    at = entry(config="rows_t256_m1_n2")  # 0 away
+    larger = entry(config="rows_t128_m1_n8", T=512, tokens_per_lora=32)  # 2 away
+    smaller = entry(config="rows_t256_m1_n4", T=128, tokens_per_lora=8)  # 2 away
+    far = entry(config="rows_t128_m4_n4", T=4096, tokens_per_lora=256)  # 8 away
+    other = [
+        entry(config="rows_t128_m1_n8", slices=3),
+        entry(op="expand", config="rows_t128_m1_n128"),
+        dict(at, layer="moe"),
+    ]
+    doc = doc_of(larger, far, at, *other, smaller)
+    near = functools.partial(table.nearest_entries, doc, "dense", "shrink")
+    assert near("bf16", 1, sizes, 8) == [at, smaller, larger]
+    assert near("bf16", 1, sizes, 1) == [at]
+    assert near("bf16", 3, sizes, 8) == [other[0]]
+    assert near("fp16", 1, sizes, 2) == [at, smaller]  # the sibling's: none of its own
+    assert near("fp32", 1, sizes, 2) == []  # no sibling
+    assert near("bf16", 1, dict(sizes, T=32768, tokens_per_lora=2048), 8) == []
+    made_for_small_ranks = entry(config="mma_t512_m16_n0", rank=32, N=32)  # to_rank 32
+    any_rank = entry(config="rows_t128_m1_n8", rank=64, N=64, T=512, tokens_per_lora=32)
+    doc["entries"] = [made_for_small_ranks, any_rank]
+    at_64 = dict(sizes, rank=64, N=64)
+    assert near("bf16", 1, at_64, 8) == [any_rank]  # the other 2 away, but not at r=64
+    assert near("bf16", 1, dict(sizes, rank=48, N=48), 8) == [any_rank]
+    assert near("bf16", 1, dict(sizes, rank=32, N=32), 8) == [made_for_small_ranks]
+    fp16 = entry(config="rows_t256_m1_n4", dtype="fp16", T=4096, tokens_per_lora=256)
+    doc["entries"] = [at, fp16]
+    assert near("fp16", 1, sizes, 8) == [at]  # its own 8 away: not near
+    assert near("fp16", 1, dict(sizes, T=2048, tokens_per_lora=256), 8) == [fp16]
+
+
+def test_the_short_list_is_the_neighbours_fastest_then_the_heuristics(fake_gpu):
+    """A neighbour gives its three fastest recorded configurations (its config and
+    runner-up where it records no times), nearest neighbour first, then come the
+    heuristic's picks with and without the tensor cores and lanes, each name once; no
+    neighbour, no list."""
+    times = {"mma_t512_m16_n8": 4.0, "rows_t256_m1_n2": 3.0, "rows_t128_m1_n8": 5.0}
+    times["rows_t256_m1_n4"] = 9.0
+    timed = entry(config="rows_t256_m1_n2", us=3.0, times_us=times, T=128, tokens_per_lora=8)
+    untimed = entry(config="rows_t128_m4_n4", runner_up="rows_t256_m1_n4", runner_up_us=6.0)
+    untimed.update(T=512, tokens_per_lora=32)
+    doc = doc_of(untimed, timed)
+    key = ("shrink", "bf16", 1, 4096, 16, 16, 256, 16, "dense")
+    names = near.candidate_names(doc, key, 16, 2)
+    picks = near.heuristic_names("shrink", 256, 16, 16, 1, 4096, "gpu")
+    neighbours = ["rows_t256_m1_n2", "mma_t512_m16_n8", "rows_t128_m1_n8", "rows_t128_m4_n4"]
+    neighbours.append("rows_t256_m1_n4")
+    assert names == list(dict.fromkeys(neighbours + picks))
+    assert near.candidate_names(doc, key, 16, 1) == list(dict.fromkeys(neighbours[:3] + picks))
+    with_lanes = choose_launch_config("shrink", 256, 16, 16, True, 1, True, K=4096, machine="gpu")
+    without = choose_launch_config("shrink", 256, 16, 16, False, 1, False, K=4096, machine="gpu")
+    assert {config_name(with_lanes), config_name(without)} <= set(picks)
+    assert near.candidate_names(doc, ("expand", *key[1:]), 16, 2) is None
+
+
+def test_left_out_ratios_weigh_each_entry_by_its_neighbours_list(fake_gpu, capsys):
+    """Each entry left out in turn: the fastest of its short list's recorded times over its
+    fastest (the heuristic picks neither entry's configurations here); ``tune --report
+    --near`` gives their mean and misses."""
+    heuristic = set(near.heuristic_names("shrink", 256, 16, 16, 1, 4096, "gpu"))
+    heuristic |= set(near.heuristic_names("shrink", 512, 16, 16, 1, 4096, "gpu"))
+    first = {"rows_t256_m1_n2": 2.0, "rows_t128_m1_n8": 3.0}
+    second = {"rows_t256_m1_n4": 4.0, "rows_t256_m1_n2": 6.0, "rows_t128_m1_n8": 5.0}
+    assert not heuristic & (set(first) | set(second))
+    a = entry(config="rows_t256_m1_n2", us=2.0, times_us=first)
+    b = entry(config="rows_t256_m1_n4", us=4.0, times_us=second, T=512, tokens_per_lora=32)
+    far = entry(config="rows_t256_m1_n4", T=65536, tokens_per_lora=4096)  # no neighbour
+    doc = doc_of(a, b, far)
+    found = near.left_out_ratios(doc, 1)
+    # a's list: b's three (rows_t256_m1_n2 at 2.0 among them); b's: a's two (5.0 the least)
+    assert [(ratio, entry["T"]) for ratio, _, entry in found] == [(1.0, 256), (1.25, 512)]
+    assert [listed for _, listed, _ in found] == [3 + len(heuristic), 2 + len(heuristic)]
+    path = fake_gpu / FILE
+    write_table(path, doc)
+    assert cli.main(["tune", "--report", str(path), "--near", "1"]) == 0
+    out = capsys.readouterr().out
+    head = "tune --near 1, each problem left out of the table in turn: 2 problems with a neighbour"
+    assert head in out
+    assert "geometric mean 1.1180x, largest 1.250x; 1 over 1.10x, 0 over 1.25x" in out
+
+
+def test_a_near_run_times_a_problem_under_its_short_list(smoke, monkeypatch, capsys):
+    """``tune --near 1 --resume`` into a table that holds a neighbour of the one-token shrink
+    (made-up times): that problem is timed under its short list alone and records ``near``;
+    the two problems with no neighbour, under every configuration; a problem whose list
+    all fails its check, under every configuration too."""
+    smoke.mkdir(parents=True)
+    one_token = sweep.smoke_grid()[0]
+    key = dict(zip(table.KEY_FIELDS, sweep.case_key(one_token)))
+    names = [config_name(c) for c in launch_configs("shrink")]
+    times = {names[2]: 1.0, names[1]: 2.0, names[0]: 3.0}
+    seed = dict(key, T=2, tokens_per_lora=2, config=names[2], us=1.0, times_us=times)
+    seed.update(runner_up=names[1], runner_up_us=2.0)
+    doc = new_table(SMOKE_GPU, "0.1.0", "abc123")
+    doc["entries"] = [seed]
+    write_table(smoke / SMOKE_FILE, doc)
+    timed, failing = {}, set()
+
+    def measured(case, configs, repeats, seed):
+        asked = [config_name(c) for c in configs]
+        timed.setdefault(sweep.case_key(case), []).append(asked)
+        ok = [n for n in asked if n not in failing]
+        return (
+            {n: float(k + 1) for k, n in enumerate(ok)},
+            {n: "wrong" for n in failing & set(asked)},
+            [],
+            {},
+        )
+
+    monkeypatch.setattr(sweep, "_measure_all", measured)
+    assert sweep.main(["--out", str(smoke), "--resume", "--near", "1"]) == 0
+    listed = near.candidate_names(doc, sweep.case_key(one_token), 1, 1)
+    assert listed[:3] == [names[2], names[1], names[0]]
+    assert timed[sweep.case_key(one_token)] == [[n for n in names if n in listed]]
+    for case in sweep.smoke_grid()[1:]:
+        full = [config_name(c) for c in launch_configs(case.op)]
+        assert timed[sweep.case_key(case)] == [full]
+    entries = {entry_key(e): e for e in read_table(smoke / SMOKE_FILE)["entries"]}
+    assert entries[sweep.case_key(one_token)]["near"] == 1
+    assert all("near" not in entries[sweep.case_key(c)] for c in sweep.smoke_grid()[1:])
+    write_table(smoke / SMOKE_FILE, doc)  # again, every configuration of the list failing
+    timed.clear()
+    failing.update(listed)
+    assert sweep.main(["--out", str(smoke), "--resume", "--near", "1", "--part", "1/3"]) == 0
+    assert timed[sweep.case_key(one_token)] == [[n for n in names if n in listed], names]
+    (done,) = [e for e in read_table(smoke / SMOKE_FILE)["entries"] if e["T"] == 1]
+    assert "near" not in done and done["config"] not in listed
+
+
+def test_near_takes_a_count_and_no_retime_or_moe(smoke, capsys):
+    for argv, why in (
+        (["--near", "0"], "--near takes a count of neighbours, 1 or more, got 0"),
+        (["--near", "2", "--retime", _joint_name()], "--near picks what a grid's problems"),
+        (["--near", "2", "--moe"], "--near is not an option of --moe"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            sweep.main(["--out", str(smoke), *argv])
+        assert stopped.value.code == 2 and why in capsys.readouterr().err
+    assert not smoke.exists()
 
 
 def test_the_grids(monkeypatch):

@@ -5,8 +5,10 @@
            checked, and the nearest-entry lookup the launcher consults
 ``sweep``  ``python -m punica_numba tune``: check and time every configuration
            over a grid of problems, and write this GPU's table
+``near``   ``tune --near N``: a problem timed under the picks of its N nearest
+           entries and the heuristic's, not every configuration
 ``report`` ``tune --report``: the heuristic's time over the fastest, per problem
-           of a table
+           of a table (with ``--near``, what that short list would lose)
 =========  ==================================================================
 
 The launcher (:func:`punica_numba.launch.choose_launch_config`) takes a forced

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 from ..launch import choose_launch_config, config_name
+from .near import left_out_ratios
 from .table import layer_of, table_machine
 
 __all__ = ["heuristic_ratios", "report"]
@@ -79,8 +80,9 @@ def _describe(entry: dict) -> str:
     return f"{entry['op']} {entry['dtype']} {entry['slices']} slice(s) {sizes}, {loras} LoRAs"
 
 
-def report(doc: dict, worst: int = 5) -> str:
-    """The report of the module docstring, as text."""
+def report(doc: dict, worst: int = 5, near: int | None = None) -> str:
+    """The report of the module docstring, as text; with ``near``, what ``tune --near
+    near`` would have lost on the table (:func:`.near.left_out_ratios`) too."""
     timed, not_timed = heuristic_ratios(doc)
     lines = [
         f"the heuristic of this package against {doc['gpu']}'s table (tuned at "
@@ -103,4 +105,32 @@ def report(doc: dict, worst: int = 5) -> str:
             )
     if not_timed:
         lines.append(f"not timed: {len(not_timed)} problems where the pick has no time")
+    if near:
+        lines += _near_lines(doc, near)
     return "\n".join(lines)
+
+
+def _near_lines(doc: dict, count: int) -> list[str]:
+    """The ``--near`` paragraph: each entry left out in turn, the fastest of its short list
+    over its fastest."""
+    left_out = left_out_ratios(doc, count)
+    head = f"tune --near {count}, each problem left out of the table in turn"
+    if not left_out:
+        return [f"{head}: no problem has another near it"]
+    finite = [r for r, _, _ in left_out if math.isfinite(r)]
+    listed = sum(n for _, n, _ in left_out) / len(left_out)
+    full = sum(len(e["times_us"]) + len(e.get("failed", {})) for _, _, e in left_out)
+    lines = [
+        f"{head}: {len(left_out)} problems with a neighbour; {listed:.1f} configurations "
+        f"listed a problem, where {full / len(left_out):.1f} were checked in full"
+    ]
+    if finite:
+        geomean = math.exp(sum(math.log(r) for r in finite) / len(finite))
+        misses = ", ".join(f"{sum(r > m for r in finite)} over {m:.2f}x" for m in MISSES)
+        lines.append(
+            f"  the list's fastest over the fastest: geometric mean {geomean:.4f}x, largest "
+            f"{max(finite):.3f}x; {misses}"
+        )
+    if len(finite) < len(left_out):
+        lines.append(f"  no time for any of the list: {len(left_out) - len(finite)} problems")
+    return lines

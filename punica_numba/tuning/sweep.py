@@ -45,6 +45,15 @@ them took 1.3 s a problem on the quick grid, 163 s for 128, and 2.6 s on 80 fp16
 A table of another GPU, copied under this one's name to weigh its picks here, keeps in each
 entry timed again only this run's times: the others were the other GPU's.
 
+``--near N`` times each problem only under a short list (:mod:`.near`): the three fastest
+configurations of its N nearest entries in the table being written (``--resume`` into a
+copy of the shipped one, say) and the heuristic's picks, each checked as above; a problem
+with no entry near is timed under every configuration. On the H200's table as shipped
+(tuned at cc380e6, retimed up to a605e06), each problem left out in turn (``tune --report
+TABLE --near 8``), the list held 6.1 configurations where 18.1 were checked in full, and its
+fastest took 1.0027x the fastest's time in geometric mean, at most 1.149x, over 1.10x on 4
+of 463 problems.
+
 ``--moe`` tunes the MoE op's calls of the dense op's kernels instead (:mod:`.moe_sweep`: the
 MoE layers of real models, or those of ``--moe-layer H,E,K,I``; ``--quick``, ``--ranks``,
 ``--dtypes``, ``--part``, ``--budget-s`` and ``--resume`` as above), into the same table as
@@ -71,6 +80,7 @@ from .. import __version__, bench, bench_grid
 from .._cuda import SIMULATOR, device_of
 from ..launch import OPS, choose_launch_config, config_name, force_launch_config, launch_configs
 from ..meta import LoRAKernelMeta
+from .near import candidate_names as near_names
 from .report import report
 from .table import (
     CONFIG_DIR_VARIABLE,
@@ -280,14 +290,22 @@ def _measure_all(case: SweepCase, configs, repeats: int, seed: int) -> tuple:
     return times, failed, skipped, usable
 
 
-def tune_case(case: SweepCase, repeats: int = REPEATS, seed: int = 0) -> dict:
+def tune_case(
+    case: SweepCase, repeats: int = REPEATS, seed: int = 0, near: tuple | None = None
+) -> dict:
     """Check and time every configuration on ``case``; return its table entry (with no
-    ``config`` where none passed: an *unresolved* key)."""
+    ``config`` where none passed: an *unresolved* key). ``near``: ``(N, names)``, only the
+    configurations named, the short list of ``N`` neighbours (:mod:`.near`), which the
+    entry records as ``near``: N."""
     start = time.perf_counter()
     configs = launch_configs(case.op)
+    if near is not None:
+        configs = tuple(c for c in configs if config_name(c) in near[1])
     times, failed, skipped, usable = _measure_all(case, configs, repeats, seed)
     # (zip stops before the layer: a dense entry is written without one, its default)
     entry = dict(zip(KEY_FIELDS, case_key(case)), loras=case.num_loras, widths=case.slices)
+    if near is not None:
+        entry["near"] = near[0]
 
     def heuristic() -> str:  # (asked only where something ran: ``usable`` is then known)
         config = choose_launch_config(
@@ -444,6 +462,14 @@ def _parser() -> argparse.ArgumentParser:
         type=_numbers(int),
         help=f"the full grid: only the models of these hidden sizes (of {MODEL_HIDDENS})",
     )
+    parser.add_argument(
+        "--near",
+        type=int,
+        metavar="N",
+        help="time each problem only under the three fastest configurations of its N nearest "
+        "entries in the table and the heuristic's picks (tuning/near.py; every configuration "
+        "where none is near); with --report, what that would lose on the TABLE",
+    )
     parser.add_argument("--repeats", type=int, default=REPEATS, help="replays timed (median)")
     parser.add_argument("--commit", default=None, help="the commit tuned (default: git HEAD)")
     parser.add_argument("--dry-run", action="store_true", help="count the problems; run none")
@@ -553,13 +579,31 @@ def _summary(entries: list[dict]) -> str:
     )
 
 
+def _tuned(tune, case, args, doc: dict) -> dict:
+    """``case``'s entry: timed under the short list of its ``--near`` neighbours in ``doc``
+    where it has a neighbour and one of the list passes its check, else under every
+    configuration (:mod:`.near`)."""
+    if args.near:
+        key = case_key(case)
+        names = near_names(doc, key, case.num_loras, args.near)
+        if names is not None:
+            entry = tune(case, repeats=args.repeats, near=(args.near, names))
+            if "config" in entry:
+                return entry
+    return tune(case, repeats=args.repeats)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; return 0, or 2 for a usage error."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.near is not None and args.near < 1:
+        parser.error(f"--near takes a count of neighbours, 1 or more, got {args.near}")
+    if args.near and args.retime:
+        parser.error("--near picks what a grid's problems are timed under; --retime names it")
     if args.report:
         try:
-            print(report(read_table(args.report)))
+            print(report(read_table(args.report), near=args.near))
         except (OSError, TunedTableError) as error:
             print(f"tune --report: {error}", file=sys.stderr)
             return 2
@@ -573,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.hiddens, "--hiddens"),
         (args.slices, "--slices"),
         (args.retime, "--retime"),
+        (args.near, "--near"),
     ):
         if given and args.moe:
             parser.error(f"{flag} is not an option of --moe (its grid: tuning/moe_sweep.py)")
@@ -616,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.budget_s and time.monotonic() - started + longest > args.budget_s:
                 break
             begun = time.monotonic()
-            entry = tune(case, repeats=args.repeats)
+            entry = _tuned(tune, case, args, doc)
             doc["entries" if "config" in entry else "unresolved"].append(entry)
             write_table(path, doc)
             longest, left = max(longest, time.monotonic() - begun), left - 1

@@ -85,6 +85,7 @@ __all__ = [
     "find_table",
     "gpu_name",
     "layer_of",
+    "nearest_entries",
     "new_table",
     "read_table",
     "reload_tuned_tables",
@@ -129,6 +130,7 @@ OPTIONAL_FIELDS = {
     "skipped": list,  # names the problem cannot use (tensor cores, lanes, to_rank)
     "tuned_s": float,  # wall seconds the tuner spent on this key
     "retimed_with": list,  # configurations timed again beside the entry's (tune --retime)
+    "near": int,  # tune --near: only its N nearest entries' picks and the heuristic's timed
     "tokens": int,  # a MoE entry's tokens (its T is their pairs with the experts) ...
     "experts": int,  # ... the experts of its layer ...
     "top_k": int,  # ... and the experts a token
@@ -461,22 +463,52 @@ def _tables() -> dict | None:
     configs = _configs_by_name(table_machine(doc))
     groups: dict = {}
     for entry in doc["entries"]:
-        sizes = {f: entry[f] for f in SIZE_FIELDS}
-        order = tuple(entry[f] for f in ("T", "tokens_per_lora", "rank", "K", "N"))
         where = (layer_of(entry), entry["op"], entry["dtype"], entry["slices"])
         group = groups.setdefault(where, [])
-        group.append((sizes, order, configs[entry["op"]][entry["config"]]))
+        group.append(_candidate(entry, configs[entry["op"]][entry["config"]]))
     _groups, _path = groups, path
     return groups
 
 
-def nearest(candidates: Iterable[tuple], sizes: dict):
-    """The configuration of the candidate ``(sizes, order, config)`` nearest ``sizes``
-    (least :func:`distance`, then least ``order``), or None past :data:`MAX_DISTANCE`."""
-    best = min(candidates, key=lambda c: (distance(c[0], sizes), c[1]), default=None)
-    if best is None or distance(best[0], sizes) > MAX_DISTANCE:
-        return None
-    return best[2]
+def _candidate(entry: dict, item) -> tuple:
+    """``(sizes, order, item)``: an entry's :data:`SIZE_FIELDS`, its tie order (the smaller
+    problem first: T, tokens a LoRA, rank, K, N) and what a lookup answers with."""
+    sizes = {f: entry[f] for f in SIZE_FIELDS}
+    return sizes, tuple(entry[f] for f in ("T", "tokens_per_lora", "rank", "K", "N")), item
+
+
+def nearest(candidates: Iterable[tuple], sizes: dict, count: int = 1) -> list:
+    """The items of the ``count`` candidates ``(sizes, order, item)`` nearest ``sizes``
+    (least :func:`distance`, then least ``order``), nearest first, none past
+    :data:`MAX_DISTANCE`."""
+    ranked = sorted((distance(c[0], sizes), c[1], k, c[2]) for k, c in enumerate(candidates))
+    return [item for far, _, _, item in ranked[:count] if far <= MAX_DISTANCE]
+
+
+def nearest_entries(
+    doc: dict, layer: str, op: str, dtype: str, slices: int, sizes: dict, count: int
+) -> list[dict]:
+    """The ``count`` entries of table ``doc`` nearest a problem of these ``sizes`` (a dict
+    of the :data:`SIZE_FIELDS`; the rank is ``sizes["rank"]``) by the launcher's rule: the
+    same layer, op and slice count, a configuration that takes the rank, of ``dtype``, or
+    of its sibling 16-bit dtype where none of its own is near; nearest first."""
+    configs = _configs_by_name(table_machine(doc))[op]
+    for kind in (dtype, SIBLING_DTYPES.get(dtype)):
+        takes = [
+            _candidate(e, e)
+            for e in doc["entries"]
+            if (layer_of(e), e["op"], e["dtype"], e["slices"]) == (layer, op, kind, slices)
+            and _takes_rank(configs[e["config"]], sizes["rank"])
+        ]
+        found = nearest(takes, sizes, count)
+        if found:
+            return found
+    return []
+
+
+def _takes_rank(config, rank: int) -> bool:
+    """Whether a configuration takes ``rank`` (its ``to_rank``)."""
+    return config.to_rank is None or rank <= config.to_rank
 
 
 def _look_up(key: tuple):
@@ -492,10 +524,9 @@ def _look_up(key: tuple):
             takes = (
                 c
                 for c in group
-                if (c[2].to_rank is None or rank <= c[2].to_rank)
-                and (kernels is None or c[2].kernel in kernels)
+                if _takes_rank(c[2], rank) and (kernels is None or c[2].kernel in kernels)
             )
-            found = nearest(takes, sizes)
+            found = next(iter(nearest(takes, sizes)), None)
             if found is not None:
                 break
     if len(_found) >= MAX_CACHED:
