@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a change to the kernels or the wrapper must pass on a GPU, in one command:
 #
-#   tests/gpu_check.sh [STEP ...]     # steps: bench ab moe peers tune retime_splits grid
+#   tests/gpu_check.sh [STEP ...]     # steps: bench ab moe peers tune near retime_splits grid
 #                                     #        grid_tree suite
 #                                     #        sanitize demo
 #                                     # (default: bench demo suite sanitize)
@@ -27,6 +27,11 @@
 #             made before 8e0a61b (kernels/shrink_split.py, "The workspace"), and no table
 #             has timed the cluster forms (kernels/shrink_mma_split.py, "In one cluster");
 #             the table to copy into punica_numba/configs/ if its picks should change
+# * near      python -m punica_numba tune --near 8 --resume over a copy of this GPU's shipped
+#             table, in $OUT/near ($NEAR_ARGS: its grid, default "--hiddens 4096": Llama-3-8B's
+#             layers at every rank, both dtypes; the problems the table holds are skipped,
+#             each other one timed under the picks of its 8 nearest entries and the
+#             heuristic's: tuning/near.py), the table to copy into punica_numba/configs/
 # * grid      python -m punica_numba bench --grid, the parts in $GRID_PARTS (default "1/3 2/3
 #             3/3", about 4 minutes each: split them over calls of a 10-minute limit), one
 #             JSON a part, to join with `bench --grid --merge`; $GRID_ARGS are added (e.g.
@@ -148,6 +153,16 @@ if want tune; then
     "$PYTHON" -m punica_numba tune "${tune_args[@]}" "${resume[@]}" --commit "$COMMIT" \
         --out "$OUT/configs" >"$OUT/tune.log" 2>&1 || status=1
     note "tune: $(tail -n 1 "$OUT/tune.log")"
+fi
+if want near; then
+    mkdir -p "$OUT/near"
+    table=$("$PYTHON" -c "from punica_numba.tuning.table import gpu_name, table_file_name
+print(table_file_name(gpu_name()))")
+    [ -f "$OUT/near/$table" ] || cp "punica_numba/configs/$table" "$OUT/near/" 2>/dev/null
+    read -r -a near_args <<<"${NEAR_ARGS:---hiddens 4096}"
+    "$PYTHON" -m punica_numba tune --near 8 --resume "${near_args[@]}" --commit "$COMMIT" \
+        --out "$OUT/near" >"$OUT/near.log" 2>&1 || status=1
+    note "near: $(tail -n 1 "$OUT/near.log")"
 fi
 if want retime_splits; then
     mkdir -p "$OUT/retime"
