@@ -16,6 +16,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from punica_numba import __main__ as cli
 from punica_numba import bench_moe, launch
@@ -988,6 +990,53 @@ def test_near_entries_are_the_launchers_nearest_in_order(fake_gpu):
     doc["entries"] = [at, fp16]
     assert near("fp16", 1, sizes, 8) == [at]  # its own 8 away: not near
     assert near("fp16", 1, dict(sizes, T=2048, tokens_per_lora=256), 8) == [fp16]
+
+
+_SIZES = st.sampled_from([1, 2, 4, 16, 64, 256, 4096])
+_RANKS = st.sampled_from([8, 16, 32, 64, 128])
+_DTYPES = st.sampled_from(["bf16", "fp16"])
+_CONFIGS = st.sampled_from(
+    ["rows_t256_m1_n2", "rows_t128_m1_n8", "rows_t256_m1_n4", "mma_t512_m16_n0"]
+)
+
+
+@given(
+    st.lists(st.tuples(_RANKS, _SIZES, _SIZES, _DTYPES, _CONFIGS), min_size=1, max_size=8),
+    _RANKS,
+    _SIZES,
+    _SIZES,
+    _DTYPES,
+)
+@settings(max_examples=60, deadline=None)
+def test_the_tuners_nearest_entry_is_the_launchers(
+    tmp_path_factory, entries, rank, T, loras, dtype
+):
+    """For any table and call, the first of ``nearest_entries`` (what ``tune --near`` starts
+    its list with) names the configuration that the launcher's lookup answers with."""
+    folder = tmp_path_factory.mktemp("near")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(table, "SIMULATOR", False)
+        patch.setattr(launch, "SIMULATOR", False)
+        patch.setattr(table, "gpu_name", lambda: GPU)
+        patch.setattr(table, "PACKAGE_DIR", folder)
+        patch.delenv(CONFIG_DIR_VARIABLE, raising=False)
+        made = {}
+        for r, t, n, d, config in entries:
+            reach = named("shrink", config).to_rank
+            if reach is None or r <= reach:  # (a valid entry's configuration takes its rank)
+                made_entry = entry(config=config, rank=r, N=r, T=t, dtype=d)
+                made_entry["tokens_per_lora"] = tokens_per_lora(t, n)
+                made[entry_key(made_entry)] = made_entry
+        doc = doc_of(*made.values())
+        sizes = dict(K=4096, N=rank, rank=rank, T=T, tokens_per_lora=tokens_per_lora(T, loras))
+        first = table.nearest_entries(doc, "dense", "shrink", dtype, 1, sizes, 1)
+        write_table(folder / FILE, doc)
+        reload_tuned_tables()
+        try:
+            found = tuned_config("shrink", dtype, 1, 4096, rank, rank, T, loras)
+            assert found == (named("shrink", first[0]["config"]) if first else None)
+        finally:
+            reload_tuned_tables()
 
 
 def test_the_short_list_is_the_neighbours_fastest_then_the_heuristics(fake_gpu):
