@@ -123,6 +123,7 @@ class LaunchConfig:
     to_tokens_per_slot: float | None = None  # and at most this many tokens per slot
     to_tiles: int | None = None  # and at most this many tiles of tile_m (None: any)
     to_blocks: int | None = None  # and at most this many tiles x slices x groups of tile_n
+    from_blocks: int = 0  # and at least this many blocks (an expand's: known N only)
     from_work: int = 0  # and where tokens x rank x slices (the products' rows) is at least this
     tuned_only: bool = False  # never the heuristic's pick: the tuner times it, a table may name it
 
@@ -686,20 +687,26 @@ _GPU_CONFIGS = {
         # r=128 on many LoRAs; T=32 over 6 LoRAs at r=32, gate_up: 6.44 µs against 21.8;
         # T=16 distinct at r=16: 2.41 against 3.34) ...
         LaunchConfig("mma", threads=32, tile_m=16, tile_n=64, from_tokens=8),
-        # ... and two warps of four from 1024 rows on (v9: 1024/32 11.1 -> 11.0 µs, 4096 on
-        # one LoRA 28.9 -> 28.8, QKV 4096/64 53.7 -> 50.5, r=64 4096/64 61.2 -> 61.0), each
-        # block walking two column groups (v11's run, one pass -> two: 4096 on one LoRA
-        # 28.5 -> 27.4 µs, 1024/32 11.0 -> 10.9, QKV 4096/64 50.2 -> 43.4: with one pass
-        # half its blocks, those of the 1024-wide slices past their columns, had nothing
-        # to do; r=64 4096/64 60.8 -> 57.6; four passes lost at r=16: 31.2 and 12.1) ...
+        # ... and two warps of four a block, each block walking two column groups (v9 and
+        # v11 from 1024 rows: 4096 on one LoRA 28.9 -> 27.4 µs, QKV 4096/64 53.7 -> 43.4;
+        # with one pass half the blocks of the 1024-wide slices had nothing to do), from
+        # 1024 such blocks on (the tiles x the slices x the widest slice's 256-column
+        # groups), however the tokens spread: the one-warp blocks above are then four
+        # times as many, past the SMs' room for resident blocks, and each does less. In
+        # the H200's and the H100's tuned tables (lab notes, "The expand's heuristic by its
+        # blocks") the one-warp tile took up to 1.8x this one's time at a token a LoRA over
+        # 64-256 LoRAs; with this threshold (any from 512 to 2048 does as well) the
+        # heuristic's expands take 1.039x the fastest on the H200's problems (1.062x from 8
+        # tokens a slot and 1024 rows) and 1.017x on the H100's (1.040x), at worst 1.13x
+        # there (1.53x) ...
         LaunchConfig(
             "mma",
             threads=64,
             tile_m=16,
             tile_n=128,
             passes=2,
-            from_tokens_per_slot=8,
-            from_tokens=1024,
+            from_tokens=8,
+            from_blocks=1024,
         ),
         # ... eight at r >= 33 from T=4096, where a tile's buffer rows (r=64: 32 registers
         # of fragments a lane) are loaded once for more columns (4096/64 57.6 -> 50.6 µs;
@@ -831,7 +838,7 @@ def choose_launch_config(
     the number of slices (host-side facts only): the last tensor-core one whose
     ``from_tokens_per_slot``, ``from_tokens``, ``to_tokens``, ``from_rank``, ``to_rank``,
     ``from_slices``, ``to_slices``, ``from_hidden`` (``K``), ``to_tokens_per_slot``,
-    ``to_tiles``, ``to_blocks`` and ``from_work`` (T x rank x slices) the call all
+    ``to_tiles``, ``to_blocks``, ``from_blocks`` and ``from_work`` (T x rank x slices) the call all
     reaches, when ``tensor_cores`` (the call's dtypes and layout allow them) and there is
     one; otherwise
     the last such FFMA one, lane-split expands included only when ``lane_split`` (the
@@ -892,16 +899,35 @@ def choose_launch_config(
             and _fits(config.to_tokens_per_slot, per_slot)
             and (config.to_tiles is None or _tiles(config, num_tokens, slots) <= config.to_tiles)
             and _fits(config.to_blocks, _blocks(config, num_tokens, slots, rank, slices))
+            and (
+                not config.from_blocks
+                or _blocks(config, num_tokens, slots, rank, slices, op, N) >= config.from_blocks
+            )
             and num_tokens * rank * slices >= config.from_work
         ):
             chosen[config.kernel == "mma"] = config
     return chosen[True] or chosen[False]
 
 
-def _blocks(config: LaunchConfig, num_tokens: int, slots: int, rank: int, slices: int) -> int:
-    """The blocks of ``config``'s kernel before any split of K: its tiles (:func:`_tiles`)
-    x the slices x the groups of ``tile_n`` ranks (one group where ``tile_n`` is 0)."""
-    groups = -(-rank // config.tile_n) if config.tile_n else 1
+def _blocks(
+    config: LaunchConfig,
+    num_tokens: int,
+    slots: int,
+    rank: int,
+    slices: int,
+    op: str = "shrink",
+    N: int | None = None,
+) -> int:
+    """The blocks of ``config``'s kernel: its tiles (:func:`_tiles`) x the slices x the
+    groups of a tile's outputs a block takes. A shrink's groups are of ``tile_n`` ranks
+    (one group where ``tile_n`` is 0; before any split of K); an expand's of ``passes``
+    times its columns a block, across the widest slice's ``N`` columns (0 blocks where N
+    is not known)."""
+    if op == "expand":
+        per_block = config.columns_per_block(op) * config.passes
+        groups = -(-N // per_block) if N else 0
+    else:
+        groups = -(-rank // config.tile_n) if config.tile_n else 1
     return _tiles(config, num_tokens, slots) * slices * groups
 
 

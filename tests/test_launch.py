@@ -7,6 +7,7 @@ table applies from ``punica_numba.launch.SIMULATOR``, which the tests switch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from unittest import mock
 
 import pytest
@@ -22,6 +23,10 @@ from punica_numba.launch import (
 )
 
 OPS = ("shrink", "expand")
+
+
+#: The widest slice of a call whose blocks reach any ``from_blocks``.
+WIDE = 1 << 16
 
 
 def _choose(*args, **kwargs):
@@ -94,7 +99,7 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
                 and c.to_tokens is None
                 and not c.tuned_only
             ]
-            chosen = _choose(op, 1 << 20, 1, rank, True, slices)
+            chosen = _choose(op, 1 << 20, 1, rank, True, slices, N=WIDE)
             assert chosen == fitting[-1], (rank, slices)
     for config in (c for c in configs if not c.tuned_only):
         tokens = _rows_for(config)
@@ -256,11 +261,33 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
         # rank range of its own may take the others)
         ranks = [r for r in (config.from_rank, 16, 64) if r >= config.from_rank]
         slices = config.from_slices
-        picked = [r for r in ranks if _choose(op, rows, slots, r, tensor_cores, slices) == config]
+        wide = dict(N=WIDE) if config.from_blocks else {}  # (its blocks reached, or none)
+        picked = [
+            r for r in ranks if _choose(op, rows, slots, r, tensor_cores, slices, **wide) == config
+        ]
         assert picked, config
         rank = picked[0]
-        below = _choose(op, rows - 1, slots, rank, tensor_cores, slices)
+        below = _choose(op, rows - 1, slots, rank, tensor_cores, slices, **wide)
         assert below != config, config
+
+
+def test_from_blocks_holds_back_a_config(monkeypatch):
+    """A configuration gated on its blocks (the H200's expand of two warps and two column
+    groups a block from 1024 of them) waits for them: reached with a tile more, not at a
+    tile fewer, and never where the widest slice's columns are not known."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    gated = [c for c in launch_configs("expand") if c.from_blocks and not c.tuned_only]
+    assert gated, "the GPU table gates an expand on its blocks"
+    for config in gated:
+        width = 4096
+        per_tile = -(-width // (config.tile_n * config.passes))  # blocks a tile, one slice
+        tiles = -(-config.from_blocks // per_tile)
+        tokens = max(tiles, config.from_tokens)  # a token a slot: a tile a token
+        rank = config.from_rank or 16
+        call = functools.partial(_choose, "expand", rank=rank, tensor_cores=True, N=width)
+        assert call(num_tokens=tokens, active_slots=tokens) == config
+        assert call(num_tokens=tokens - 1, active_slots=tokens - 1) != config
+        assert _choose("expand", tokens, tokens, rank, True) != config  # N not known
 
 
 def test_from_work_holds_back_a_config(monkeypatch):

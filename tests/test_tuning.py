@@ -1052,7 +1052,7 @@ def test_the_short_list_is_the_neighbours_fastest_then_the_heuristics(fake_gpu):
     doc = doc_of(untimed, timed)
     key = ("shrink", "bf16", 1, 4096, 16, 16, 256, 16, "dense")
     names = near.candidate_names(doc, key, 16, 2)
-    picks = near.heuristic_names("shrink", 256, 16, 16, 1, 4096, "gpu")
+    picks = near.heuristic_names("shrink", 256, 16, 16, 1, 4096, 16, "gpu")
     neighbours = ["rows_t256_m1_n2", "mma_t512_m16_n8", "rows_t128_m1_n8", "rows_t128_m4_n4"]
     neighbours.append("rows_t256_m1_n4")
     assert names == list(dict.fromkeys(neighbours + picks))
@@ -1067,8 +1067,8 @@ def test_left_out_ratios_weigh_each_entry_by_its_neighbours_list(fake_gpu, capsy
     """Each entry left out in turn: the fastest of its short list's recorded times over its
     fastest (the heuristic picks neither entry's configurations here); ``tune --report
     --near`` gives their mean and misses."""
-    heuristic = set(near.heuristic_names("shrink", 256, 16, 16, 1, 4096, "gpu"))
-    heuristic |= set(near.heuristic_names("shrink", 512, 16, 16, 1, 4096, "gpu"))
+    heuristic = set(near.heuristic_names("shrink", 256, 16, 16, 1, 4096, 16, "gpu"))
+    heuristic |= set(near.heuristic_names("shrink", 512, 16, 16, 1, 4096, 16, "gpu"))
     first = {"rows_t256_m1_n2": 2.0, "rows_t128_m1_n8": 3.0}
     second = {"rows_t256_m1_n4": 4.0, "rows_t256_m1_n2": 6.0, "rows_t128_m1_n8": 5.0}
     assert not heuristic & (set(first) | set(second))

@@ -37,17 +37,25 @@ PICKS_A_NEIGHBOUR = 3
 
 
 def heuristic_names(
-    op: str, T: int, loras: int, rank: int, slices: int, K: int, machine: str | None = None
+    op: str,
+    T: int,
+    loras: int,
+    rank: int,
+    slices: int,
+    K: int,
+    N: int,
+    machine: str | None = None,
 ) -> list[str]:
     """The heuristic's picks for a problem (no table read), with and without the tensor
-    cores and the lane split, each name once. ``K``: the shrink's hidden size (its rules
-    on K), unused by an expand."""
+    cores and the lane split, each name once. ``K``, ``N``: the table key's (the shrink's
+    rules on its hidden size K, the expand's on its widest slice N)."""
     names = []
     for tensor_cores in (True, False):
         for lanes in (True, False):
             config = choose_launch_config(
                 op, T, loras, rank, tensor_cores, slices, lanes,
-                K=K if op == "shrink" else None, machine=machine or _this_machine(),
+                K=K if op == "shrink" else None, N=N if op == "expand" else None,
+                machine=machine or _this_machine(),
             )  # fmt: skip
             names.append(config_name(config))
     return list(dict.fromkeys(names))
@@ -72,7 +80,7 @@ def candidate_names(doc: dict, key: tuple, loras: int, count: int) -> list[str] 
     if not near:
         return None
     names = [name for entry in near for name in _fastest(entry)]
-    names += heuristic_names(op, T, loras, rank, slices, K, table_machine(doc))
+    names += heuristic_names(op, T, loras, rank, slices, K, N, table_machine(doc))
     return list(dict.fromkeys(names))
 
 

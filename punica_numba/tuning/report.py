@@ -59,6 +59,7 @@ def heuristic_ratios(doc: dict) -> tuple[list[tuple[float, dict, str]], list[tup
             entry["slices"],
             "lanes" in kinds,
             K=entry["K"] if entry["op"] == "shrink" else None,
+            N=entry["N"] if entry["op"] == "expand" else None,  # (the expand's rules on N)
             machine=machine,
         )
         name = config_name(config)

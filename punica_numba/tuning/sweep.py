@@ -317,6 +317,7 @@ def tune_case(
             len(case.slices),
             usable.get("lanes", False),
             K=case.hidden if case.op == "shrink" else None,  # (the rules on K; no table)
+            N=max(case.slices) if case.op == "expand" else None,  # (and on N)
         )
         return config_name(config)
 
