@@ -345,6 +345,38 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=3,
             from_work=3072,
         ),
+        # ... and as its blocks (tiles x slices x rank groups) grow past what the SMs hold
+        # at once, blocks of more ranks: each reads its tile's rows of x once for its
+        # ranks, so wider groups read x fewer times, and fewer threads a block split K
+        # less finely. 16 warps of 16 ranks from 64 such blocks (v10 took them at r >= 33
+        # from 16 tokens a slot and T=256: r=64 256/16 18.4 µs with 8 warps of every rank
+        # -> 8.16, 256/1 16.5 -> 6.69), 8 warps of 16 from 256 (v10 from T=1024: 1024/32
+        # 20.5 -> 16.0; 16 warps 17.1), and from r=33 4 warps of 64 ranks from 256 blocks
+        # of theirs (the tuned table had them fastest at r=128 from T=512 on, at every
+        # spread: T=8192 on one LoRA 92.6 µs, 8 warps of 16 ranks 162; T=2048 over 256 LoRAs
+        # 92.6, 16 warps of 8 ranks 195; past r=64 x is read again by each group of 64
+        # ranks, mostly from L2). By blocks, not tokens a slot: in both tuned tables the
+        # 8-rank blocks lost up to 2.4x at 4 tokens a slot over 256 LoRAs (T=1024-2048),
+        # where a rule on tokens a slot never reached these. Weighed on their recorded
+        # times (lab notes, "The shrink's heuristic by its blocks"), the heuristic's shrinks
+        # take 1.088x the fastest on the H200's 302 problems (1.159x by tokens a slot) and
+        # 1.040x on the H100's 64 (1.083x), thresholds within 2x of these doing about as
+        # well ...
+        LaunchConfig(
+            "mma", threads=512, tile_m=16, tile_n=16, from_tokens_per_slot=3, from_blocks=64
+        ),
+        LaunchConfig(
+            "mma", threads=256, tile_m=16, tile_n=16, from_tokens_per_slot=3, from_blocks=256
+        ),
+        LaunchConfig(
+            "mma",
+            threads=128,
+            tile_m=16,
+            tile_n=64,
+            from_tokens_per_slot=3,
+            from_rank=33,
+            from_blocks=256,
+        ),
         # ... and from 16 tokens per slot and T=256 on they beat the row kernels (v9's
         # run of every configuration: 256/16 8.5 -> 7.5 µs, QKV 256/16 14.3 -> 8.0, 256/1
         # 6.9 -> 6.7; 64/8 at r=16 stays with the rows, 4.6 against 7.0): 16 warps of
@@ -359,29 +391,6 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=16,
             from_tokens=256,
             to_rank=32,
-        ),
-        # ... 16 warps of 16 ranks at r >= 33 (v10, r=64: 256/16 18.4 µs with 8 warps of
-        # every rank -> 8.16, 256/1 16.5 -> 6.69), 8 warps of 16 from T=1024 (1024/32
-        # 20.5 -> 16.0; 16 warps 17.1). (The tuned table has them faster at r=32 too, T=512
-        # on one LoRA 6.43 µs against 10.55 with every rank in a block; the 16 warps of
-        # every rank above keep r <= 32 here, to_rank being their register limit.) ...
-        LaunchConfig(
-            "mma",
-            threads=512,
-            tile_m=16,
-            tile_n=16,
-            from_tokens_per_slot=16,
-            from_tokens=256,
-            from_rank=33,
-        ),
-        LaunchConfig(
-            "mma",
-            threads=256,
-            tile_m=16,
-            tile_n=16,
-            from_tokens_per_slot=16,
-            from_tokens=1024,
-            from_rank=33,
         ),
         # From 16 tokens per slot too, the tensor-core shrink with K split (v33,
         # :mod:`.kernels.shrink_mma_split`): at K=14336 its blocks of the whole K took
@@ -434,22 +443,6 @@ _GPU_CONFIGS = {
             from_tokens=4096,
             from_rank=33,
             to_rank=64,
-        ),
-        # ... and past r=64 the same blocks for each group of 64 ranks: at r=64 the same
-        # compiled kernel as the one above (8 tiles of 8 ranks), a block per group along
-        # grid.y (r=128: 2, r=256: 4), x read again by each group (mostly from L2). The
-        # tuned table has them fastest at r=128 from T=512 on, at every spread (T=8192 on
-        # one LoRA 92.6 µs, 8 warps of 16 ranks 162; T=2048 over 256 LoRAs 92.6, 16 warps
-        # of 8 ranks 195); taken from T=512 at 64 tokens a slot (where this table's order
-        # places it; fewer tokens a slot keep the 16-rank groups above, 1.1-1.6x slower),
-        LaunchConfig(
-            "mma",
-            threads=128,
-            tile_m=16,
-            tile_n=64,
-            from_tokens_per_slot=64,
-            from_tokens=512,
-            from_rank=65,
         ),
         # 8 warps of every rank at T=4096 and r <= 32 (v10's run: 4096/64 18.7 -> 18.0 µs,
         # 4096 on one LoRA 17.6 -> 15.9, against v9's 16 warps of 32 tokens, which also

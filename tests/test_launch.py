@@ -98,6 +98,8 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
                 and c.from_slices <= slices
                 and c.to_tokens is None
                 and not c.tuned_only
+                and not c.from_hidden  # (K not given: never reached)
+                and c.to_blocks is None  # (a million tokens make more blocks than any cap)
             ]
             chosen = _choose(op, 1 << 20, 1, rank, True, slices, N=WIDE)
             assert chosen == fitting[-1], (rank, slices)

@@ -440,11 +440,11 @@ def test_the_launcher_takes_a_tuned_configuration(fake_gpu):
 def test_the_launcher_falls_back_where_the_call_cannot_use_it(fake_gpu):
     save(
         fake_gpu,
-        entry(config="mma_t512_m16_n8"),
+        entry(config="mma_t512_m16_n16"),
         entry(config="mma_t512_m16_n0", rank=32, N=32),
         entry(op="expand", config="lanes_t128_m1_n0_v4"),
     )
-    assert choose(**SHRINK_KEY) == named("shrink", "mma_t512_m16_n8")
+    assert choose(**SHRINK_KEY) == named("shrink", "mma_t512_m16_n16")
     without = choose(tensor_cores=False)
     assert without.kernel != "mma"
     assert choose(tensor_cores=False, **SHRINK_KEY) == without
@@ -452,7 +452,7 @@ def test_the_launcher_falls_back_where_the_call_cannot_use_it(fake_gpu):
     # the nearest entry whose configuration takes it, and the heuristic where none is near
     key40 = dict(SHRINK_KEY, N=40)
     assert choose(rank=32, **dict(SHRINK_KEY, N=32)) == named("shrink", "mma_t512_m16_n0")
-    assert choose(rank=40, **key40) == named("shrink", "mma_t512_m16_n8") != choose(rank=40)
+    assert choose(rank=40, **key40) == named("shrink", "mma_t512_m16_n16") != choose(rank=40)
     key64 = dict(SHRINK_KEY, N=64)  # (2 from 32, 4 from 16: only the r=32 entry is near)
     assert choose(rank=64, **key64) == choose(rank=64) != named("shrink", "mma_t512_m16_n0")
     expand_key = dict(dtype=torch.bfloat16, K=16, N=4096)
