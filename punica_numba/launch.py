@@ -358,7 +358,7 @@ _GPU_CONFIGS = {
         # ranks, mostly from L2). By blocks, not tokens a slot: in both tuned tables the
         # 8-rank blocks lost up to 2.4x at 4 tokens a slot over 256 LoRAs (T=1024-2048),
         # where a rule on tokens a slot never reached these. Weighed on their recorded
-        # times (lab notes, "The shrink's heuristic by its blocks"), the heuristic's shrinks
+        # times (lab notes, "The heuristics by their blocks"), the heuristic's shrinks
         # take 1.088x the fastest on the H200's 302 problems (1.159x by tokens a slot) and
         # 1.040x on the H100's 64 (1.083x), thresholds within 2x of these doing about as
         # well ...
@@ -377,11 +377,15 @@ _GPU_CONFIGS = {
             from_rank=33,
             from_blocks=256,
         ),
-        # ... and from 16 tokens per slot and T=256 on they beat the row kernels (v9's
-        # run of every configuration: 256/16 8.5 -> 7.5 µs, QKV 256/16 14.3 -> 8.0, 256/1
-        # 6.9 -> 6.7; 64/8 at r=16 stays with the rows, 4.6 against 7.0): 16 warps of
-        # every rank up to r=32 (from r=33 on ptxas wanted 129-140 registers a thread,
-        # more than a 512-thread block can have) ...
+        # 16 warps of every rank up to r=32 (from r=33 on ptxas wanted 129-140 registers a
+        # thread, more than a 512-thread block can have) beat the row kernels from 16 tokens
+        # a slot and T=256 (v9's run of every configuration: 256/16 8.5 -> 7.5 µs, QKV
+        # 256/16 14.3 -> 8.0, 256/1 6.9 -> 6.7), and the heuristic took them there until
+        # f864c5a; with the rank groups by blocks above, both tuned tables have those
+        # faster wherever these were reached (the heuristic's shrinks 1.088x -> 1.069x the
+        # fastest on the H200's problems, 1.040x -> 1.035x on the H100's; never taking
+        # them did better than taking them up to any count of blocks). Timed by the tuner
+        # only ...
         LaunchConfig(
             "mma",
             threads=512,
@@ -391,6 +395,7 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=16,
             from_tokens=256,
             to_rank=32,
+            tuned_only=True,
         ),
         # From 16 tokens per slot too, the tensor-core shrink with K split (v33,
         # :mod:`.kernels.shrink_mma_split`): at K=14336 its blocks of the whole K took
@@ -686,7 +691,7 @@ _GPU_CONFIGS = {
         # 1024 such blocks on (the tiles x the slices x the widest slice's 256-column
         # groups), however the tokens spread: the one-warp blocks above are then four
         # times as many, past the SMs' room for resident blocks, and each does less. In
-        # the H200's and the H100's tuned tables (lab notes, "The expand's heuristic by its
+        # the H200's and the H100's tuned tables (lab notes, "The heuristics by their
         # blocks") the one-warp tile took up to 1.8x this one's time at a token a LoRA over
         # 64-256 LoRAs; with this threshold (any from 512 to 2048 does as well) the
         # heuristic's expands take 1.039x the fastest on the H200's problems (1.062x from 8

@@ -103,7 +103,8 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
             ]
             chosen = _choose(op, 1 << 20, 1, rank, True, slices, N=WIDE)
             assert chosen == fitting[-1], (rank, slices)
-    for config in (c for c in configs if not c.tuned_only):
+    # (not those gated on K or capped by blocks: reached by K and few blocks, not by rows)
+    for config in (c for c in configs if not (c.tuned_only or c.from_hidden or c.to_blocks)):
         tokens = _rows_for(config)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
         tensor_cores = config.kernel == "mma"
@@ -252,7 +253,9 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
     """A configuration gated on the row count waits for that many rows, whatever the
     tokens per slot (e.g. the shrink's 128-thread blocks pay off only from T=128 on)."""
     monkeypatch.setattr(launch, "SIMULATOR", False)
-    gated = [(op, c) for op in OPS for c in launch_configs(op) if c.from_tokens]
+    gated = [
+        (op, c) for op in OPS for c in launch_configs(op) if c.from_tokens and not c.tuned_only
+    ]
     assert gated, "the GPU table gates a configuration on the row count"
     for op, config in gated:
         rows = config.from_tokens
@@ -323,8 +326,10 @@ def test_a_tuned_only_config_is_never_the_heuristics_pick(monkeypatch):
     marked = [(op, c) for op in OPS for c in launch_configs(op) if c.tuned_only]
     assert marked, "the GPU table marks a configuration for the tuner alone"
     for op, config in marked:
-        tokens = 16  # over slots that reach its own tokens-per-slot cap, in few tiles
-        slots = max(1, int(tokens // (config.to_tokens_per_slot or 4)))
+        tokens = max(16, config.from_tokens)  # over slots that reach its own tokens-per-slot
+        slots = max(
+            1, int(tokens // (config.to_tokens_per_slot or max(config.from_tokens_per_slot, 4)))
+        )
         hidden, rank = max(config.from_hidden, 1), max(config.from_rank, 16)
         chosen = choose_launch_config(op, tokens, slots, rank, True, K=hidden, N=16)
         assert not chosen.tuned_only, chosen

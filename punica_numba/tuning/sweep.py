@@ -50,9 +50,9 @@ configurations of its N nearest entries in the table being written (``--resume``
 copy of the shipped one, say) and the heuristic's picks, each checked as above; a problem
 with no entry near is timed under every configuration. On the H200's table as shipped
 (tuned at cc380e6, retimed up to a605e06), each problem left out in turn (``tune --report
-TABLE --near 8``), the list held 6.1 configurations where 18.1 were checked in full, and its
-fastest took 1.0027x the fastest's time in geometric mean, at most 1.149x, over 1.10x on 4
-of 463 problems.
+TABLE --near 8``), the list held 6.0 configurations where 18.1 were checked in full, and its
+fastest took 1.0021x the fastest's time in geometric mean, at most 1.149x, over 1.10x on 3
+of 463 problems; on the H100's quick grid (3e971ac), 5.9 of 29.8, 1.0061x, at most 1.095x.
 
 ``--moe`` tunes the MoE op's calls of the dense op's kernels instead (:mod:`.moe_sweep`: the
 MoE layers of real models, or those of ``--moe-layer H,E,K,I``; ``--quick``, ``--ranks``,
