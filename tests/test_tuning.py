@@ -1125,6 +1125,9 @@ def test_a_near_run_times_a_problem_under_its_short_list(smoke, monkeypatch, cap
     for case in sweep.smoke_grid()[1:]:
         full = [config_name(c) for c in launch_configs(case.op)]
         assert timed[sweep.case_key(case)] == [full]
+    assert "--near 1: 1 of 3 problems timed under their neighbours' short lists" in (
+        capsys.readouterr().out
+    )
     entries = {entry_key(e): e for e in read_table(smoke / SMOKE_FILE)["entries"]}
     assert entries[sweep.case_key(one_token)]["near"] == 1
     assert all("near" not in entries[sweep.case_key(c)] for c in sweep.smoke_grid()[1:])

@@ -656,13 +656,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tune: {len(todo)} of {len(cases)} problems to measure into {path}")
     from tqdm import tqdm
 
-    started, longest, left = time.monotonic(), 0.0, len(todo)
+    started, longest, left, listed = time.monotonic(), 0.0, len(todo), 0
     with tqdm(todo, desc="tune", unit="problem", file=sys.stderr) as bar:
         for case in bar:
             if args.budget_s and time.monotonic() - started + longest > args.budget_s:
                 break
             begun = time.monotonic()
             entry = _tuned(tune, case, args, doc)
+            listed += "near" in entry
             doc["entries" if "config" in entry else "unresolved"].append(entry)
             write_table(path, doc)
             longest, left = max(longest, time.monotonic() - begun), left - 1
@@ -671,6 +672,11 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     if left:
         print(f"tune: stopped by --budget-s with {left} problems left; run again with --resume")
+    if args.near:
+        print(
+            f"tune: --near {args.near}: {listed} of {len(todo) - left} problems timed under "
+            "their neighbours' short lists, the others under every configuration"
+        )
     print(_summary(doc["entries"]))
     if doc["unresolved"]:
         print(f"tune: {len(doc['unresolved'])} problems where no configuration passed")
