@@ -94,7 +94,10 @@ class LaunchConfig:
     ``to_tokens_per_slot`` tokens per active slot and ``to_tiles`` tiles (the blocks along
     x: beyond them the row shrink has blocks enough). ``to_blocks`` caps the blocks a
     configuration makes before any split of K (tiles x slices x groups of ``tile_n``
-    ranks): a split pays only where they are few.
+    ranks): a split pays only where they are few. ``from_blocks`` is the least count of its
+    own blocks: wider blocks pay once narrower ones would be more than the SMs hold (a
+    shrink's blocks as above; an expand's are its tiles x slices x groups of ``passes``
+    times its columns across the widest slice, known only where the caller gives ``N``).
     """
 
     kernel: str  # "rows", "tiled", "lanes", "mma" or "split"
