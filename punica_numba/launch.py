@@ -354,7 +354,7 @@ _GPU_CONFIGS = {
         # less finely. 16 warps of 16 ranks from 64 such blocks (v10 took them at r >= 33
         # from 16 tokens a slot and T=256: r=64 256/16 18.4 µs with 8 warps of every rank
         # -> 8.16, 256/1 16.5 -> 6.69), 8 warps of 16 from 256 (v10 from T=1024: 1024/32
-        # 20.5 -> 16.0; 16 warps 17.1), and from r=33 4 warps of 64 ranks from 256 blocks
+        # 20.5 -> 16.0; 16 warps 17.1), and from r=33 4 warps of 64 ranks from 128 blocks
         # of theirs (the tuned table had them fastest at r=128 from T=512 on, at every
         # spread: T=8192 on one LoRA 92.6 µs, 8 warps of 16 ranks 162; T=2048 over 256 LoRAs
         # 92.6, 16 warps of 8 ranks 195; past r=64 x is read again by each group of 64
@@ -378,7 +378,7 @@ _GPU_CONFIGS = {
             tile_n=64,
             from_tokens_per_slot=3,
             from_rank=33,
-            from_blocks=256,
+            from_blocks=128,
         ),
         # 16 warps of every rank up to r=32 (from r=33 on ptxas wanted 129-140 registers a
         # thread, more than a 512-thread block can have) beat the row kernels from 16 tokens
@@ -387,7 +387,8 @@ _GPU_CONFIGS = {
         # f864c5a; with the rank groups by blocks above, both tuned tables have those
         # faster wherever these were reached (the heuristic's shrinks 1.088x -> 1.069x the
         # fastest on the H200's problems, 1.040x -> 1.035x on the H100's; never taking
-        # them did better than taking them up to any count of blocks). Timed by the tuner
+        # them did better than taking them up to any count of blocks; with the 64-rank
+        # groups from 128 of their blocks, not 256, 1.065x and 1.027x). Timed by the tuner
         # only ...
         LaunchConfig(
             "mma",
