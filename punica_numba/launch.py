@@ -361,10 +361,11 @@ _GPU_CONFIGS = {
         # ranks, mostly from L2). By blocks, not tokens a slot: in both tuned tables the
         # 8-rank blocks lost up to 2.4x at 4 tokens a slot over 256 LoRAs (T=1024-2048),
         # where a rule on tokens a slot never reached these. Weighed on their recorded
-        # times (lab notes, "The heuristics by their blocks"), the heuristic's shrinks
-        # take 1.088x the fastest on the H200's 302 problems (1.159x by tokens a slot) and
-        # 1.040x on the H100's 64 (1.083x), thresholds within 2x of these doing about as
-        # well ...
+        # times (lab notes, "The heuristics by their blocks"), with the 16 warps of every
+        # rank below left to the tuner, the heuristic's shrinks take 1.065x the fastest on
+        # the H200's 302 problems (1.159x by tokens a slot) and 1.027x on the H100's 64
+        # (1.083x); halving or doubling the first two thresholds does about as well, the
+        # third does best from 96 to 128 ...
         LaunchConfig(
             "mma", threads=512, tile_m=16, tile_n=16, from_tokens_per_slot=3, from_blocks=64
         ),
@@ -385,11 +386,8 @@ _GPU_CONFIGS = {
         # a slot and T=256 (v9's run of every configuration: 256/16 8.5 -> 7.5 µs, QKV
         # 256/16 14.3 -> 8.0, 256/1 6.9 -> 6.7), and the heuristic took them there until
         # f864c5a; with the rank groups by blocks above, both tuned tables have those
-        # faster wherever these were reached (the heuristic's shrinks 1.088x -> 1.069x the
-        # fastest on the H200's problems, 1.040x -> 1.035x on the H100's; never taking
-        # them did better than taking them up to any count of blocks; with the 64-rank
-        # groups from 128 of their blocks, not 256, 1.065x and 1.027x). Timed by the tuner
-        # only ...
+        # faster wherever these were reached, and never taking them did better than taking
+        # them up to any count of blocks. Timed by the tuner only ...
         LaunchConfig(
             "mma",
             threads=512,
