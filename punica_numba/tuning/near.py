@@ -28,15 +28,21 @@ from __future__ import annotations
 import math
 
 from ..launch import choose_launch_config, config_name
-from .table import KEY_FIELDS, layer_of, nearest_entries, table_machine
+from .table import KEY_FIELDS, entry_loras, layer_of, nearest_entries, table_machine
 
-__all__ = ["PICKS_A_NEIGHBOUR", "candidate_names", "heuristic_names", "left_out_ratios"]
+__all__ = [
+    "PICKS_A_NEIGHBOUR",
+    "candidate_names",
+    "heuristic_config",
+    "heuristic_names",
+    "left_out_ratios",
+]
 
 #: The configurations taken from each neighbour: its fastest recorded.
 PICKS_A_NEIGHBOUR = 3
 
 
-def heuristic_names(
+def heuristic_config(
     op: str,
     T: int,
     loras: int,
@@ -44,28 +50,30 @@ def heuristic_names(
     slices: int,
     K: int,
     N: int,
+    tensor_cores: bool,
+    lanes: bool,
     machine: str | None = None,
+):
+    """The heuristic's configuration for a problem of table key sizes ``K`` and ``N`` (the
+    shrink's rules read its hidden size K, the expand's its widest slice N), with no table
+    read, among ``machine``'s configurations (None: this machine's)."""
+    return choose_launch_config(
+        op, T, loras, rank, tensor_cores, slices, lanes,
+        K=K if op == "shrink" else None, N=N if op == "expand" else None, machine=machine,
+    )  # fmt: skip
+
+
+def heuristic_names(
+    op: str, T: int, loras: int, rank: int, slices: int, K: int, N: int, machine: str
 ) -> list[str]:
-    """The heuristic's picks for a problem (no table read), with and without the tensor
-    cores and the lane split, each name once. ``K``, ``N``: the table key's (the shrink's
-    rules on its hidden size K, the expand's on its widest slice N)."""
-    names = []
-    for tensor_cores in (True, False):
-        for lanes in (True, False):
-            config = choose_launch_config(
-                op, T, loras, rank, tensor_cores, slices, lanes,
-                K=K if op == "shrink" else None, N=N if op == "expand" else None,
-                machine=machine or _this_machine(),
-            )  # fmt: skip
-            names.append(config_name(config))
-    return list(dict.fromkeys(names))
-
-
-def _this_machine() -> str:
-    """ "gpu" or "simulator": whose configurations, so that no table is read."""
-    from .._cuda import SIMULATOR
-
-    return "simulator" if SIMULATOR else "gpu"
+    """The names of :func:`heuristic_config`'s picks with and without the tensor cores and
+    the lane split, each once."""
+    picks = (
+        heuristic_config(op, T, loras, rank, slices, K, N, tensor_cores, lanes, machine)
+        for tensor_cores in (True, False)
+        for lanes in (True, False)
+    )
+    return list(dict.fromkeys(config_name(config) for config in picks))
 
 
 def candidate_names(doc: dict, key: tuple, loras: int, count: int) -> list[str] | None:
@@ -107,8 +115,7 @@ def left_out_ratios(doc: dict, count: int) -> list[tuple[float, int, dict]]:
             continue
         others = dict(doc, entries=doc["entries"][:k] + doc["entries"][k + 1 :])
         key = (*(entry[f] for f in KEY_FIELDS), "dense")
-        loras = entry.get("loras") or max(1, round(entry["T"] / entry["tokens_per_lora"]))
-        names = candidate_names(others, key, loras, count)
+        names = candidate_names(others, key, entry_loras(entry), count)
         if names is None:
             continue
         listed = [times[n] for n in names if n in times]

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import math
 
-from ..launch import choose_launch_config, config_name
-from .near import left_out_ratios
-from .table import layer_of, table_machine
+from ..launch import config_name
+from .near import heuristic_config, left_out_ratios
+from .table import entry_loras, layer_of, table_machine
 
 __all__ = ["heuristic_ratios", "report"]
 
@@ -50,18 +50,10 @@ def heuristic_ratios(doc: dict) -> tuple[list[tuple[float, dict, str]], list[tup
                 not_timed.append((entry, name))
             continue
         kinds = {name.split("_", 1)[0] for name in times}
-        config = choose_launch_config(
-            entry["op"],
-            entry["T"],
-            entry.get("loras", max(1, round(entry["T"] / entry["tokens_per_lora"]))),
-            entry["rank"],
-            "mma" in kinds,
-            entry["slices"],
-            "lanes" in kinds,
-            K=entry["K"] if entry["op"] == "shrink" else None,
-            N=entry["N"] if entry["op"] == "expand" else None,  # (the expand's rules on N)
-            machine=machine,
-        )
+        config = heuristic_config(
+            entry["op"], entry["T"], entry_loras(entry), entry["rank"], entry["slices"],
+            entry["K"], entry["N"], "mma" in kinds, "lanes" in kinds, machine,
+        )  # fmt: skip
         name = config_name(config)
         if name in times:
             timed.append((times[name] / min(times.values()), entry, name))

@@ -78,9 +78,10 @@ import torch
 
 from .. import __version__, bench, bench_grid
 from .._cuda import SIMULATOR, device_of
-from ..launch import OPS, choose_launch_config, config_name, force_launch_config, launch_configs
+from ..launch import OPS, config_name, force_launch_config, launch_configs
 from ..meta import LoRAKernelMeta
 from .near import candidate_names as near_names
+from .near import heuristic_config
 from .report import report
 from .table import (
     CONFIG_DIR_VARIABLE,
@@ -308,18 +309,11 @@ def tune_case(
         entry["near"] = near[0]
 
     def heuristic() -> str:  # (asked only where something ran: ``usable`` is then known)
-        config = choose_launch_config(
-            case.op,
-            case.T,
-            case.num_loras,
-            case.rank,
-            usable.get("mma", False),
-            len(case.slices),
-            usable.get("lanes", False),
-            K=case.hidden if case.op == "shrink" else None,  # (the rules on K; no table)
-            N=max(case.slices) if case.op == "expand" else None,  # (and on N)
+        _, _, slices, K, N, rank, T, _, _ = case_key(case)
+        mma, lanes = usable.get("mma", False), usable.get("lanes", False)
+        return config_name(
+            heuristic_config(case.op, T, case.num_loras, rank, slices, K, N, mma, lanes)
         )
-        return config_name(config)
 
     return ranked_entry(entry, configs, times, failed, skipped, heuristic, start)
 

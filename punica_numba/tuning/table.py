@@ -82,6 +82,7 @@ __all__ = [
     "TunedTableError",
     "distance",
     "entry_key",
+    "entry_loras",
     "find_table",
     "gpu_name",
     "layer_of",
@@ -188,6 +189,12 @@ def distance(a: dict, b: dict) -> float:
 def layer_of(entry: dict) -> str:
     """An entry's ``layer``: ``"dense"`` where it has none (:data:`LAYERS`)."""
     return entry.get("layer", LAYERS[0])
+
+
+def entry_loras(entry: dict) -> int:
+    """The LoRAs an entry's tokens were spread over: its ``loras``, or where it has none,
+    its T over its tokens a LoRA."""
+    return entry.get("loras") or max(1, round(entry["T"] / entry["tokens_per_lora"]))
 
 
 def entry_key(entry: dict) -> tuple:
