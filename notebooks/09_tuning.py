@@ -239,7 +239,9 @@ print("the same call at r=4: nothing within 3, the heuristic decides")
 
 # %%
 def lookup_over_fastest(doc):
-    ratios = []
+    """The nearest other entry's pick over the fastest, for each problem left out; and the
+    problems where that pick has no time (it never ran there)."""
+    ratios, untimed = [], []
     for k, entry in enumerate(doc["entries"]):
         if table.layer_of(entry) != "dense":
             continue
@@ -252,12 +254,11 @@ def lookup_over_fastest(doc):
             times = entry["times_us"]
             ratios.append(times[found[0]["config"]] / min(times.values()))
         elif found:
-            untimed.append(entry)  # the neighbour's pick never ran on this problem
-    return ratios
+            untimed.append(entry)
+    return ratios, untimed
 
 
-untimed = []
-ratios = lookup_over_fastest(doc)
+ratios, untimed = lookup_over_fastest(doc)
 print(
     f"{len(ratios)} problems: the nearest other entry's pick takes {geometric_mean(ratios):.3f}x "
     f"the fastest in geometric mean; over 1.25x on {sum(r > 1.25 for r in ratios)} "
@@ -295,7 +296,8 @@ display(
 # %% [markdown]
 # A short list of about six configurations finds, on these problems, nearly what the
 # whole sweep of about eighteen finds, where a single lookup loses several per cent. That
-# is how a table grows to new layers, ranks and dtypes on the GPU at a third of the cost:
+# is how a table grows to new layers, ranks and dtypes on the GPU, checking and timing a
+# third of the configurations (each problem still builds its pool and compiles its kernels):
 #
 # ```
 # python -m punica_numba tune --quick --out DIR         # a table of this GPU, a few minutes
