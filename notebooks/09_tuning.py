@@ -272,19 +272,23 @@ assert geometric_mean(ratios) >= 1.0
 # Neighbouring problems mostly share their winners, so the tuner can time a new problem
 # under a short list instead of every configuration (`tune --near N`): the three fastest of
 # each of its N nearest entries, and the heuristic's picks. What the short list loses can be
-# weighed on this table too, each problem left out in turn (`near.left_out_ratios`, also
-# `tune --report TABLE --near N`):
+# weighed on this table too, each problem left out in turn (`report.near_summary` of
+# `near.left_out_ratios`, as `tune --report TABLE --near N` prints it):
 
 # %%
 rows = []
 for count in (1, 2, 4, 8):
-    left_out = near.left_out_ratios(doc, count)
-    finite = [r for r, _, _ in left_out if math.isfinite(r)]
-    listed = sum(n for _, n, _ in left_out) / len(left_out)
-    checked = [len(e["times_us"]) + len(e.get("failed", {})) for _, _, e in left_out]
-    full = sum(checked) / len(checked)  # configurations the full sweep checked
-    best = geometric_mean(finite)
-    rows.append((count, f"{listed:.1f}", f"{full:.1f}", f"{best:.4f}x", f"{max(finite):.3f}x"))
+    summary = report.near_summary(doc, count)
+    best, largest = summary.geomean, max(summary.ratios)
+    rows.append(
+        (
+            count,
+            f"{summary.listed:.1f}",
+            f"{summary.checked:.1f}",
+            f"{best:.4f}x",
+            f"{largest:.3f}x",
+        )
+    )
     assert best <= geometric_mean(ratios)  # a short list beats one pick
 display(
     markdown_table(

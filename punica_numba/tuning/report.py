@@ -21,12 +21,13 @@ shrink" and "moe expand".
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from ..launch import config_name
 from .near import heuristic_config, left_out_ratios
 from .table import entry_loras, layer_of, table_machine
 
-__all__ = ["heuristic_ratios", "report"]
+__all__ = ["NearSummary", "heuristic_ratios", "near_summary", "report"]
 
 #: The ratios past which a problem counts as a miss in the report.
 MISSES = (1.10, 1.25)
@@ -103,27 +104,55 @@ def report(doc: dict, worst: int = 5, near: int | None = None) -> str:
     return "\n".join(lines)
 
 
+class NearSummary(NamedTuple):
+    """What ``tune --near count`` would have lost on a table (:func:`near_summary`)."""
+
+    problems: int  # entries with a neighbour, each left out in turn
+    listed: float  # configurations in a problem's short list, on average
+    checked: float  # configurations the full sweep checked a problem, on average
+    ratios: list[float]  # each list's fastest over the problem's fastest (finite ones)
+    untimed: int  # problems none of whose list has a time (the tuner would sweep them)
+
+    @property
+    def geomean(self) -> float:
+        return math.exp(sum(math.log(r) for r in self.ratios) / len(self.ratios))
+
+
+def near_summary(doc: dict, count: int) -> NearSummary | None:
+    """:func:`.near.left_out_ratios` of ``doc`` summed up; None where no problem has another
+    entry near."""
+    left_out = left_out_ratios(doc, count)
+    if not left_out:
+        return None
+    finite = [r for r, _, _ in left_out if math.isfinite(r)]
+    return NearSummary(
+        problems=len(left_out),
+        listed=sum(n for _, n, _ in left_out) / len(left_out),
+        checked=sum(len(e["times_us"]) + len(e.get("failed", {})) for _, _, e in left_out)
+        / len(left_out),
+        ratios=finite,
+        untimed=len(left_out) - len(finite),
+    )
+
+
 def _near_lines(doc: dict, count: int) -> list[str]:
     """The ``--near`` paragraph: each entry left out in turn, the fastest of its short list
     over its fastest."""
-    left_out = left_out_ratios(doc, count)
+    summary = near_summary(doc, count)
     head = f"tune --near {count}, each problem left out of the table in turn"
-    if not left_out:
+    if summary is None:
         return [f"{head}: no problem has another near it"]
-    finite = [r for r, _, _ in left_out if math.isfinite(r)]
-    listed = sum(n for _, n, _ in left_out) / len(left_out)
-    full = sum(len(e["times_us"]) + len(e.get("failed", {})) for _, _, e in left_out)
     lines = [
-        f"{head}: {len(left_out)} problems with a neighbour; {listed:.1f} configurations "
-        f"listed a problem, where {full / len(left_out):.1f} were checked in full"
+        f"{head}: {summary.problems} problems with a neighbour; {summary.listed:.1f} "
+        f"configurations listed a problem, where {summary.checked:.1f} were checked in full"
     ]
-    if finite:
-        geomean = math.exp(sum(math.log(r) for r in finite) / len(finite))
-        misses = ", ".join(f"{sum(r > m for r in finite)} over {m:.2f}x" for m in MISSES)
+    if summary.ratios:
+        ratios = summary.ratios
+        misses = ", ".join(f"{sum(r > m for r in ratios)} over {m:.2f}x" for m in MISSES)
         lines.append(
-            f"  the list's fastest over the fastest: geometric mean {geomean:.4f}x, largest "
-            f"{max(finite):.3f}x; {misses}"
+            f"  the list's fastest over the fastest: geometric mean {summary.geomean:.4f}x, "
+            f"largest {max(ratios):.3f}x; {misses}"
         )
-    if len(finite) < len(left_out):
-        lines.append(f"  no time for any of the list: {len(left_out) - len(finite)} problems")
+    if summary.untimed:
+        lines.append(f"  no time for any of the list: {summary.untimed} problems")
     return lines
