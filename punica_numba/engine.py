@@ -38,8 +38,9 @@ of requests, each naming an adapter id (``0`` for none), is generated together:
   no adapter launches no LoRA kernel at all (its graph is the base model's). In the
   graph each LoRA layer's shrink runs on a second stream beside its base GEMM (both
   read only the layer's input), and the expand joins them
-  (:meth:`LoRALinear._beside_the_gemm`). On the simulator there are no graphs: the
-  same step runs eagerly.
+  (:meth:`LoRALinear._beside_the_gemm`); the eager first step takes the same path, so
+  that it compiles every kernel the capture launches. On the simulator there are no
+  graphs: the same step runs eagerly.
 * **Requests that finish early stay in the batch, masked.** With a ``stop_token``, a
   request is finished once it has generated it; it keeps its row (the batch, and so
   the graph, keeps its shape) and what it computes after is dropped. The host checks
@@ -58,6 +59,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -183,15 +185,18 @@ class LoRALinear(nn.Module):
     ):
         super().__init__()
         self.spec, self.slots, self.punica = spec, slots, punica
-        #: A ``torch.cuda.Stream`` for the shrink beside the base GEMM under capture.
+        #: A ``torch.cuda.Stream`` for the shrink beside the base GEMM in a graph's step.
         self.side_stream = side_stream
+        #: Whether calls take :meth:`_beside_the_gemm` (the engine sets it for a decode
+        #: step it captures, and for that step's eager warm-up before).
+        self.beside = False
         # One GEMM for all slices, as vLLM's packed layers do (a copy of the weights).
         self.weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum N_s, H]
         biases = [lin.bias for lin in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.side_stream is not None and torch.cuda.is_current_stream_capturing():
+        if self.beside and self.side_stream is not None:
             return self._beside_the_gemm(x)
         y = F.linear(x, self.weight, self.bias)  # [T, sum N_s]
         name = self.spec.name
@@ -207,8 +212,8 @@ class LoRALinear(nn.Module):
         return y
 
     def _beside_the_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` in a captured graph: the LoRA shrink on ``side_stream`` while
-        the base GEMM runs, then the expand into y.
+        """:meth:`forward` in a graph's decode step (and in its eager warm-up): the LoRA
+        shrink on ``side_stream`` while the base GEMM runs, then the expand into y.
 
         The shrink and the GEMM read only x, so the graph holds them as two branches that
         the GPU runs at once, and the expand, which adds into y, joins them. At a decode
@@ -662,14 +667,31 @@ class MultiLoRAEngine:
             return self._decode_step(state)
         graph = self._graphs.get(key)
         if graph is None:
-            logits = self._decode_step(state)  # the warm-up, and this step's result
-            self._graphs[key] = self._capture(state)
+            # The warm-up takes the capture's path, so that it compiles every kernel the
+            # capture launches (the shrink that adds into a zeroed buffer, not the one
+            # that stores): a first launch, which compiles, must not happen in a capture.
+            with self._beside_the_gemms():
+                logits = self._decode_step(state)  # the warm-up, and this step's result
+                self._graphs[key] = self._capture(state)
             if len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
             return logits
         self._graphs.move_to_end(key)
         graph.graph.replay()
         return graph.logits
+
+    @contextmanager
+    def _beside_the_gemms(self):
+        """Within: every LoRA layer runs its shrink beside its base GEMM
+        (:meth:`LoRALinear._beside_the_gemm`)."""
+        layers = [layer for per_decoder in self.layers for layer in per_decoder.values()]
+        for layer in layers:
+            layer.beside = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.beside = False
 
     def _capture(self, state: _DecodeState) -> _Graph:
         """Capture one decode step on ``state``'s tensors (nothing runs; replays will)."""
