@@ -1,17 +1,20 @@
 """The simulator's own behaviour that the package relies on (skipped on a GPU).
 
 Numba's CUDA simulator runs each CUDA thread as a Python thread. ``punica_numba._simulator``
-changes two of its ways: a block's threads meet at ``cuda.syncthreads()`` by their own
+changes three of its ways: a block's threads meet at ``cuda.syncthreads()`` by their own
 counts, where Numba's block manager polled them in a busy loop
-(``_simulator._barrier_without_a_poller``); and the first call of ``cuda.shared.array``
+(``_simulator._barrier_without_a_poller``); the first call of ``cuda.shared.array``
 from a line of a kernel makes the block's array under a lock, where two threads that made
-it at the same moment each got their own (``_simulator._one_shared_array_per_site``).
+it at the same moment each got their own (``_simulator._one_shared_array_per_site``); and
+a device function's module takes the launch's ``cuda`` once a launch, where Numba swapped
+it around every call (``_simulator._device_calls_swap_once``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -146,3 +149,38 @@ def test_threads_waiting_at_a_barrier_keep_no_processor_busy():
     assert (out == 1).all()
     assert wall >= pause
     assert processor < pause / 3, f"{processor:.3f} s of processor time in {wall:.3f} s"
+
+
+def _module_of_a_device_function():
+    """A module of its own (as the kernels' device functions live in modules other than
+    their kernels'), holding ``cuda`` and a device function reading the thread's index."""
+    module = types.ModuleType("device_helpers")
+    module.cuda = cuda
+    exec("def lane(shift):\n    return cuda.threadIdx.x + shift\n", module.__dict__)
+    return module, cuda.jit(device=True)(module.lane)
+
+
+def test_a_device_functions_module_has_the_real_cuda_back_after_a_launch():
+    """Within a launch a device function of another module reads the launch's threads
+    (its module swapped once); after the launch, and after a launch that raised, that
+    module holds the real ``cuda`` again, and the function called from host code reads
+    no thread."""
+    module, lane = _module_of_a_device_function()
+
+    @cuda.jit
+    def kernel(out, fail):
+        i = cuda.threadIdx.x
+        out[i] = lane(10) + lane(20)  # a second call, after the module's swap
+        if fail and i == 3:
+            out[i + 100] = 0
+
+    out = np.zeros(6, dtype=np.int64)
+    kernel[1, 6](out, False)
+    np.testing.assert_array_equal(out, 2 * np.arange(6) + 30)
+    assert module.cuda is cuda
+    with pytest.raises(IndexError, match=r"tid=\[3, 0, 0\]"):
+        kernel[1, 6](out, True)
+    assert module.cuda is cuda
+    with pytest.raises(AttributeError):  # outside a launch there is no thread
+        lane(0)
+    assert module.cuda is cuda
