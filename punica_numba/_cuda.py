@@ -22,8 +22,9 @@ later change of backend stays local. It does five things:
    *dependent launch* (:func:`dependent_launch`): the GPU may start a kernel while the
    one before it on the stream is still finishing.
 5. **Mends the simulator** (:mod:`._simulator`): a block's barrier without Numba's
-   poller, one ``cuda.shared.array`` a line of a kernel for every thread of a block, and
-   a device function's module swapped to the launch's ``cuda`` once a launch.
+   poller, threads kept from block to block, one ``cuda.shared.array`` a line of a kernel
+   for every thread of a block, and a device function's module swapped to the launch's
+   ``cuda`` once a launch.
 """
 
 from __future__ import annotations

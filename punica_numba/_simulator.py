@@ -1,6 +1,6 @@
 """Mends to Numba's CUDA simulator, made once by :mod:`._cuda` when it runs the kernels.
 
-The simulator runs each CUDA thread of a block as a Python thread. Three of its ways cost
+The simulator runs each CUDA thread of a block as a Python thread. Four of its ways cost
 the package, and :func:`mend` changes them:
 
 1. **A block's barrier without a poller** (:func:`_barrier_without_a_poller`). Numba's
@@ -11,7 +11,7 @@ the package, and :func:`mend` changes them:
    (numba-cuda 0.30, 2 cores), three quarters of the time the lock was held went to that
    loop and a tenth to the kernel's own threads. Here the threads keep count themselves:
    the last to reach the barrier, or the last to finish while the others wait there, lets
-   them go, and the launch waits for them with ``join``. What a barrier means is kept:
+   them go, and the launch waits until none runs. What a barrier means is kept:
    the threads still running meet at it, a thread that has returned is not waited for,
    and the first thread to raise aborts the block and its exception is the launch's.
    Run alone on 2 cores, a test of the staged shrink (``test_staged_shrink``'s bits test
@@ -29,6 +29,13 @@ the package, and :func:`mend` changes them:
    tests of tensor-core shrinks (a staged block of 64 tokens, the MoE shrink of version
    6) took 9.6 s where they took 15.6, and the test suite on 2 cores 299 s where it took
    465.
+4. **Threads kept from block to block** (:func:`_threads_kept_between_blocks`). Numba
+   starts a Python thread for every CUDA thread of every block and joins it at the
+   block's end: about 125 µs a thread on 2 cores, a third of the time of a test of the
+   wrapper (``test_wrapper``: 15,112 threads, 406 µs each). Here a block of n threads runs
+   on the first n of threads kept from one block and launch to the next, each handed its
+   indices and the block's barrier: 308 µs a thread there, and the test suite on 2 cores
+   244 s where it took 299.
 
 The interpreter's switch interval is left at Python's own 5 ms. With Numba's poller it
 had to be short (0.3 ms made a shrink launch about 5 times faster on 2 cores than 5 ms),
@@ -39,6 +46,7 @@ cases of that MoE test took 48 s at 0.3 ms and 36 s at 5 ms (20 ms: 35 s).
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 
@@ -48,6 +56,7 @@ import numpy as np
 def mend() -> None:
     """Make the simulator's changes of this module (once; :mod:`._cuda` calls it)."""
     _barrier_without_a_poller()
+    _threads_kept_between_blocks()
     _one_shared_array_per_site()
     _device_calls_swap_once()
 
@@ -91,8 +100,16 @@ class _Block:
             if raised:
                 self.aborted = True
                 self.lock.notify_all()
+            elif self.running == 0:
+                self.lock.notify_all()  # the launch waits for it (:meth:`wait_for_the_end`)
             else:
                 self.open_if_every_running_thread_waits()
+
+    def wait_for_the_end(self) -> None:
+        """Wait until every thread of the block has returned or raised."""
+        with self.lock:
+            while self.running:
+                self.lock.wait()
 
 
 def _barrier_without_a_poller() -> None:
@@ -112,21 +129,60 @@ def _barrier_without_a_poller() -> None:
     def syncthreads(self):
         self._block.wait()
 
+    thread_class.run = run
+    thread_class.syncthreads = syncthreads
+
+
+def _threads_kept_between_blocks() -> None:
+    """Run each block on threads kept from one block and launch to the next (see the
+    module's notes): a block of n threads takes the first n of them, each given its block
+    and thread index, the block's barrier, and the kernel as Numba's thread takes it."""
+    from numba.cuda.simulator import kernel as simulator
+    from numba.cuda.simulator.kernelapi import Dim3
+
+    one_thread = simulator.BlockThread.run  # (mended above) names its errors, tells the block
+    kept: list = []
+
+    class KeptThread(simulator.BlockThread):
+        """A simulated thread that runs one block's thread after another, as it is told."""
+
+        def __init__(self):
+            threading.Thread.__init__(self, daemon=True)  # (BlockThread's needs a block)
+            self.jobs = queue.SimpleQueue()
+            self.debug, self.exception = False, None
+
+        def run(self):
+            while True:
+                manager, block, target, block_index, thread_index = self.jobs.get()
+                self._target, self._args, self._kwargs = target, (), {}
+                self._manager, self._block = manager, block
+                self.blockIdx, self.threadIdx = Dim3(*block_index), Dim3(*thread_index)
+                x, y, z = manager._block_dim
+                self.thread_id = thread_index[0] + x * (thread_index[1] + y * thread_index[2])
+                self.exception, self.abort = None, False
+                self.__dict__.pop("scratch_turn", None)  # (kernels.mma: from 0 each block)
+                try:
+                    one_thread(self)
+                except BaseException as error:  # (Numba's keeps an Exception): the block's
+                    self.exception = (error, error.__traceback__)
+
     def run_block(self, grid_point, *args):
-        block = _Block(int(np.prod(self._block_dim)))
+        points = list(np.ndindex(*self._block_dim))
+        while len(kept) < len(points):
+            kept.append(KeptThread())
+            kept[-1].start()
+        threads, block = kept[: len(points)], _Block(len(points))
 
         def target():
-            self._f(*args)
+            if self._debug:  # as Numba's thread: a division by zero raises
+                with np.errstate(divide="raise"):
+                    self._f(*args)
+            else:
+                self._f(*args)
 
-        threads = []
-        for block_point in np.ndindex(*self._block_dim):
-            thread = thread_class(target, self, grid_point, block_point, self._debug)
-            thread._block = block
-            threads.append(thread)
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        for thread, point in zip(threads, points):
+            thread.jobs.put((self, block, target, grid_point, point))
+        block.wait_for_the_end()
         raised = [t.exception for t in threads if t.exception is not None]
         # The thread that raised first is not always first in the block: the others
         # raised only because it aborted them.
@@ -135,8 +191,6 @@ def _barrier_without_a_poller() -> None:
             error, traceback = (own or raised)[0]
             raise error.with_traceback(traceback)
 
-    thread_class.run = run
-    thread_class.syncthreads = syncthreads
     simulator.BlockManager.run = run_block
 
 

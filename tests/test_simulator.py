@@ -184,3 +184,43 @@ def test_a_device_functions_module_has_the_real_cuda_back_after_a_launch():
     with pytest.raises(AttributeError):  # outside a launch there is no thread
         lane(0)
     assert module.cuda is cuda
+
+
+def test_a_block_on_kept_threads_starts_afresh():
+    """Blocks run on threads kept from earlier blocks and launches (of other shapes, one
+    that raised): each thread has its own block's indices and lane, and the state the
+    tensor-core emulation keeps on a thread (its scratch turn) starts from 0 in each."""
+    from punica_numba.kernels.mma import _scratch_turn
+
+    @cuda.jit
+    def turns(out, fail):
+        i = cuda.threadIdx.x
+        out[i] = _scratch_turn()
+        if i == 0:
+            _scratch_turn()  # thread 0 one turn ahead of the others at the block's end
+        if fail and i == 1:
+            out[i + 100] = 0
+
+    out = np.full(8, -1)
+    turns[2, 8](out, False)
+    with pytest.raises(IndexError):
+        turns[1, 8](out, True)
+    turns[1, 8](out, False)
+    assert (out == 0).all(), out
+
+    @cuda.jit
+    def where(out):
+        x, y, z = cuda.threadIdx.x, cuda.threadIdx.y, cuda.threadIdx.z
+        b = cuda.blockIdx.x
+        out[b, z, y, x, 0] = b
+        out[b, z, y, x, 1] = x + 10 * y + 100 * z
+        out[b, z, y, x, 2] = cuda.laneid
+
+    out = np.full((3, 2, 3, 8, 3), -1)
+    where[3, (8, 3, 2)](out)
+    blocks = np.broadcast_to(np.arange(3)[:, None, None, None], (3, 2, 3, 8))
+    np.testing.assert_array_equal(out[..., 0], blocks)
+    z, y, x = np.meshgrid(np.arange(2), np.arange(3), np.arange(8), indexing="ij")
+    np.testing.assert_array_equal(out[..., 1], np.broadcast_to(x + 10 * y + 100 * z, (3, 2, 3, 8)))
+    lane = (x + 8 * (y + 3 * z)) % 32
+    np.testing.assert_array_equal(out[..., 2], np.broadcast_to(lane, (3, 2, 3, 8)))
