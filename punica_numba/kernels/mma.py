@@ -282,6 +282,24 @@ _B_REGISTER = 4 + _K // 8
 _SHIFT_OF_K = (16 * (_K % 2)).astype(np.uint32)
 
 
+def _operand_words(lane: int, at: int) -> np.ndarray:
+    """Where lane ``lane``'s outputs find their operands in its warp's scratch, flattened
+    (rows of :data:`FRAGMENT_WORDS`), in the set of words from ``at``: A's rows g and g + 8,
+    then B's columns 2t and 2t + 1, 16 elements each (the tables above, as one gather)."""
+    g, t = lane // 4, lane % 4
+    a = _A_LANES[g] * FRAGMENT_WORDS + at + _A_REGISTER  # [2, 16]
+    b = _B_LANES[t] * FRAGMENT_WORDS + at + _B_REGISTER  # [2, 16]
+    return np.concatenate([a.ravel(), b.ravel()])
+
+
+#: :func:`_operand_words` of each lane (first index) and each of its two sets of words
+#: (second index: :func:`_scratch_turn` // ``_EXCHANGE_WORDS``), and each element's shift.
+_OPERAND_WORDS = np.array(
+    [[_operand_words(lane, turn * _EXCHANGE_WORDS) for turn in (0, 1)] for lane in range(32)]
+)
+_OPERAND_SHIFTS = np.tile(_SHIFT_OF_K, 4)
+
+
 def _decoded(bits: np.ndarray, kind: str) -> np.ndarray:
     """16-bit elements (in uint32) as fp32, exactly."""
     if kind == "bf16":
@@ -302,13 +320,12 @@ def _emulated(kind: str):
         scratch[lane, at + 4] = b0
         scratch[lane, at + 5] = b1
         cuda.syncthreads()
-        g, t = lane // 4, lane % 4
-        a_bits = scratch[_A_LANES[g], at + _A_REGISTER] >> _SHIFT_OF_K  # [2, 16]
-        b_bits = scratch[_B_LANES[t], at + _B_REGISTER] >> _SHIFT_OF_K  # [2, 16]
-        a = _decoded(a_bits & np.uint32(0xFFFF), kind)
-        b = _decoded(b_bits & np.uint32(0xFFFF), kind)
+        where = _OPERAND_WORDS[lane, at // _EXCHANGE_WORDS]  # [64]
+        bits = scratch.reshape(-1)[where] >> _OPERAND_SHIFTS
+        values = _decoded(bits & np.uint32(0xFFFF), kind)
+        a, b = values[:32].reshape(2, 16), values[32:].reshape(2, 16)
         with np.errstate(all="ignore"):  # inf and NaN propagate as on the GPU, silently
-            d = a @ b.T  # d[i, j]: row g + 8 i, column 2t + j
+            d = a @ b.T  # d[i, j]: row g + 8 i, column 2t + j (g, t = lane // 4, lane % 4)
             return c0 + d[0, 0], c1 + d[0, 1], c2 + d[1, 0], c3 + d[1, 1]
 
     return mma
