@@ -46,6 +46,7 @@ cases of that MoE test took 48 s at 0.3 ms and 36 s at 5 ms (20 ms: 35 s).
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -142,6 +143,7 @@ def _threads_kept_between_blocks() -> None:
 
     one_thread = simulator.BlockThread.run  # (mended above) names its errors, tells the block
     kept: list = []
+    os.register_at_fork(after_in_child=kept.clear)  # a forked child has none of the threads
 
     class KeptThread(simulator.BlockThread):
         """A simulated thread that runs one block's thread after another, as it is told."""

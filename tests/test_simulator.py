@@ -12,9 +12,12 @@ it around every call (``_simulator._device_calls_swap_once``).
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -224,3 +227,35 @@ def test_a_block_on_kept_threads_starts_afresh():
     np.testing.assert_array_equal(out[..., 1], np.broadcast_to(x + 10 * y + 100 * z, (3, 2, 3, 8)))
     lane = (x + 8 * (y + 3 * z)) % 32
     np.testing.assert_array_equal(out[..., 2], np.broadcast_to(lane, (3, 2, 3, 8)))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_launches_on_threads_of_its_own():
+    """The threads kept between blocks are not in a child forked after launches (fork
+    copies only the thread that forks): the child's launch makes its own, and ends."""
+
+    @cuda.jit
+    def kernel(out):
+        out[cuda.blockIdx.x, cuda.threadIdx.x] = cuda.threadIdx.x + 1
+
+    out = np.zeros((2, 8), dtype=np.int64)
+    kernel[2, 8](out)  # threads kept in this process
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (a fork with threads, 3.12+)
+        child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            again = np.zeros((2, 8), dtype=np.int64)
+            kernel[2, 8](again)
+            code = 0 if (again == np.arange(1, 9)).all() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child's launch never ended")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
