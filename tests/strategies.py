@@ -38,14 +38,6 @@ def in_shards(examples: int | None = None):
     return lambda test: pytest.mark.parametrize("shard", range(SHARDS))(share(test))
 
 
-def fewer_on_the_simulator(examples: int):
-    """At most ``examples`` of the profile's on the simulator, the profile's elsewhere: for
-    the slowest property tests, whose simulated launches set the CI's time (an example of a
-    staged shrink or expand, or of a shrink two passes ahead, takes seconds there)."""
-    total = settings.default.max_examples
-    return settings(max_examples=min(total, examples) if SIMULATOR else total)
-
-
 @dataclass(frozen=True)
 class Limits:
     tokens: int

@@ -26,7 +26,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from punica_numba import SIMULATOR, LoRAKernelMeta, lora_expand, lora_shrink, reference
+from punica_numba import LoRAKernelMeta, lora_expand, lora_shrink, reference
 
 from .op_cases import (
     META_ARG_NAMES,
@@ -46,9 +46,8 @@ from .tolerance import assert_close
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The ops' properties launch two or three kernels an example, over the space the other
-#: property tests (test_ops.py) draw in full: a few examples on the simulator, at most 60
-#: on a GPU.
-FEW = settings(max_examples=min(settings().max_examples, 4 if SIMULATOR else 60))
+#: property tests (test_ops.py) draw in full: at most 60 examples.
+FEW = settings(max_examples=min(settings().max_examples, 60))
 
 L = 5  # slots; active_lora_ids has L + 1 entries
 SLOTS = (0, 3, -1, 3, 1, -1)  # entries in use: -1, 0, 1, 3

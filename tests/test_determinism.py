@@ -49,9 +49,8 @@ OPS = {"shrink": (prepare_shrink, check_shrink), "expand": (prepare_expand, chec
 
 #: Each example runs an op once per configuration plus once more: at the gpu profile's
 #: sizes, fewer examples than the property tests keep the run to a few minutes, in parts
-#: that xdist's workers share (``strategies.in_shards``); on the simulator 6, half the ci
-#: profile's (about 2 s an example there).
-FEWER = in_shards(min(settings.default.max_examples, 4 if launch.SIMULATOR else 75))
+#: that xdist's workers share (``strategies.in_shards``).
+FEWER = in_shards(min(settings.default.max_examples, 75))
 
 
 def _run_under(op: str, config, case, rank_at_run_time: bool = False) -> tuple:

@@ -35,7 +35,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import float32, uint32
 
-from punica_numba import SIMULATOR, launch, lora_expand, ops, reference
+from punica_numba import launch, lora_expand, ops, reference
 from punica_numba._cuda import cuda, kernel_array, launch_stream
 from punica_numba.kernels import build_mma_expand_kernel, expand_mma
 from punica_numba.kernels.dtypes import f16_pair
@@ -48,8 +48,8 @@ from .op_cases import ExpandCase, Problem, check_expand, record_mma_expand_build
 from .strategies import DEVICE, assign_slots
 from .tolerance import U32, UNIT_ROUNDOFF, assert_close
 
-#: A few examples on the simulator (each a kernel of up to 10 rank steps), more on a GPU.
-FEW = settings(max_examples=min(settings().max_examples, 4 if SIMULATOR else 50))
+#: Each example a kernel of up to 10 rank steps: at most 50 examples.
+FEW = settings(max_examples=min(settings().max_examples, 50))
 
 #: For these tests only: a warp of 64 columns (8 tiles), so that at r=64 a block of one
 #: column group holds 32 words of B a lane and reads the buffer first (``BUFFER_FIRST``).

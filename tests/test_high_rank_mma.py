@@ -51,10 +51,9 @@ from .op_cases import (
 from .strategies import DEVICE, assign_slots, random_tensor
 from .tolerance import assert_close
 
-#: Each example runs a kernel of up to 16 rank steps (the simulator: a few seconds), and
-#: draws of new ranks compile new kernels (a GPU): a few examples on the simulator, at most
-#: 50 on a GPU.
-FEW = settings(max_examples=min(settings().max_examples, 2 if SIMULATOR else 50))
+#: Each example runs a kernel of up to 16 rank steps, and draws of new ranks compile new
+#: kernels (a GPU): at most 50 examples.
+FEW = settings(max_examples=min(settings().max_examples, 50))
 
 
 def _mma_configs(op: str) -> list:

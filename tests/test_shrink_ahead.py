@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from punica_numba.launch import LaunchConfig, config_name
 
 from .op_cases import Problem, ShrinkCase
-from .strategies import LARGE, fewer_on_the_simulator
+from .strategies import LARGE
 from .test_joint_shrink import check_forced_shrink, outputs_under, tensor_core_shrink_cases
 
 #: Threads a block: two warps on the simulator (64 Python threads a block).
@@ -42,7 +42,6 @@ def ahead_cases() -> st.SearchStrategy:
     return tensor_core_shrink_cases(40, 24, 32, 3)
 
 
-@fewer_on_the_simulator(3)
 @given(
     ahead_cases(),
     st.sampled_from((16, 32)),

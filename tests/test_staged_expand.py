@@ -27,7 +27,7 @@ from punica_numba.kernels.expand_mma_staged import staged_expand_stages
 from punica_numba.launch import LaunchConfig, config_name
 
 from .op_cases import ExpandCase, Problem, check_expand, rows_at_8_bytes
-from .strategies import LARGE, fewer_on_the_simulator
+from .strategies import LARGE
 from .test_split_shrink import forced
 
 #: Blocks drawn, ``(threads, tokens, columns, stages)`` (stages 0: what 48 KB declared in
@@ -114,7 +114,6 @@ def staged_cases(draw) -> ExpandCase:
     )
 
 
-@fewer_on_the_simulator(3)
 @given(staged_cases(), st.sampled_from(BLOCKS))
 def test_staged_expand_matches_reference_with_the_tensor_cores_bits(case, block):
     config = staged_config(*block)

@@ -25,7 +25,7 @@ from punica_numba.kernels.shrink_mma_staged import staged_stages
 from punica_numba.launch import LaunchConfig, config_name
 
 from .op_cases import Problem, ShrinkCase, check_shrink
-from .strategies import LARGE, fewer_on_the_simulator
+from .strategies import LARGE
 from .test_joint_shrink import (
     _recording,
     check_forced_shrink,
@@ -73,7 +73,6 @@ def staged_cases() -> st.SearchStrategy:
     return tensor_core_shrink_cases(40, 10, 40, 3)
 
 
-@fewer_on_the_simulator(3)
 @given(
     staged_cases(),
     st.sampled_from((16, 32, 64)),

@@ -41,7 +41,6 @@ from .strategies import (
     KERNEL_LIMITS,
     MODES,
     assign_slots,
-    fewer_on_the_simulator,
     in_shards,
     random_tensor,
 )
@@ -805,7 +804,6 @@ def reuse_cases(draw) -> ReuseCase:
     return ReuseCase(num_loras, capacity, hidden, rank, widths, dtype, steps, rows, seed)
 
 
-@fewer_on_the_simulator(3)
 @given(reuse_cases())
 def test_reused_wrapper_equals_a_fresh_one_at_every_step(case):
     """Nothing of an earlier step (bigger or smaller) leaks into the next one."""
@@ -861,7 +859,6 @@ def test_reused_wrapper_equals_a_fresh_one_at_every_step(case):
     DEVICE.type != "cpu",
     reason="on a GPU every buffer has a host twin: no wrapper writes its buffers in place",
 )
-@fewer_on_the_simulator(3)
 @given(reuse_cases())
 def test_metadata_sent_from_host_twins_equals_metadata_written_in_place(case):
     """update_metadata computes on host twins of the wrapper's buffers and sends them (on
