@@ -52,6 +52,7 @@ from IPython.display import Markdown, display
 import punica_numba
 from punica_numba.launch import config_name, launch_configs
 from punica_numba.tuning import near, report, table
+from punica_numba.tuning.report import geometric_mean
 
 SIMULATOR = punica_numba.SIMULATOR
 doc = table.read_table(table.PACKAGE_DIR / "NVIDIA_H200.json")  # checked as the launcher reads it
@@ -64,11 +65,6 @@ def markdown_table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return Markdown("\n".join(lines))
-
-
-def geometric_mean(values):
-    values = list(values)
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 assert all(e["times_us"] for e in dense)  # every linear entry was timed under its configurations

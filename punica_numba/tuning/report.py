@@ -27,10 +27,16 @@ from ..launch import config_name
 from .near import heuristic_config, left_out_ratios
 from .table import entry_loras, layer_of, table_machine
 
-__all__ = ["NearSummary", "heuristic_ratios", "near_summary", "report"]
+__all__ = ["NearSummary", "geometric_mean", "heuristic_ratios", "near_summary", "report"]
 
 #: The ratios past which a problem counts as a miss in the report.
 MISSES = (1.10, 1.25)
+
+
+def geometric_mean(values) -> float:
+    """The geometric mean of positive numbers: how ratios of times are averaged here."""
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def heuristic_ratios(doc: dict) -> tuple[list[tuple[float, dict, str]], list[tuple[dict, str]]]:
@@ -85,7 +91,7 @@ def report(doc: dict, worst: int = 5, near: int | None = None) -> str:
     for op in sorted({_group(entry) for _, entry, _ in timed}):
         mine = sorted((t for t in timed if _group(t[1]) == op), key=lambda t: -t[0])
         ratios = [r for r, _, _ in mine]
-        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        geomean = geometric_mean(ratios)
         misses = ", ".join(f"{sum(r > m for r in ratios)} over {m:.2f}x" for m in MISSES)
         lines.append(
             f"{op}: {len(ratios)} problems, geometric mean {geomean:.3f}x, largest "
@@ -115,7 +121,7 @@ class NearSummary(NamedTuple):
 
     @property
     def geomean(self) -> float:
-        return math.exp(sum(math.log(r) for r in self.ratios) / len(self.ratios))
+        return geometric_mean(self.ratios)
 
 
 def near_summary(doc: dict, count: int) -> NearSummary | None:

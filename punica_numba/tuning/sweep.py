@@ -82,7 +82,7 @@ from ..launch import OPS, config_name, force_launch_config, launch_configs
 from ..meta import LoRAKernelMeta
 from .near import candidate_names as near_names
 from .near import heuristic_config
-from .report import report
+from .report import geometric_mean, report
 from .table import (
     CONFIG_DIR_VARIABLE,
     KEY_FIELDS,
@@ -550,7 +550,7 @@ def _retime(args, parser, path: Path) -> int:
     done = len(chosen) - left
     print(f"tune: {len(gains)} of {done} problems timed again took another configuration")
     if gains:
-        mean = math.exp(sum(math.log(g) for g in gains) / len(gains))
+        mean = geometric_mean(gains)
         print(
             f"tune: there the old pick took {mean:.3f}x the new one's time (geometric mean; "
             f"at most {max(gains):.3f}x), both timed in this run"
@@ -566,7 +566,7 @@ def _summary(entries: list[dict]) -> str:
     if not both:
         return "tune: nothing measured against the heuristic"
     other = [e for e in both if e["config"] != e["heuristic"]]
-    gain = math.exp(sum(math.log(e["heuristic_us"] / e["us"]) for e in both) / len(both))
+    gain = geometric_mean(e["heuristic_us"] / e["us"] for e in both)
     return (
         f"tune: the tuned configuration differs from the heuristic's on {len(other)} of "
         f"{len(both)} problems; the heuristic's time over the tuned one: {gain:.3f}x "
