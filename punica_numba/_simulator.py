@@ -151,7 +151,7 @@ def _threads_kept_between_blocks() -> None:
         def __init__(self):
             threading.Thread.__init__(self, daemon=True)  # (BlockThread's needs a block)
             self.jobs = queue.SimpleQueue()
-            self.debug, self.exception = False, None
+            self.exception = None
 
         def run(self):
             while True:
