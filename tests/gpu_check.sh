@@ -54,9 +54,12 @@
 #   COMMIT          the commit the benchmark records (default: git HEAD, if there is one)
 #   SUITE_WORKERS   pytest-xdist workers for the suite (default 4; 0: one process). Ten on an
 #                   80 GB H100 ran out of memory at 36135c6 where the suite's last files ran
-#                   together (test_ops' test of offsets past 2^31 holds 43 GB)
+#                   together (test_ops' test of offsets past 2^31 holds 43 GB), and eight
+#                   there at 323e302 in one test (test_wrapper's add_shrink; it passed alone)
 #   SUITE_TESTS     the suite's pytest targets (default: tests). The whole gpu profile took
-#                   over 10 minutes on an H200 with 8 workers (at 5d81db4): run it in parts
+#                   over 10 minutes on an H200 with 8 workers (at 5d81db4), and 1,350 s on an
+#                   H100 with 8 then 6 (323e302, three calls): run it in parts. The log ends
+#                   with the 30 slowest tests' times, for a run to plan its parts by
 #   SUITE_LIMIT     seconds after which the suite is interrupted (SIGINT: pytest then writes
 #                   the failures so far, tracebacks and summary, into its log; killed 20 s
 #                   later if it has not ended)
@@ -218,7 +221,7 @@ if want suite; then
     [ -n "${SUITE_DONE:-}" ] && mapfile -t done_before < <("$PYTHON" tests/suite_parts.py "$SUITE_DONE")
     limit=()
     [ -n "${SUITE_LIMIT:-}" ] && limit=(timeout --signal=INT --kill-after=20 "$SUITE_LIMIT")
-    HYPOTHESIS_PROFILE=gpu "${limit[@]}" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider \
+    HYPOTHESIS_PROFILE=gpu "${limit[@]}" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider --durations=30 \
         "${workers[@]}" "${targets[@]}" "${done_before[@]}" >"$OUT/suite.log" 2>&1 &
     pids+=($!)
 fi
