@@ -14,7 +14,7 @@ Importing the package switches Numba to its CUDA simulator when no GPU is usable
 :func:`dependent_launch` says whether kernels are launched as Hopper's dependent launches.
 """
 
-from ._cuda import SIMULATOR, dependent_launch
+from ._cuda import SIMULATOR, FirstLaunchInCaptureError, dependent_launch
 from .mapping import LongContextLoRAContext, LoRAMapping, convert_mapping
 from .meta import LoRAKernelMeta
 from .moe_meta import align_pairs
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SIMULATOR",
+    "FirstLaunchInCaptureError",
     "LoRAKernelMeta",
     "LoRAMapping",
     "PunicaWrapperNumba",

@@ -48,6 +48,7 @@ __all__ = [
     "device_of",
     "KERNEL_DTYPES",
     "KernelLauncher",
+    "FirstLaunchInCaptureError",
     "LaunchRecord",
     "ReadyLaunch",
     "dependent_launch",
@@ -164,6 +165,28 @@ def jit_kernel(
         return kernel
 
     return jit
+
+
+class FirstLaunchInCaptureError(RuntimeError):
+    """A kernel's first launch with some argument types came inside a CUDA graph capture.
+
+    That launch compiles the kernel and loads it onto the GPU, work that a stream capture
+    cannot hold: it invalidates the capture, which then fails in the driver's words, far
+    from the cause (a warm-up that took another path than the captured call, say, and so
+    launched other kernels). So the launcher refuses before compiling or launching
+    anything, naming the kernel: run the same call once outside the capture (a warm-up),
+    then capture it.
+    """
+
+    def __init__(self, dispatcher):
+        function = getattr(dispatcher, "py_func", None)
+        self.kernel = getattr(function, "__qualname__", None) or repr(dispatcher)
+        super().__init__(
+            f"the kernel {self.kernel} is launched for the first time with these argument "
+            "types inside a CUDA graph capture; its first launch compiles it, which a "
+            "capture cannot hold. Make the same call once before capturing (a warm-up), "
+            "then capture it"
+        )
 
 
 class RegisterCeiling(NamedTuple):
@@ -285,6 +308,10 @@ class KernelLauncher:
     On the simulator there is nothing to save: every launch goes through the
     dispatcher with numpy views.
 
+    A first launch inside a CUDA graph capture is refused before anything is compiled
+    or launched (:class:`FirstLaunchInCaptureError`): compiling would invalidate the
+    capture.
+
     Arguments are torch tensors (bf16 ones are passed as their int16 bits), Python
     ints, ``numpy.float32`` values and bools.
     """
@@ -312,6 +339,8 @@ class KernelLauncher:
             return
         key, raw = key_and_params(args)
         entry = self._compiled.get(key)
+        if entry is None and _stream_capturing():
+            raise FirstLaunchInCaptureError(self.dispatcher)
         if entry is None and self._compiled_first:
             entry = self._compile(key, args, launched=False)
         elif entry is None:  # first launch of these types: Numba compiles and launches it

@@ -60,7 +60,8 @@ class PunicaWrapperNumba:
         max_loras: L, the number of GPU LoRA slots.
 
     CUDA graphs: call ``update_metadata`` and each ``add_*`` method once outside
-    capture (this compiles the kernels and fixes the launch shapes), and capture
+    capture (this compiles the kernels and fixes the launch shapes; a kernel launched
+    for the first time inside a capture raises ``FirstLaunchInCaptureError``), and capture
     with a mapping in which at least one token has a LoRA (a batch without any is
     skipped on the host, so nothing would be recorded). After capture, call
     ``update_metadata`` outside the graph with any mapping of the same or fewer

@@ -30,8 +30,10 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from numba import cuda
 from numba.cuda import types as nt
 
+import punica_numba
 from punica_numba import _checks, _cuda, demo, launch
 from punica_numba import engine as engine_module
 from punica_numba import wrapper as wrapper_module
@@ -259,6 +261,7 @@ def test_the_gpu_path_packs_raw_parameters(monkeypatch):
     dispatcher, later ones pass raw parameters, scalars as the kernel's C types."""
     sent = []
     monkeypatch.setattr(_cuda, "SIMULATOR", False)
+    monkeypatch.setattr(_cuda, "_stream_capturing", lambda: False, raising=False)
     monkeypatch.setattr(_cuda, "launch_stream", lambda: 0)
     monkeypatch.setattr(_cuda, "_core_stream", lambda: "stream", raising=False)
     monkeypatch.setattr(_cuda, "_core_launch_config", lambda g, b, shared=0: (g, b), raising=False)
@@ -325,6 +328,7 @@ def test_a_kernel_of_clusters_is_compiled_not_launched_by_numba(monkeypatch):
     configuration of a grid and block is made once (an eager launch makes no other)."""
     driven, configs = [], []
     monkeypatch.setattr(_cuda, "SIMULATOR", False)
+    monkeypatch.setattr(_cuda, "_stream_capturing", lambda: False, raising=False)
     monkeypatch.setattr(_cuda, "_function_of", lambda kernel: kernel, raising=False)
     monkeypatch.setattr(_cuda, "_current_stream_handle", lambda: 7, raising=False)
     monkeypatch.setattr(
@@ -352,6 +356,7 @@ def test_a_kernel_of_dynamic_shared_memory_is_allowed_it_once(monkeypatch):
     in a record."""
     sent, allowed, configs = [], [], []
     monkeypatch.setattr(_cuda, "SIMULATOR", False)
+    monkeypatch.setattr(_cuda, "_stream_capturing", lambda: False, raising=False)
     monkeypatch.setattr(_cuda, "_core_stream", lambda: "stream", raising=False)
     monkeypatch.setattr(
         _cuda, "_core_launch_config", lambda *a: configs.append(a) or a, raising=False
@@ -369,6 +374,84 @@ def test_a_kernel_of_dynamic_shared_memory_is_allowed_it_once(monkeypatch):
     assert configs == [((3, 2, 4), 64, 100_000), ((3, 2, 8), 64, 100_000)]
     assert [config for _, config, *_ in sent] == [configs[0], configs[0], configs[1]]
     assert [(r.shared_bytes, r.cluster) for r in record.launches] == [(100_000, 1)] * 2
+
+
+@pytest.mark.parametrize(
+    "attributes",
+    [{}, {"cluster": 4}, {"shared_bytes": 100_000}],
+    ids=["ordinary", "in clusters", "of dynamic shared memory"],
+)
+def test_a_first_launch_inside_a_capture_is_refused_before_anything_runs(monkeypatch, attributes):
+    """A kernel's first launch with some argument types compiles it, which a CUDA graph
+    capture cannot hold: inside one the launcher raises ``FirstLaunchInCaptureError``,
+    naming the kernel, before it compiles, launches or remembers anything. After that
+    launch outside a capture (a warm-up), the same types launch inside one, on every path."""
+    sent = _stub_driver(monkeypatch)
+    capturing = True
+    monkeypatch.setattr(_cuda, "_stream_capturing", lambda: capturing, raising=False)
+    monkeypatch.setattr(_cuda, "_launch_ex_config", lambda ready: ready.grid, raising=False)
+    monkeypatch.setattr(_cuda, "_allow_shared_bytes", lambda kernel, n: None, raising=False)
+    x = torch.randn(4, 8)
+    dispatcher = _FakeDispatcher((nt.Array(nt.float32, 2, "C"), nt.int32))
+    dispatcher.py_func = _a_kernel_of_a_name_to_find
+    compiled = []
+    dispatcher.compile = lambda types: compiled.append(types) or dispatcher.overloads[types]
+    for name, value in attributes.items():
+        setattr(dispatcher, name, value)
+    launcher = _cuda.KernelLauncher(dispatcher)
+    with pytest.raises(punica_numba.FirstLaunchInCaptureError, match="_a_kernel_of_a_name_to"):
+        launcher((3, 2, 4), 64, (x, 5))
+    assert (compiled, dispatcher.launches, sent, launcher.kernels) == ([], [], [], {})
+    capturing = False
+    launcher((3, 2, 4), 64, (x, 5))  # the warm-up: compiles (and launches)
+    capturing = True
+    launcher((3, 2, 4), 64, (x, 5))  # captured
+    assert len(dispatcher.launches) + len(sent) == 2
+
+
+def _a_kernel_of_a_name_to_find():
+    """(A kernel's Python function, for a message to name.)"""
+
+
+def _a_fill_never_launched():
+    """A kernel of this test's own, so that no other test in the process launched it first:
+    ``out[:] = value`` (waiting first, as every kernel launched dependently must)."""
+    from punica_numba.kernels.dependent_launch import prologue
+
+    begin = prologue()
+
+    @_cuda.jit_kernel(32)
+    def fill_for_the_capture_test(out, value):
+        begin()
+        i = cuda.grid(1)
+        if i < out.shape[0]:
+            out[i] = value
+
+    return _cuda.KernelLauncher(fill_for_the_capture_test)
+
+
+@pytest.mark.gpu
+def test_a_first_launch_inside_a_real_capture_is_refused_and_the_capture_stays_usable():
+    """On a GPU: inside ``torch.cuda.graph`` a kernel's first launch raises
+    ``FirstLaunchInCaptureError`` (not the driver's error of an invalidated capture), the
+    capture ends cleanly, and after one launch outside (a warm-up) the same call is
+    captured and its graph replays it."""
+    launcher = _a_fill_never_launched()
+    out = torch.zeros(64, device="cuda")
+    with pytest.raises(punica_numba.FirstLaunchInCaptureError, match="fill_for_the_capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            launcher((2, 1, 1), 32, (out, np.float32(1.0)))
+    torch.cuda.synchronize()
+    assert not bool(out.any())  # nothing ran
+    launcher((2, 1, 1), 32, (out, np.float32(2.0)))  # the warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launcher((2, 1, 1), 32, (out, np.float32(3.0)))
+    torch.cuda.synchronize()
+    assert bool((out == 2).all())  # (a capture runs nothing)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((out == 3).all())
 
 
 @pytest.mark.gpu
