@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 
 from punica_numba._cuda import SIMULATOR  # first: it may switch the simulator on
 
-from .gpu_memory import release_cached_memory
+from .gpu_memory import PEAKS, largest_peaks, note_peak, release_cached_memory
 
 _SLOW_DRAWS = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("dev", max_examples=10, deadline=None, suppress_health_check=_SLOW_DRAWS)
@@ -57,8 +57,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True)  # (after the test's fixtures are torn down)
 def pytest_runtest_teardown(item):
-    """On a GPU, a worker's cache past its limit goes back to the GPU (tests/gpu_memory.py)."""
+    """On a GPU, the test's peak of torch's memory is noted, and a worker's cache past its
+    limit goes back to the GPU (tests/gpu_memory.py)."""
     if not SIMULATOR:
+        note_peak(item.nodeid)
         release_cached_memory()
 
 
@@ -75,15 +77,19 @@ def pytest_sessionfinish(session):
         from .tolerance import LARGEST_ERRORS
 
         workeroutput["largest_errors"] = dict(LARGEST_ERRORS)
+        workeroutput["peak_bytes"] = dict(PEAKS)
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown to pytest without it
 def pytest_testnodedown(node, error):
-    """On the pytest-xdist controller, take in a finished worker's largest errors."""
+    """On the pytest-xdist controller, take in a finished worker's largest errors and its
+    tests' peaks of GPU memory."""
     from .tolerance import LARGEST_ERRORS
 
-    for what, err in getattr(node, "workeroutput", {}).get("largest_errors", {}).items():
+    output = getattr(node, "workeroutput", {})
+    for what, err in output.get("largest_errors", {}).items():
         LARGEST_ERRORS[what] = max(LARGEST_ERRORS.get(what, 0.0), err)
+    PEAKS.update(output.get("peak_bytes", {}))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -93,3 +99,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("largest error relative to the magnitude, per check")
         for what, err in sorted(LARGEST_ERRORS.items()):
             terminalreporter.write_line(f"{what:<40} {err:.3e}")
+    if PEAKS:
+        terminalreporter.section("largest peaks of torch's GPU memory, per test")
+        for line in largest_peaks(PEAKS):
+            terminalreporter.write_line(line)
