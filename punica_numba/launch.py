@@ -852,9 +852,10 @@ def choose_launch_config(
 
     Next, where the caller gives the weights' ``dtype`` and the product's sizes ``K`` and
     ``N`` (shrink: hidden and rank; expand: rank and the widest slice), this GPU's tuned
-    table (:func:`punica_numba.tuning.tuned_config`, read once per process): its
-    configuration for the nearest tuned problem, under the same rule (a kernel the call
-    can use, within its ``to_rank``). Without them, or where the table has nothing near
+    table (:func:`punica_numba.tuning.tuned_config`, read once per process): its answer
+    from the nearest tuned problems (their pick on a tuned problem's own key, else the
+    configuration nearest the fastest on all of them), under the same rule (a kernel the
+    call can use, within its ``to_rank``). Without them, or where the table has nothing near
     or nothing the call can use, the heuristic above.
 
     ``machine`` ("gpu" or "simulator"; default: this one) picks whose configurations the

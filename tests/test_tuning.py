@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import json
+import math
 import re
 import time
 
@@ -354,6 +355,50 @@ def test_each_layer_looks_among_its_own_entries(fake_gpu):
     reload_tuned_tables()
     assert shrink_call() == named("shrink", "rows_t128_m1_n8")
     assert moe(layer="moe") is None
+
+
+def test_the_pick_weighs_every_near_entry(fake_gpu):
+    """Off the table's keys, a lookup weighs each configuration on the nearest entries
+    (``2 ** -distance`` each): ``a``, the nearest entry's fastest by 1 %, is 3x slower on the
+    two entries behind it, so ``b``, near the fastest on all three, is taken; on an entry's
+    own key, its pick; a configuration with no time on an entry counts twice its fastest
+    there, and one the call cannot use is never taken."""
+    a, b, c = "rows_t256_m1_n2", "rows_t256_m1_n4", "mma_t512_m16_n8"
+    save(
+        fake_gpu,
+        entry(config=a, T=128, tokens_per_lora=8, us=1.0, times_us={a: 1.0, b: 1.01, c: 1.5}),
+        entry(config=b, T=512, tokens_per_lora=32, us=1.0, times_us={a: 3.0, b: 1.0, c: 1.2}),
+        entry(config=b, T=1024, tokens_per_lora=64, us=1.0, times_us={a: 3.0, b: 1.0}),
+    )
+    assert shrink_call(T=256, active=16) == named("shrink", b)  # 2, 2 and 4 away
+    assert shrink_call(T=128, active=16) == named("shrink", a)  # the first entry's own key
+    near = [(1.0, e) for e in read_table(fake_gpu / FILE)["entries"]]
+    assert table.pick(near, lambda name: name == c) == c  # (untimed on the third: 2x there)
+    assert table.pick(near, lambda name: name != b) == c  # 1.5x, 1.2x, 2x; a 1x, 3x, 3x
+    assert table.pick(near[:2], lambda name: name != b) == c  # 1.5x, 1.2x; a 1x, 3x
+    assert table.pick(near[:1], lambda name: name != b) == a  # 1x; c 1.5x
+
+
+def test_a_pick_ties_to_the_nearest_entrys_and_counts_failures_as_untimed():
+    """Equal weighed times go to the nearest entry's pick; a configuration that failed on
+    an entry counts as untimed there, whatever time it holds."""
+    a, b = "rows_t256_m1_n2", "rows_t256_m1_n4"
+    first = entry(config=a, times_us={a: 1.0, b: 2.0})
+    second = entry(config=b, T=512, times_us={a: 2.0, b: 1.0})
+    assert table.pick([(1.0, first), (1.0, second)], lambda name: True) == a
+    assert table.pick([(1.0, second), (1.0, first)], lambda name: True) == b
+    third = entry(config=b, T=1024, times_us={a: 1.0, b: 1.0}, failed={a: "did not run"})
+    assert table.pick([(1.0, first), (1.0, second), (1.0, third)], lambda name: True) == b
+    # (a: log 1 + log 2 + log 2 against b: log 2 + log 1 + log 1)
+    # An entry of the call's own key answers with its pick, however the others weigh
+    own, next_to_it = entry(config=a, times_us={a: 1.0, b: 1.01}), entry(times_us={a: 3.0, b: 1.0})
+    assert table.pick([(0.0, own), (1.0, next_to_it)], lambda name: True) == a
+    assert table.pick([(0.5, own), (1.0, next_to_it)], lambda name: True) == b
+    # Weighed by 2 ** -distance: a near entry outweighs two far ones (not so counted flat)
+    near, far = entry(config=a, times_us={a: 1.0, b: 1.5}), entry(times_us={a: 1.4, b: 1.0})
+    assert table.pick([(1.0, near), (3.0, far), (3.0, far)], lambda name: True) == a
+    no_times = entry(config=b, runner_up=a, runner_up_us=7.0, us=5.0)
+    assert table.entry_times(no_times) == {b: 5.0, a: 7.0}
 
 
 def test_nothing_is_near_past_the_cut_off(fake_gpu):
@@ -1233,6 +1278,26 @@ def test_the_report_weighs_the_gpu_heuristic_on_any_machine(tmp_path, capsys):
     assert "shrink: 2 problems, geometric mean 1.414x, largest 2.00x" in out
     assert "1 over 1.10x" in out and "not timed: 1 problems" in out
     assert doc["gpu"] in out
+
+
+def test_the_report_weighs_the_lookup_with_each_problem_left_out(tmp_path):
+    """Each problem left out in turn, the lookup's pick from the other two, timed there:
+    at T=1 the weighing takes ``rows_t256_m1_n4`` (T=2's fastest takes 3.5/3 there and has no
+    time at T=4), the fastest (the nearest entry's pick alone: 2x); at T=2 the same, 3.5/3;
+    at T=4 the fastest again (T=2's pick has no time there)."""
+    doc = _report_table(tmp_path / "table.json")
+    ratios = [(entry["T"], round(ratio, 4)) for ratio, entry in report.lookup_ratios(doc)]
+    assert ratios == [(1, 1.0), (2, 1.1667), (4, 1.0)]
+    assert (
+        "  dense: 3 problems with a neighbour, geometric mean 1.0527x, largest 1.17x; "
+        "1 over 1.10x, 0 over 1.25x"
+    ) in report.report(doc).splitlines()
+    # The nearest entry's pick alone: T=2's fastest at T=1 (2x), T=1's at T=2, T=2's at T=4
+    alone = [(e["T"], round(r, 4)) for r, e in report.lookup_ratios(doc, neighbours=1)]
+    assert alone == [(1, 2.0), (2, 1.1667), (4, math.inf)]
+    # Each problem's whole T left out: the others still near; its tokens a LoRA: none is
+    assert len(report.lookup_ratios(doc, apart="T")) == 3
+    assert report.lookup_ratios(doc, apart="tokens_per_lora") == []
 
 
 def test_the_report_weighs_a_moe_entry_by_the_pick_it_recorded(tmp_path):

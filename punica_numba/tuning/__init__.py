@@ -2,13 +2,14 @@
 
 =========  ==================================================================
 ``table``  the JSON table of one GPU: its format, where it is found, how it is
-           checked, and the nearest-entry lookup the launcher consults
+           checked, and the lookup among the nearest entries the launcher consults
 ``sweep``  ``python -m punica_numba tune``: check and time every configuration
            over a grid of problems, and write this GPU's table
 ``near``   ``tune --near N``: a problem timed under the picks of its N nearest
            entries and the heuristic's, not every configuration
 ``report`` ``tune --report``: the heuristic's time over the fastest, per problem
-           of a table (with ``--near``, what that short list would lose)
+           of a table, and the lookup's with each problem left out (with
+           ``--near``, what that short list would lose)
 =========  ==================================================================
 
 The launcher (:func:`punica_numba.launch.choose_launch_config`) takes a forced

@@ -16,6 +16,11 @@ well the rules fit these problems, not how they do on others.
 A MoE entry (``tune --moe``) is weighed by its own ``heuristic``, the configuration the op
 took when it was tuned (the dense entries' or the heuristic's), and reported apart, as "moe
 shrink" and "moe expand".
+
+The table's own lookup is weighed too (:func:`lookup_ratios`): each entry left out of the
+table in turn, the time there of the configuration the launcher would take from the rest
+(:func:`.table.answer`) over the fastest. That is what a call whose shape the table does not
+hold gets, a step away from the shapes it does.
 """
 
 from __future__ import annotations
@@ -25,9 +30,24 @@ from typing import NamedTuple
 
 from ..launch import config_name
 from .near import heuristic_config, left_out_ratios
-from .table import entry_loras, layer_of, table_machine
+from .table import (
+    SIZE_FIELDS,
+    answer,
+    configs_by_name,
+    entry_loras,
+    grouped_entries,
+    layer_of,
+    table_machine,
+)
 
-__all__ = ["NearSummary", "geometric_mean", "heuristic_ratios", "near_summary", "report"]
+__all__ = [
+    "NearSummary",
+    "geometric_mean",
+    "heuristic_ratios",
+    "lookup_ratios",
+    "near_summary",
+    "report",
+]
 
 #: The ratios past which a problem counts as a miss in the report.
 MISSES = (1.10, 1.25)
@@ -69,6 +89,56 @@ def heuristic_ratios(doc: dict) -> tuple[list[tuple[float, dict, str]], list[tup
     return timed, not_timed
 
 
+def lookup_ratios(
+    doc: dict, apart: str | None = None, neighbours: int | None = None
+) -> list[tuple[float, dict]]:
+    """For each entry of ``doc`` with ``times_us`` and another entry near it: ``(ratio,
+    entry)``, the time there of the configuration :func:`.table.answer` takes from the
+    table without that entry, over the entry's fastest (``inf`` where it has no time for
+    it). ``apart``: a key field (``"rank"``, ``"T"``, ...) whose value the entry's layer's
+    other entries leave the table with it, as for a table that lacks the whole rank, T...;
+    ``neighbours``: :func:`.table.answer`'s (1: the nearest entry's pick alone)."""
+    configs = configs_by_name(table_machine(doc))
+    entries = doc["entries"]
+    out = []
+    for k, entry in enumerate(entries):
+        times = entry.get("times_us")
+        if not times:
+            continue
+        rest = entries[:k] + entries[k + 1 :]
+        if apart is not None:
+            layer = layer_of(entry)
+            rest = [e for e in rest if layer_of(e) != layer or e[apart] != entry[apart]]
+        sizes = {f: entry[f] for f in SIZE_FIELDS}
+        op, dtype, slices = entry["op"], entry["dtype"], entry["slices"]
+        chosen = answer(
+            grouped_entries(rest), configs[op], op, dtype, slices, sizes, layer_of(entry),
+            neighbours=neighbours,
+        )  # fmt: skip
+        if chosen is not None:
+            name = config_name(chosen)
+            out.append((times[name] / min(times.values()) if name in times else math.inf, entry))
+    return out
+
+
+def _lookup_lines(doc: dict) -> list[str]:
+    """The lookup's paragraph: :func:`lookup_ratios` by layer."""
+    ratios = lookup_ratios(doc)
+    lines = ["the table's lookup, each problem left out in turn: the pick's time over the fastest"]
+    for layer in sorted({layer_of(e) for _, e in ratios}):
+        mine = [r for r, e in ratios if layer_of(e) == layer]
+        finite = [r for r in mine if math.isfinite(r)]
+        misses = ", ".join(f"{sum(r > m for r in finite)} over {m:.2f}x" for m in MISSES)
+        line = f"  {layer}: {len(mine)} problems with a neighbour"
+        if finite:
+            line += f", geometric mean {geometric_mean(finite):.4f}x, largest {max(finite):.2f}x"
+            line += f"; {misses}"
+        if len(finite) < len(mine):
+            line += f"; {len(mine) - len(finite)} picks with no time there"
+        lines.append(line)
+    return lines
+
+
 def _group(entry: dict) -> str:
     """``"shrink"``, ``"expand"``, ``"moe shrink"`` or ``"moe expand"``."""
     return entry["op"] if layer_of(entry) == "dense" else f"{layer_of(entry)} {entry['op']}"
@@ -105,6 +175,7 @@ def report(doc: dict, worst: int = 5, near: int | None = None) -> str:
             )
     if not_timed:
         lines.append(f"not timed: {len(not_timed)} problems where the pick has no time")
+    lines += _lookup_lines(doc)
     if near:
         lines += _near_lines(doc, near)
     return "\n".join(lines)

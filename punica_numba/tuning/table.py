@@ -48,6 +48,13 @@ log2 K, log2 N, log2 rank, log2 T and log2 tokens_per_lora (so a factor 2 in one
 costs 1; the rank is counted twice, once as itself and once as shrink's N or expand's K,
 since it moves the choice most). Ties go to the smaller problem: the least
 ``(T, tokens_per_lora, rank, K, N)``. Past :data:`MAX_DISTANCE` nothing is near.
+
+The answer: on an entry's own key, its pick. Elsewhere the :data:`NEIGHBOURS_WEIGHED`
+nearest entries are weighed (:func:`pick`): of the configurations they timed that the call
+can use, the one whose time over each entry's fastest is least in the mean of logs weighted
+by ``2 ** -distance``. The nearest entry's pick alone took 1.085x the fastest on the H200
+table's problems, each left out in turn, and the weighed answer 1.052x (``tune --report``;
+the lab notes, "Weighing the neighbours").
 Where nothing of the call's own dtype is near, a 16-bit call takes the nearest entry of
 the other 16-bit dtype (:data:`SIBLING_DTYPES`): bf16 and fp16 run the same kernels, move
 the same bytes and make as many products, so the other's pick is a better guess than the
@@ -79,15 +86,23 @@ __all__ = [
     "KEY_FIELDS",
     "LAYERS",
     "MAX_DISTANCE",
+    "NEIGHBOURS_WEIGHED",
+    "UNTIMED_RATIO",
     "TunedTableError",
+    "answer",
+    "configs_by_name",
     "distance",
     "entry_key",
     "entry_loras",
+    "entry_times",
     "find_table",
     "gpu_name",
+    "grouped_entries",
     "layer_of",
     "nearest_entries",
+    "nearest_with_distances",
     "new_table",
+    "pick",
     "read_table",
     "reload_tuned_tables",
     "table_file_name",
@@ -113,6 +128,10 @@ SIZE_FIELDS = ("K", "N", "rank", "T", "tokens_per_lora")
 #: Beyond this :func:`distance` no entry is near: a factor 8 in T alone, or a factor 2 in
 #: the rank (which counts twice) and in T.
 MAX_DISTANCE = 3.0
+#: The nearest entries a lookup weighs (:func:`pick`).
+NEIGHBOURS_WEIGHED = 8
+#: What a configuration counts on a neighbour that has no time for it: twice its fastest.
+UNTIMED_RATIO = 2.0
 #: The dtype whose entries a call of the key's dtype takes where none of its own is near.
 SIBLING_DTYPES = {"bf16": "fp16", "fp16": "bf16"}
 #: Lookups remembered at once (a serving process sees a few shapes, but every row count).
@@ -222,7 +241,7 @@ def table_machine(doc: dict) -> str:
     return "simulator" if doc.get("gpu") == "simulator" else "gpu"
 
 
-def _configs_by_name(machine: str) -> dict:
+def configs_by_name(machine: str) -> dict:
     """``op -> {config_name: LaunchConfig}`` of ``machine``'s configurations."""
     # Imported here: launch imports this module to consult the table.
     from ..launch import config_name, launch_configs
@@ -371,7 +390,7 @@ def validate_table(doc, source="<table>") -> None:
         _fail(source, "package", f"expected {{'version': ..., 'commit': ...}}, got {package!r}")
     for field in ("version", "commit"):
         _typed(source, f"package.{field}", package[field], str)
-    names_by_op = _configs_by_name(table_machine(doc))
+    names_by_op = configs_by_name(table_machine(doc))
     seen: dict[tuple, str] = {}
     for part in ("entries", "unresolved"):
         entries = doc.get(part, [] if part == "unresolved" else None)
@@ -434,8 +453,10 @@ def find_table(gpu: str) -> Path | None:
 _UNSEEN = object()
 #: True once the process knows there is no table (the simulator, or no file for this GPU).
 _nothing = False
-#: (layer, op, dtype name, slices) -> [(key sizes, tie order, LaunchConfig)]; None: not loaded.
+#: (layer, op, dtype name, slices) -> [(key sizes, tie order, entry)]; None: not loaded.
 _groups: dict | None = None
+#: op -> configuration name -> LaunchConfig, of the loaded table's machine.
+_configs: dict = {}
 _path: Path | None = None
 #: tuned_config's arguments -> its answer.
 _found: dict = {}
@@ -456,7 +477,7 @@ def tuned_table_path() -> Path | None:
 
 def _tables() -> dict | None:
     """The loaded table's entries, grouped for lookup (read once per process)."""
-    global _nothing, _groups, _path
+    global _nothing, _groups, _path, _configs
     if _groups is not None or _nothing:
         return _groups
     gpu = None if SIMULATOR else gpu_name()
@@ -467,13 +488,18 @@ def _tables() -> dict | None:
     doc = read_table(path)
     if doc["gpu"] != gpu:
         _fail(path, "gpu", f"a table for {doc['gpu']!r}, found for this GPU, {gpu!r}")
-    configs = _configs_by_name(table_machine(doc))
+    groups = grouped_entries(doc["entries"])
+    _groups, _path, _configs = groups, path, configs_by_name(table_machine(doc))
+    return groups
+
+
+def grouped_entries(entries: Iterable[dict]) -> dict:
+    """Entries grouped for :func:`answer`: ``(layer, op, dtype, slices)`` -> a list of
+    ``(key sizes, tie order, entry)``."""
     groups: dict = {}
-    for entry in doc["entries"]:
+    for entry in entries:
         where = (layer_of(entry), entry["op"], entry["dtype"], entry["slices"])
-        group = groups.setdefault(where, [])
-        group.append(_candidate(entry, configs[entry["op"]][entry["config"]]))
-    _groups, _path = groups, path
+        groups.setdefault(where, []).append(_candidate(entry, entry))
     return groups
 
 
@@ -488,8 +514,60 @@ def nearest(candidates: Iterable[tuple], sizes: dict, count: int = 1) -> list:
     """The items of the ``count`` candidates ``(sizes, order, item)`` nearest ``sizes``
     (least :func:`distance`, then least ``order``), nearest first, none past
     :data:`MAX_DISTANCE`."""
+    return [item for _, item in nearest_with_distances(candidates, sizes, count)]
+
+
+def nearest_with_distances(candidates: Iterable[tuple], sizes: dict, count: int) -> list:
+    """:func:`nearest`'s answer as ``(distance, item)`` pairs."""
     ranked = sorted((distance(c[0], sizes), c[1], k, c[2]) for k, c in enumerate(candidates))
-    return [item for far, _, _, item in ranked[:count] if far <= MAX_DISTANCE]
+    return [(far, item) for far, _, _, item in ranked[:count] if far <= MAX_DISTANCE]
+
+
+def entry_times(entry: dict) -> dict:
+    """An entry's recorded µs by configuration: its ``times_us``, or where it has none, its
+    pick's and runner-up's."""
+    times = entry.get("times_us")
+    if times:
+        return times
+    picks = ((entry["config"], entry["us"]), (entry.get("runner_up"), entry.get("runner_up_us")))
+    return {name: us for name, us in picks if name and us}
+
+
+def pick(neighbours: list, usable) -> str:
+    """The configuration a lookup answers with, among ``neighbours``, ``(distance, entry)``
+    pairs nearest first (:func:`nearest_with_distances`), whose ``usable(name)`` holds.
+
+    An entry of the call's own key (distance 0) answers with its pick. Otherwise each
+    configuration that a neighbour timed is weighed on all of them: the mean of
+    ``log(its time / that neighbour's fastest)``, each neighbour weighted by
+    ``2 ** -distance``, a neighbour without a time for it (or on which it failed) counting
+    :data:`UNTIMED_RATIO`; the least mean wins, ties to the nearest entry's pick. So the
+    answer is a configuration near the fastest on all the neighbours, not the fastest of
+    one of them, which a factor 2 away may lose by 2x (the lab notes, "Weighing the
+    neighbours")."""
+    first_distance, first = neighbours[0]
+    if first_distance == 0:
+        return first["config"]
+    weighed = []
+    for far, entry in neighbours:
+        times = entry_times(entry)
+        weighed.append((2.0**-far, times, min(times.values()), entry.get("failed", {})))
+    names = [first["config"]]
+    names += [n for _, e in neighbours for n in sorted(entry_times(e), key=entry_times(e).get)]
+    best, best_score = None, math.inf
+    for name in dict.fromkeys(names):
+        if not usable(name):
+            continue
+        score = sum(
+            weight
+            * math.log(
+                times[name] / fastest if name in times and name not in failed else UNTIMED_RATIO
+            )
+            for weight, times, fastest, failed in weighed
+        )
+        if score < best_score:
+            best, best_score = name, score
+    return first["config"] if best is None else best
 
 
 def nearest_entries(
@@ -499,7 +577,7 @@ def nearest_entries(
     of the :data:`SIZE_FIELDS`; the rank is ``sizes["rank"]``) by the launcher's rule: the
     same layer, op and slice count, a configuration that takes the rank, of ``dtype``, or
     of its sibling 16-bit dtype where none of its own is near; nearest first."""
-    configs = _configs_by_name(table_machine(doc))[op]
+    configs = configs_by_name(table_machine(doc))[op]
     for kind in (dtype, SIBLING_DTYPES.get(dtype)):
         takes = [
             _candidate(e, e)
@@ -526,20 +604,45 @@ def _look_up(key: tuple):
     if groups and min(K, N, rank, num_tokens) > 0:
         per_lora = tokens_per_lora(num_tokens, active_slots)
         sizes = dict(K=K, N=N, rank=rank, T=num_tokens, tokens_per_lora=per_lora)
-        for kind in (name, SIBLING_DTYPES.get(name)):  # its own dtype first
-            group = groups.get((layer, op, kind, slices), ())
-            takes = (
-                c
-                for c in group
-                if _takes_rank(c[2], rank) and (kernels is None or c[2].kernel in kernels)
-            )
-            found = next(iter(nearest(takes, sizes)), None)
-            if found is not None:
-                break
+        found = answer(groups, _configs[op], op, name, slices, sizes, layer, kernels)
     if len(_found) >= MAX_CACHED:
         _found.clear()
     _found[key] = found
     return found
+
+
+def answer(
+    groups: dict,
+    configs: dict,
+    op: str,
+    dtype: str,
+    slices: int,
+    sizes: dict,
+    layer: str = "dense",
+    kernels: tuple[str, ...] | None = None,
+    neighbours: int | None = None,
+):
+    """The lookup's answer from ``groups`` (:func:`grouped_entries`) for a problem of these
+    key ``sizes`` (a dict of the :data:`SIZE_FIELDS`), as :func:`tuned_config` says: the
+    LaunchConfig of ``configs`` (name -> LaunchConfig, of the op) that :func:`pick` names
+    among the nearest entries the call can use (``neighbours`` of them; None:
+    :data:`NEIGHBOURS_WEIGHED`), or None where none is near."""
+    rank = sizes["rank"]
+
+    def usable(name: str) -> bool:
+        config = configs.get(name)
+        return (
+            config is not None
+            and _takes_rank(config, rank)
+            and (kernels is None or config.kernel in kernels)
+        )
+
+    for kind in (dtype, SIBLING_DTYPES.get(dtype)):  # its own dtype first
+        takes = (c for c in groups.get((layer, op, kind, slices), ()) if usable(c[2]["config"]))
+        near = nearest_with_distances(takes, sizes, neighbours or NEIGHBOURS_WEIGHED)
+        if near:
+            return configs[pick(near, usable)]
+    return None
 
 
 def tuned_config(
@@ -554,7 +657,7 @@ def tuned_config(
     layer: str = "dense",
     kernels: tuple[str, ...] | None = None,
 ):
-    """The tuned configuration of the nearest entry for this GPU, or None.
+    """The tuned configuration for a call on this GPU (:func:`answer`), or None.
 
     Semantics:
         op: "shrink" | "expand"; dtype: the weights' torch dtype (or "bf16" / "fp16" /
@@ -564,9 +667,11 @@ def tuned_config(
         layer: whose entries (:data:`LAYERS`); kernels: only configurations of these
             kernels (``LaunchConfig.kernel``; None: any)
         entries with the same layer, op, dtype and slices whose configuration takes
-            ``rank`` (its ``to_rank``), of ``kernels`` -> the one of least distance
-            (ties: the smaller problem) -> its LaunchConfig if distance <= MAX_DISTANCE;
-            else the same among the entries of the sibling 16-bit dtype (bf16 <-> fp16)
+            ``rank`` (its ``to_rank``), of ``kernels``, within MAX_DISTANCE -> the
+            NEIGHBOURS_WEIGHED nearest (ties: the smaller problem) -> :func:`pick`'s
+            LaunchConfig among the configurations they timed that take ``rank`` and are
+            of ``kernels``; else the same among the entries of the sibling 16-bit dtype
+            (bf16 <-> fp16)
         None where this GPU has no table (always on the simulator) or nothing is near.
 
     Answers are remembered per argument tuple (up to :data:`MAX_CACHED`), so that a
