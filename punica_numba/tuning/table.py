@@ -55,6 +55,7 @@ can use, the one whose time over each entry's fastest is least in the mean of lo
 by ``2 ** -distance``. The nearest entry's pick alone took 1.085x the fastest on the H200
 table's problems, each left out in turn, and the weighed answer 1.052x (``tune --report``;
 the lab notes, "Weighing the neighbours").
+
 Where nothing of the call's own dtype is near, a 16-bit call takes the nearest entry of
 the other 16-bit dtype (:data:`SIBLING_DTYPES`): bf16 and fp16 run the same kernels, move
 the same bytes and make as many products, so the other's pick is a better guess than the
