@@ -298,6 +298,8 @@ def my_pick(neighbours):
             for far, e in neighbours
         )
 
+    # (The library also counts a configuration that failed on an entry as untimed there,
+    # and takes only what the call can use; this table records no failures.)
     return min(names, key=weighed)  # (min keeps the first of equals: the nearest's pick)
 
 
