@@ -12,7 +12,10 @@ before (:func:`punica_numba.moe_meta.align_pairs`, block size 16), as vLLM's
 a pool of argument sets larger than twice the L2, checked against the float64
 reference on the first, CUDA-graph replays timed with CUDA events), with the kernels of
 ``--version`` (:data:`punica_numba.ops.moe.VERSIONS`; by default the op's own,
-``DEFAULT_VERSION``), which each record names.
+``DEFAULT_VERSION``), which each record names, with ``configs``: the dense op's
+configuration that its shrink and its expand took (:func:`.ops.moe_dense.recorded_launches`;
+versions 7 to 11), none where the call ran no kernel of the dense op (version 11's one
+launch, or a version before 7).
 
 The byte floor of a case is what the op must move at the least: the A and B of every
 (adapter, expert) its pairs use, once; the input rows; the output rows of every pair,
@@ -32,7 +35,9 @@ import torch
 
 from . import bench, reference
 from ._cuda import SIMULATOR, device_of
+from .launch import config_name
 from .moe_meta import align_pairs
+from .ops import moe_dense
 from .ops.moe import DEFAULT_VERSION, VERSIONS, fused_moe_lora
 
 __all__ = [
@@ -208,8 +213,10 @@ def checked_pool(case: MoECase) -> tuple[dict, list[dict], Callable]:
 
 def run_case(case: MoECase, bandwidth: float, version: int = DEFAULT_VERSION) -> dict:
     """Check the first argument set against the reference, then time the pool, with the
-    kernels of ``version`` (``ops.moe.fused_moe_lora``)."""
-    us, error, first, pool = measure(case, lambda args: _call(case, args, version))
+    kernels of ``version`` (``ops.moe.fused_moe_lora``), noting the configurations the
+    dense op's kernels took."""
+    with moe_dense.recorded_launches() as launched:
+        us, error, first, pool = measure(case, lambda args: _call(case, args, version))
     floor = floor_bytes(case, first)
     return {
         **asdict(case),
@@ -224,6 +231,7 @@ def run_case(case: MoECase, bandwidth: float, version: int = DEFAULT_VERSION) ->
         "pool": pool,
         "version": version,
         "shrink_version": version,  # (the key of records made before version 3)
+        "configs": {op: config_name(config) for op, config in sorted(launched.items())},
     }
 
 

@@ -36,9 +36,11 @@ from hypothesis import strategies as st
 
 from punica_numba import bench_moe, reference
 from punica_numba._cuda import cuda
+from punica_numba.launch import config_name
 from punica_numba.mapping import LoRAMapping
 from punica_numba.moe_meta import MoEBlocks, align_pairs, aligned_sizes
 from punica_numba.ops import moe as moe_ops
+from punica_numba.ops import moe_dense
 from punica_numba.ops.moe import VERSIONS, fused_moe_lora
 from punica_numba.wrapper import PunicaWrapperNumba
 
@@ -844,12 +846,23 @@ def test_version_3s_expand_holds_at_most_its_values_of_b_and_of_buffer_rows():
 
 
 def test_the_moe_benchmark_runs_the_version_it_is_given(tmp_path, capsys):
-    """``bench --moe --version 3``: every case checked, then timed, and recorded as 3's."""
+    """``bench --moe --version 3``: every case checked, then timed, and recorded as 3's, with
+    no configuration of the dense op (version 3 runs kernels of its own)."""
     out = tmp_path / "moe.json"
     assert bench_moe.main(["--quick", "--json", str(out), "--version", "3"]) == 0
     cases = json.loads(out.read_text())["cases"]
-    assert cases and all(c["version"] == 3 for c in cases)
+    assert cases and all(c["version"] == 3 and c["configs"] == {} for c in cases)
     assert "moe w2" in capsys.readouterr().out
+
+
+def test_the_moe_benchmark_records_the_dense_ops_configurations():
+    """Version 9 runs the dense op's kernels: each case records the configuration its shrink
+    and its expand took, by name, as the dense op's launch record says."""
+    case = bench_moe.default_cases(quick=True)[0]
+    with moe_dense.recorded_launches() as launched:
+        record = bench_moe.run_case(case, 0.0, version=9)
+    assert set(record["configs"]) == {"shrink", "expand"}
+    assert record["configs"] == {op: config_name(c) for op, c in launched.items()}
 
 
 # -- 6. version 4: the tensor cores ----------------------------------------------------------
