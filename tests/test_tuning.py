@@ -1295,6 +1295,11 @@ def test_the_report_weighs_the_lookup_with_each_problem_left_out(tmp_path):
     # The nearest entry's pick alone: T=2's fastest at T=1 (2x), T=1's at T=2, T=2's at T=4
     alone = [(e["T"], round(r, 4)) for r, e in report.lookup_ratios(doc, neighbours=1)]
     assert alone == [(1, 2.0), (2, 1.1667), (4, math.inf)]
+    # By the nearest other entry's distance (both 1 here), beside the heuristic's picks
+    # (2x at T=1, the fastest at T=2; T=4's has no time: left out): nearest, weighed, heuristic
+    ((far, problems, *means),) = report.lookup_by_distance(doc)
+    assert (far, problems) == (1, 2)
+    assert [round(m, 4) for m in means] == [1.5275, 1.0801, 1.4142]
     # Each problem's whole T left out: the others still near; its tokens a LoRA: none is
     assert len(report.lookup_ratios(doc, apart="T")) == 3
     assert report.lookup_ratios(doc, apart="tokens_per_lora") == []

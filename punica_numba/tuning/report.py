@@ -37,6 +37,7 @@ from .table import (
     entry_loras,
     grouped_entries,
     layer_of,
+    nearest_with_distances,
     table_machine,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "NearSummary",
     "geometric_mean",
     "heuristic_ratios",
+    "lookup_by_distance",
     "lookup_ratios",
     "near_summary",
     "report",
@@ -119,6 +121,42 @@ def lookup_ratios(
             name = config_name(chosen)
             out.append((times[name] / min(times.values()) if name in times else math.inf, entry))
     return out
+
+
+def lookup_by_distance(doc: dict) -> list[tuple[int, int, float, float, float]]:
+    """The dense entries with ``times_us`` whose heuristic pick was timed, each left out in
+    turn, grouped by how far the nearest other entry lies (up to 1, 2, 3): ``(distance,
+    problems, nearest, weighed, heuristic)``, the geometric means over the fastest of the
+    nearest entry's pick alone, of the weighed answer (:func:`.table.answer`) and of the
+    heuristic (:func:`heuristic_ratios`); a pick with no time counts 2. The heuristic's are
+    in-sample wherever its thresholds were read from the same table."""
+    timed, _ = heuristic_ratios(doc)
+    heuristic = {id(entry): ratio for ratio, entry, _ in timed if layer_of(entry) == "dense"}
+    configs = configs_by_name(table_machine(doc))
+    entries = doc["entries"]
+    groups: dict[int, list[tuple[float, float, float]]] = {}
+    for k, entry in enumerate(entries):
+        if id(entry) not in heuristic:
+            continue
+        rest = grouped_entries(entries[:k] + entries[k + 1 :])
+        sizes = {f: entry[f] for f in SIZE_FIELDS}
+        op, dtype, slices = entry["op"], entry["dtype"], entry["slices"]
+        near = nearest_with_distances(rest.get(("dense", op, dtype, slices), ()), sizes, 1)
+        times = entry["times_us"]
+        picks = [
+            answer(rest, configs[op], op, dtype, slices, sizes, neighbours=n) for n in (1, None)
+        ]
+        if not near or None in picks:
+            continue
+        ratios = [
+            times[config_name(c)] / min(times.values()) if config_name(c) in times else 2.0
+            for c in picks
+        ]
+        groups.setdefault(math.ceil(near[0][0]), []).append((*ratios, heuristic[id(entry)]))
+    return [
+        (far, len(rows), *(geometric_mean(r[i] for r in rows) for i in range(3)))
+        for far, rows in sorted(groups.items())
+    ]
 
 
 def _lookup_lines(doc: dict) -> list[str]:
