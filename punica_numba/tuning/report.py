@@ -91,6 +91,36 @@ def heuristic_ratios(doc: dict) -> tuple[list[tuple[float, dict, str]], list[tup
     return timed, not_timed
 
 
+def _left_out(doc: dict, apart: str | None = None):
+    """For each entry of ``doc`` with ``times_us``: ``(entry, groups)``, the other entries
+    grouped for :func:`.table.answer`, less those sharing its ``apart`` field's value in
+    its layer, where given."""
+    entries = doc["entries"]
+    for k, entry in enumerate(entries):
+        if not entry.get("times_us"):
+            continue
+        rest = entries[:k] + entries[k + 1 :]
+        if apart is not None:
+            layer = layer_of(entry)
+            rest = [e for e in rest if layer_of(e) != layer or e[apart] != entry[apart]]
+        yield entry, grouped_entries(rest)
+
+
+def _answer_at(configs: dict, groups: dict, entry: dict, neighbours: int | None):
+    """:func:`.table.answer` from ``groups`` at ``entry``'s key, ``neighbours`` weighed."""
+    op, sizes = entry["op"], {f: entry[f] for f in SIZE_FIELDS}
+    return answer(
+        groups, configs[op], op, entry["dtype"], entry["slices"], sizes, layer_of(entry),
+        neighbours=neighbours,
+    )  # fmt: skip
+
+
+def _over_fastest(entry: dict, config, untimed: float) -> float:
+    """``config``'s time on ``entry`` over its fastest; ``untimed`` where it has none."""
+    times, name = entry["times_us"], config_name(config)
+    return times[name] / min(times.values()) if name in times else untimed
+
+
 def lookup_ratios(
     doc: dict, apart: str | None = None, neighbours: int | None = None
 ) -> list[tuple[float, dict]]:
@@ -101,25 +131,11 @@ def lookup_ratios(
     other entries leave the table with it, as for a table that lacks the whole rank, T...;
     ``neighbours``: :func:`.table.answer`'s (1: the nearest entry's pick alone)."""
     configs = configs_by_name(table_machine(doc))
-    entries = doc["entries"]
     out = []
-    for k, entry in enumerate(entries):
-        times = entry.get("times_us")
-        if not times:
-            continue
-        rest = entries[:k] + entries[k + 1 :]
-        if apart is not None:
-            layer = layer_of(entry)
-            rest = [e for e in rest if layer_of(e) != layer or e[apart] != entry[apart]]
-        sizes = {f: entry[f] for f in SIZE_FIELDS}
-        op, dtype, slices = entry["op"], entry["dtype"], entry["slices"]
-        chosen = answer(
-            grouped_entries(rest), configs[op], op, dtype, slices, sizes, layer_of(entry),
-            neighbours=neighbours,
-        )  # fmt: skip
+    for entry, groups in _left_out(doc, apart):
+        chosen = _answer_at(configs, groups, entry, neighbours)
         if chosen is not None:
-            name = config_name(chosen)
-            out.append((times[name] / min(times.values()) if name in times else math.inf, entry))
+            out.append((_over_fastest(entry, chosen, math.inf), entry))
     return out
 
 
@@ -133,29 +149,21 @@ def lookup_by_distance(doc: dict) -> list[tuple[int, int, float, float, float]]:
     timed, _ = heuristic_ratios(doc)
     heuristic = {id(entry): ratio for ratio, entry, _ in timed if layer_of(entry) == "dense"}
     configs = configs_by_name(table_machine(doc))
-    entries = doc["entries"]
-    groups: dict[int, list[tuple[float, float, float]]] = {}
-    for k, entry in enumerate(entries):
+    by_distance: dict[int, list[tuple[float, float, float]]] = {}
+    for entry, groups in _left_out(doc):
         if id(entry) not in heuristic:
             continue
-        rest = grouped_entries(entries[:k] + entries[k + 1 :])
+        where = ("dense", entry["op"], entry["dtype"], entry["slices"])
         sizes = {f: entry[f] for f in SIZE_FIELDS}
-        op, dtype, slices = entry["op"], entry["dtype"], entry["slices"]
-        near = nearest_with_distances(rest.get(("dense", op, dtype, slices), ()), sizes, 1)
-        times = entry["times_us"]
-        picks = [
-            answer(rest, configs[op], op, dtype, slices, sizes, neighbours=n) for n in (1, None)
-        ]
+        near = nearest_with_distances(groups.get(where, ()), sizes, 1)
+        picks = [_answer_at(configs, groups, entry, n) for n in (1, None)]
         if not near or None in picks:
             continue
-        ratios = [
-            times[config_name(c)] / min(times.values()) if config_name(c) in times else 2.0
-            for c in picks
-        ]
-        groups.setdefault(math.ceil(near[0][0]), []).append((*ratios, heuristic[id(entry)]))
+        ratios = [_over_fastest(entry, chosen, 2.0) for chosen in picks]
+        by_distance.setdefault(math.ceil(near[0][0]), []).append((*ratios, heuristic[id(entry)]))
     return [
         (far, len(rows), *(geometric_mean(r[i] for r in rows) for i in range(3)))
-        for far, rows in sorted(groups.items())
+        for far, rows in sorted(by_distance.items())
     ]
 
 

@@ -511,15 +511,10 @@ def _candidate(entry: dict, item) -> tuple:
     return sizes, tuple(entry[f] for f in ("T", "tokens_per_lora", "rank", "K", "N")), item
 
 
-def nearest(candidates: Iterable[tuple], sizes: dict, count: int = 1) -> list:
-    """The items of the ``count`` candidates ``(sizes, order, item)`` nearest ``sizes``
-    (least :func:`distance`, then least ``order``), nearest first, none past
-    :data:`MAX_DISTANCE`."""
-    return [item for _, item in nearest_with_distances(candidates, sizes, count)]
-
-
 def nearest_with_distances(candidates: Iterable[tuple], sizes: dict, count: int) -> list:
-    """:func:`nearest`'s answer as ``(distance, item)`` pairs."""
+    """The ``count`` candidates ``(sizes, order, item)`` nearest ``sizes`` (least
+    :func:`distance`, then least ``order``) as ``(distance, item)`` pairs, nearest first,
+    none past :data:`MAX_DISTANCE`."""
     ranked = sorted((distance(c[0], sizes), c[1], k, c[2]) for k, c in enumerate(candidates))
     return [(far, item) for far, _, _, item in ranked[:count] if far <= MAX_DISTANCE]
 
@@ -554,7 +549,7 @@ def pick(neighbours: list, usable) -> str:
         times = entry_times(entry)
         weighed.append((2.0**-far, times, min(times.values()), entry.get("failed", {})))
     names = [first["config"]]
-    names += [n for _, e in neighbours for n in sorted(entry_times(e), key=entry_times(e).get)]
+    names += [n for _, times, _, _ in weighed for n in sorted(times, key=times.get)]
     best, best_score = None, math.inf
     for name in dict.fromkeys(names):
         if not usable(name):
@@ -579,17 +574,32 @@ def nearest_entries(
     same layer, op and slice count, a configuration that takes the rank, of ``dtype``, or
     of its sibling 16-bit dtype where none of its own is near; nearest first."""
     configs = configs_by_name(table_machine(doc))[op]
-    for kind in (dtype, SIBLING_DTYPES.get(dtype)):
-        takes = [
-            _candidate(e, e)
-            for e in doc["entries"]
-            if (layer_of(e), e["op"], e["dtype"], e["slices"]) == (layer, op, kind, slices)
-            and _takes_rank(configs[e["config"]], sizes["rank"])
-        ]
-        found = nearest(takes, sizes, count)
-        if found:
-            return found
-    return []
+    groups = grouped_entries(doc["entries"])
+    near, _ = _neighbours(groups, configs, op, dtype, slices, sizes, layer, None, count)
+    return [entry for _, entry in near]
+
+
+def _neighbours(groups, configs, op, dtype, slices, sizes, layer, kernels, count) -> tuple:
+    """``(near, usable)``: the ``count`` entries of ``groups`` nearest ``sizes`` whose
+    configuration the call can use, as ``(distance, entry)`` pairs nearest first (of
+    ``dtype``, or of its sibling 16-bit dtype where none of its own is near), and the test
+    ``usable(name)``: a configuration of ``configs`` that takes the rank, of ``kernels``."""
+    rank = sizes["rank"]
+
+    def usable(name: str) -> bool:
+        config = configs.get(name)
+        return (
+            config is not None
+            and _takes_rank(config, rank)
+            and (kernels is None or config.kernel in kernels)
+        )
+
+    for kind in (dtype, SIBLING_DTYPES.get(dtype)):  # its own dtype first
+        takes = (c for c in groups.get((layer, op, kind, slices), ()) if usable(c[2]["config"]))
+        near = nearest_with_distances(takes, sizes, count)
+        if near:
+            return near, usable
+    return [], usable
 
 
 def _takes_rank(config, rank: int) -> bool:
@@ -628,22 +638,9 @@ def answer(
     LaunchConfig of ``configs`` (name -> LaunchConfig, of the op) that :func:`pick` names
     among the nearest entries the call can use (``neighbours`` of them; None:
     :data:`NEIGHBOURS_WEIGHED`), or None where none is near."""
-    rank = sizes["rank"]
-
-    def usable(name: str) -> bool:
-        config = configs.get(name)
-        return (
-            config is not None
-            and _takes_rank(config, rank)
-            and (kernels is None or config.kernel in kernels)
-        )
-
-    for kind in (dtype, SIBLING_DTYPES.get(dtype)):  # its own dtype first
-        takes = (c for c in groups.get((layer, op, kind, slices), ()) if usable(c[2]["config"]))
-        near = nearest_with_distances(takes, sizes, neighbours or NEIGHBOURS_WEIGHED)
-        if near:
-            return configs[pick(near, usable)]
-    return None
+    count = neighbours or NEIGHBOURS_WEIGHED
+    near, usable = _neighbours(groups, configs, op, dtype, slices, sizes, layer, kernels, count)
+    return configs[pick(near, usable)] if near else None
 
 
 def tuned_config(
