@@ -1,13 +1,15 @@
 """The simulator's own behaviour that the package relies on (skipped on a GPU).
 
 Numba's CUDA simulator runs each CUDA thread as a Python thread. ``punica_numba._simulator``
-changes three of its ways: a block's threads meet at ``cuda.syncthreads()`` by their own
+changes four of its ways: a block's threads meet at ``cuda.syncthreads()`` by their own
 counts, where Numba's block manager polled them in a busy loop
 (``_simulator._barrier_without_a_poller``); the first call of ``cuda.shared.array``
 from a line of a kernel makes the block's array under a lock, where two threads that made
 it at the same moment each got their own (``_simulator._one_shared_array_per_site``); and
 a device function's module takes the launch's ``cuda`` once a launch, where Numba swapped
-it around every call (``_simulator._device_calls_swap_once``).
+it around every call (``_simulator._device_calls_swap_once``); and a block runs on threads
+kept from one block to the next, where Numba started a thread for every CUDA thread
+(``_simulator._threads_kept_between_blocks``).
 """
 
 from __future__ import annotations
