@@ -2,11 +2,11 @@
 against the nearest entry's pick it replaced at 94c257c, and against no table at all.
 
     python docs/benchmarks/probes/lookup_ab.py --table PATH [--json OUT] [--rounds 2]
-        [--twins] [--limit N] [--commit C]
+        [--twins] [--limit N] [--against nearest|heuristic] [--commit C]
 
-``--table`` is read as this GPU's table (copied under this GPU's file name into a temporary
-folder that ``PUNICA_NUMBA_CONFIG_DIR`` names), so that a table tuned on another machine of the
-same kind, or one never shipped, can be weighed. For each case of ``bench --grid`` (``--twins``:
+``--table`` is read as this GPU's table (written under this GPU's name and file name into a
+temporary folder that ``PUNICA_NUMBA_CONFIG_DIR`` names), so that a table never shipped, or one
+tuned on another GPU, can be weighed here. For each case of ``bench --grid`` (``--twins``:
 every shape in both dtypes) and each op, the launcher is asked for its configuration three
 ways, on one argument set of the case:
 
@@ -14,11 +14,14 @@ ways, on one argument set of the case:
 * ``nearest``: the nearest usable entry's own pick (``table.pick`` replaced for the probe);
 * ``heuristic``: no table (``tuned_config`` answers None).
 
-Each op whose weighed and nearest answers differ (at most ``--limit`` of them) is then timed
-under all three as ``bench`` times an op (``bench.run_case``: a pool twice the L2, CUDA graph
-replays), the sides in turn, each first in one round (``weighed nearest heuristic``, then the
-reverse). Prints each op's times and the geometric means of weighed / nearest and weighed /
-heuristic (each side's least time over the rounds); ``--json`` writes them. GPU only.
+Each op whose weighed answer differs from the ``--against`` side's (default ``nearest``; with
+``heuristic``, say, to weigh another machine's table against no table at all), at most
+``--limit`` of them (spread evenly over the grid's order where more differ), is then timed
+under all three as ``bench`` times an op (``bench.run_case``: a pool twice the L2, CUDA
+graph replays), the sides in turn, each first in one round (``weighed nearest heuristic``,
+then the reverse). Prints each op's times and the geometric means of weighed / nearest,
+weighed / heuristic and nearest / heuristic (each side's least time over the rounds);
+``--json`` writes them. GPU only.
 """
 
 import argparse
@@ -26,7 +29,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 
@@ -89,6 +91,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--twins", action="store_true", help="both dtypes of every shape")
     parser.add_argument("--limit", type=int, default=60, help="ops timed at most")
+    parser.add_argument("--against", choices=SIDES[1:], default="nearest")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args(argv)
 
@@ -97,27 +100,35 @@ def main(argv=None) -> int:
     import torch
 
     from punica_numba import bench, bench_grid
+    from punica_numba._cuda import device_of
     from punica_numba.tuning import table
 
     gpu = table.gpu_name()
-    shutil.copy(args.table, os.path.join(folder, table.table_file_name(gpu)))
     doc = table.read_table(args.table)
+    tuned_on = doc["gpu"]
+    doc["gpu"] = gpu  # read as this GPU's
+    table.write_table(os.path.join(folder, table.table_file_name(gpu)), doc)
     table.reload_tuned_tables()
-    print(f"{gpu}; table {args.table} ({doc['gpu']}, {len(doc['entries'])} entries)")
+    print(f"{gpu}; table {args.table} ({tuned_on}, {len(doc['entries'])} entries)")
 
     start = time.perf_counter()
     moved, looked = [], 0
     for grid_case in bench_grid.grid_cases(twins=args.twins):
         for op in ("shrink", "expand"):
             case = grid_case.op_case(op)
-            taken = configs_taken(case, "cuda")
+            taken = configs_taken(case, device_of())
             looked += 1
-            if taken["weighed"] != taken["nearest"]:
+            if taken["weighed"] != taken[args.against]:
                 moved.append((grid_case, op, case, taken))
-    print(f"{len(moved)} of {looked} ops moved ({time.perf_counter() - start:.0f} s)")
+    print(
+        f"{len(moved)} of {looked} ops answered otherwise than {args.against} "
+        f"({time.perf_counter() - start:.0f} s)"
+    )
 
+    if len(moved) > args.limit:  # spread over the grid, not its first cases
+        moved = [moved[i * len(moved) // args.limit] for i in range(args.limit)]
     records = []
-    for grid_case, op, case, taken in moved[: args.limit]:
+    for grid_case, op, case, taken in moved:
         times = {name: [] for name in SIDES}
         for round_ in range(args.rounds):
             order = SIDES if round_ % 2 == 0 else SIDES[::-1]
@@ -133,7 +144,7 @@ def main(argv=None) -> int:
         print(
             f"{grid_case.id} {op}: "
             + ", ".join(f"{n} {best[n]:.2f} ({taken[n]})" for n in SIDES)
-            + f"; weighed/nearest {best['weighed'] / best['nearest']:.3f}",
+            + f"; weighed/{args.against} {best['weighed'] / best[args.against]:.3f}",
             flush=True,
         )
 
@@ -154,7 +165,9 @@ def main(argv=None) -> int:
                     gpu=gpu,
                     commit=args.commit,
                     table=os.path.basename(args.table),
+                    tuned_on=tuned_on,
                     twins=args.twins,
+                    against=args.against,
                     looked_up=looked,
                     moved=len(moved),
                     timed=len(records),
