@@ -54,11 +54,14 @@ FILE = "Fake_GPU_9000.json"
 
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
-    """A GPU named :data:`GPU` with the GPU's configurations, its package folder empty
-    (returned), no user folder; the loaded table forgotten before and after."""
+    """A GPU named :data:`GPU`, of compute capability 9.0, with the GPU's configurations,
+    its package folder empty (returned), no user folder; the loaded table forgotten before
+    and after."""
     monkeypatch.setattr(table, "SIMULATOR", False)
     monkeypatch.setattr(launch, "SIMULATOR", False)
     monkeypatch.setattr(table, "gpu_name", lambda: GPU)
+    monkeypatch.setattr(table, "gpu_capability", lambda: (9, 0))
+    monkeypatch.delenv(table.FALLBACK_VARIABLE, raising=False)
     package = tmp_path / "package"
     package.mkdir()
     monkeypatch.setattr(table, "PACKAGE_DIR", package)
@@ -86,8 +89,8 @@ def entry(op="shrink", config="rows_t256_m1_n2", **fields) -> dict:
     return base
 
 
-def save(folder, *entries, gpu=GPU) -> None:
-    doc = new_table(gpu, "0.1.0", "abc123")
+def save(folder, *entries, gpu=GPU, capability=None) -> None:
+    doc = new_table(gpu, "0.1.0", "abc123", capability)
     doc["entries"] = list(entries)
     write_table(folder / table.table_file_name(gpu), doc)
 
@@ -422,6 +425,48 @@ def test_the_user_folder_comes_first(fake_gpu, tmp_path, monkeypatch):
     reload_tuned_tables()
     (user / FILE).unlink()  # a user folder without this GPU's table: the package's
     assert shrink_call() == named("shrink", "rows_t256_m1_n4")
+
+
+def test_a_gpu_without_a_table_reads_one_of_its_compute_capability(fake_gpu, monkeypatch):
+    """No file of this GPU's name: the first table (by name) of another GPU that says it was
+    tuned on this compute capability is read, and says whose it is; one of another
+    capability, or of none given, is not; this GPU's own file wins; ``"0"`` in the
+    environment turns the fallback off."""
+    save(fake_gpu, entry(config="rows_t128_m1_n8"), gpu="Other GPU", capability=(8, 0))
+    save(fake_gpu, entry(config="rows_t256_m4_n4"), gpu="Unsaid GPU")
+    (fake_gpu / "Broken.json").write_text("{")
+    assert shrink_call() is None and table.tuned_table_gpu() is None
+    save(fake_gpu, entry(config="rows_t256_m1_n4"), gpu="Twin B", capability=(9, 0))
+    save(fake_gpu, entry(config="rows_t128_m4_n4"), gpu="Twin C", capability=(9, 0))
+    reload_tuned_tables()
+    assert shrink_call() == named("shrink", "rows_t256_m1_n4")
+    assert tuned_table_path() == fake_gpu / "Twin_B.json"
+    assert table.tuned_table_gpu() == "Twin B"
+    reload_tuned_tables()
+    monkeypatch.setenv(table.FALLBACK_VARIABLE, "0")
+    assert shrink_call() is None and tuned_table_path() is None
+    reload_tuned_tables()
+    monkeypatch.delenv(table.FALLBACK_VARIABLE)
+    save(fake_gpu, entry(config="rows_t256_m1_n2"))
+    assert shrink_call() == named("shrink", "rows_t256_m1_n2")
+    assert table.tuned_table_gpu() == GPU
+
+
+def test_a_table_states_its_compute_capability_as_two_numbers(fake_gpu):
+    doc = new_table(GPU, "0.1.0", "abc123", (9, 0))
+    assert doc["capability"] == [9, 0] and "capability" not in new_table(GPU, "0", "a")
+    validate_table(doc)
+    for bad in ((9,), [9, "0"], [9, -1], "9.0", [9, 0.0]):
+        doc["capability"] = bad
+        with pytest.raises(TunedTableError, match="capability: expected"):
+            validate_table(doc)
+
+
+def test_the_shipped_h200_table_is_a_fallback_for_hopper():
+    doc = read_table(table.PACKAGE_DIR / "NVIDIA_H200.json")
+    assert doc["gpu"] == "NVIDIA H200" and doc["capability"] == [9, 0]
+    assert table.fallback_table((9, 0)) == table.PACKAGE_DIR / "NVIDIA_H200.json"
+    assert table.fallback_table((8, 0)) is None
 
 
 def test_the_table_is_read_once_per_process(fake_gpu):

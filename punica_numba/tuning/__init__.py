@@ -13,27 +13,32 @@
 =========  ==================================================================
 
 The launcher (:func:`punica_numba.launch.choose_launch_config`) takes a forced
-configuration first, then the tuned table's (where the call can use it), then its
-hand-written heuristic. Only :mod:`.table` is imported here: :mod:`.sweep` runs the ops
-and is loaded by the command line alone.
+configuration first, then the tuned table's (where the call can use it; a GPU without a
+table of its own reads one of its compute capability's, :func:`tuned_table_gpu` says
+whose), then its hand-written heuristic. Only :mod:`.table` is imported here: :mod:`.sweep`
+runs the ops and is loaded by the command line alone.
 """
 
 from .table import (
     CONFIG_DIR_VARIABLE,
+    FALLBACK_VARIABLE,
     TunedTableError,
     read_table,
     reload_tuned_tables,
     tuned_config,
+    tuned_table_gpu,
     tuned_table_path,
     write_table,
 )
 
 __all__ = [
     "CONFIG_DIR_VARIABLE",
+    "FALLBACK_VARIABLE",
     "TunedTableError",
     "read_table",
     "reload_tuned_tables",
     "tuned_config",
+    "tuned_table_gpu",
     "tuned_table_path",
     "write_table",
 ]

@@ -88,6 +88,7 @@ from .table import (
     KEY_FIELDS,
     TunedTableError,
     entry_key,
+    gpu_capability,
     gpu_name,
     layer_of,
     new_table,
@@ -643,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         if doc["package"]["commit"] != commit:
             print(f"tune: adding to a table tuned at {doc['package']['commit']}, now at {commit}")
     else:
-        doc = new_table(gpu, __version__, commit)
+        doc = new_table(gpu, __version__, commit, gpu_capability())
     done = {entry_key(e) for e in doc["entries"] + doc.get("unresolved", [])}
     doc.setdefault("unresolved", [])
     todo = [case for case in cases if key_of(case) not in done]

@@ -12,6 +12,14 @@ folder named by the environment variable ``PUNICA_NUMBA_CONFIG_DIR`` first, then
 package's own ``punica_numba/configs/``. The first file found is the table; the two are
 not merged. On the CUDA simulator there is never a table.
 
+Where no file bears this GPU's name, the table of another GPU of the same compute capability
+is read, if one in those folders says it was tuned on one (its ``capability``; the first such
+file, by folder and then by name): an H100 reads the H200's. The two are one chip with other
+memory, and the launch configurations are the same code for both; what the other GPU
+measured fastest is a better guess than the hand-written heuristic (the lab notes, "Another
+GPU's table"). ``PUNICA_NUMBA_TABLE_FALLBACK=0`` turns this off; :func:`tuned_table_gpu`
+says whose table a process reads.
+
 When: once per process, at the first lookup. What a call chose under the table never
 changes after that, so nothing that records a call's launches (the wrapper's replays,
 keyed on :func:`~punica_numba.launch.forced_launch_configs`) needs the table in its key.
@@ -19,13 +27,16 @@ keyed on :func:`~punica_numba.launch.forced_launch_configs`) needs the table in 
 
 The format (:data:`FORMAT` 1)::
 
-    {"format": 1, "gpu": "NVIDIA H200",
+    {"format": 1, "gpu": "NVIDIA H200", "capability": [9, 0],
      "package": {"version": "0.1.0", "commit": "6a5f2e2..."},
      "entries": [{"op": "shrink", "dtype": "bf16", "slices": 1, "K": 4096, "N": 16,
                   "rank": 16, "T": 256, "tokens_per_lora": 16,
                   "config": "mma_t512_m16_n0", "us": 7.52,
                   "runner_up": "rows_t256_m4_n4", "runner_up_us": 8.47, ...}],
      "unresolved": []}
+
+``capability`` (optional) is the compute capability of the GPU it was tuned on, which makes
+it a fallback for others of that capability.
 
 An entry's key is ``op, dtype, slices, K, N, rank, T, tokens_per_lora`` (:data:`KEY_FIELDS`)
 and its ``layer`` (:data:`LAYERS`): K and N are the product's inner and outer sizes (shrink:
@@ -83,6 +94,7 @@ from .._cuda import SIMULATOR, device_of
 
 __all__ = [
     "CONFIG_DIR_VARIABLE",
+    "FALLBACK_VARIABLE",
     "FORMAT",
     "KEY_FIELDS",
     "LAYERS",
@@ -96,7 +108,9 @@ __all__ = [
     "entry_key",
     "entry_loras",
     "entry_times",
+    "fallback_table",
     "find_table",
+    "gpu_capability",
     "gpu_name",
     "grouped_entries",
     "layer_of",
@@ -109,6 +123,7 @@ __all__ = [
     "table_file_name",
     "tokens_per_lora",
     "tuned_config",
+    "tuned_table_gpu",
     "tuned_table_path",
     "validate_table",
     "write_table",
@@ -118,6 +133,9 @@ __all__ = [
 FORMAT = 1
 #: The environment variable naming a folder of the user's own tables (searched first).
 CONFIG_DIR_VARIABLE = "PUNICA_NUMBA_CONFIG_DIR"
+#: The environment variable that, set to "0", stops a GPU without a table of its own from
+#: reading the table of another GPU of its compute capability.
+FALLBACK_VARIABLE = "PUNICA_NUMBA_TABLE_FALLBACK"
 #: The tables shipped with the package.
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: The fields of an entry's key, in the order of :func:`entry_key`.
@@ -191,6 +209,12 @@ def gpu_name() -> str:
     return "simulator" if SIMULATOR else torch.cuda.get_device_name(device_of())
 
 
+def gpu_capability() -> tuple[int, int] | None:
+    """The compute capability of the current device, ``(9, 0)`` on Hopper (None on the
+    simulator)."""
+    return None if SIMULATOR else tuple(torch.cuda.get_device_capability(device_of()))
+
+
 def tokens_per_lora(num_tokens: int, active_slots: int | None) -> int:
     """The tokens-per-LoRA bucket of a call: ``T / active_slots`` rounded to the nearest
     power of two in log2 (halves up), at least 1. ``active_slots`` None or 0 (metadata not
@@ -222,15 +246,14 @@ def entry_key(entry: dict) -> tuple:
     return (*(entry[f] for f in KEY_FIELDS), layer_of(entry))
 
 
-def new_table(gpu: str, version: str, commit: str) -> dict:
-    """An empty table for ``gpu``, tuned at package ``version`` and ``commit``."""
-    return {
-        "format": FORMAT,
-        "gpu": gpu,
-        "package": {"version": version, "commit": commit},
-        "entries": [],
-        "unresolved": [],
-    }
+def new_table(gpu: str, version: str, commit: str, capability=None) -> dict:
+    """An empty table for ``gpu`` (of compute ``capability``, if given), tuned at package
+    ``version`` and ``commit``."""
+    doc = {"format": FORMAT, "gpu": gpu}
+    if capability is not None:
+        doc["capability"] = list(capability)
+    doc.update(package={"version": version, "commit": commit}, entries=[], unresolved=[])
+    return doc
 
 
 # --------------------------------------------------------------------------- #
@@ -380,12 +403,20 @@ def validate_table(doc, source="<table>") -> None:
     (:func:`table_machine`), so a GPU's table reads on any machine."""
     if not isinstance(doc, dict):
         _fail(source, "the file", f"expected a JSON object, got {type(doc).__name__}")
-    unknown = sorted(set(doc) - {"format", "gpu", "package", "entries", "unresolved"})
+    fields = {"format", "gpu", "capability", "package", "entries", "unresolved"}
+    unknown = sorted(set(doc) - fields)
     if unknown:
         _fail(source, "the file", f"unknown fields {unknown}")
     if doc.get("format") != FORMAT:
         _fail(source, "format", f"expected {FORMAT}, got {doc.get('format')!r}")
     _typed(source, "gpu", doc.get("gpu"), str)
+    capability = doc.get("capability", [0, 0])
+    if not (
+        isinstance(capability, list)
+        and len(capability) == 2
+        and all(type(v) is int and v >= 0 for v in capability)
+    ):
+        _fail(source, "capability", f"expected [major, minor], got {capability!r}")
     package = doc.get("package")
     if not isinstance(package, dict) or set(package) != {"version", "commit"}:
         _fail(source, "package", f"expected {{'version': ..., 'commit': ...}}, got {package!r}")
@@ -448,6 +479,22 @@ def find_table(gpu: str) -> Path | None:
     return None
 
 
+def fallback_table(capability) -> Path | None:
+    """The first table file in :func:`search_dirs` (by folder, then by name) tuned on a GPU
+    of compute ``capability`` (its ``capability`` field), or None. A file that is not a
+    table's JSON is passed over here (and reported where a GPU of its name reads it)."""
+    want = list(capability)
+    for folder in search_dirs():
+        for path in sorted(folder.glob("*.json")):
+            try:
+                doc = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                continue
+            if isinstance(doc, dict) and doc.get("capability") == want:
+                return path
+    return None
+
+
 # --------------------------------------------------------------------------- #
 # Lookup
 # --------------------------------------------------------------------------- #
@@ -459,14 +506,16 @@ _groups: dict | None = None
 #: op -> configuration name -> LaunchConfig, of the loaded table's machine.
 _configs: dict = {}
 _path: Path | None = None
+#: The GPU the loaded table was tuned on (None: none loaded).
+_tuned_on: str | None = None
 #: tuned_config's arguments -> its answer.
 _found: dict = {}
 
 
 def reload_tuned_tables() -> None:
     """Forget the loaded table and every lookup: the next one reads the files again."""
-    global _nothing, _groups, _path
-    _nothing, _groups, _path = False, None, None
+    global _nothing, _groups, _path, _tuned_on
+    _nothing, _groups, _path, _tuned_on = False, None, None, None
     _found.clear()
 
 
@@ -476,21 +525,32 @@ def tuned_table_path() -> Path | None:
     return _path
 
 
+def tuned_table_gpu() -> str | None:
+    """The GPU the loaded table was tuned on (loading it now if not yet): this one's name,
+    another's of the same compute capability (the module's notes), or None: no table."""
+    _tables()
+    return _tuned_on
+
+
 def _tables() -> dict | None:
     """The loaded table's entries, grouped for lookup (read once per process)."""
-    global _nothing, _groups, _path, _configs
+    global _nothing, _groups, _path, _configs, _tuned_on
     if _groups is not None or _nothing:
         return _groups
     gpu = None if SIMULATOR else gpu_name()
     path = None if gpu is None else find_table(gpu)
+    borrowed = path is None and gpu is not None and os.environ.get(FALLBACK_VARIABLE) != "0"
+    if borrowed:
+        path = fallback_table(gpu_capability())
     if path is None:
         _nothing = True
         return None
     doc = read_table(path)
-    if doc["gpu"] != gpu:
+    if doc["gpu"] != gpu and not borrowed:
         _fail(path, "gpu", f"a table for {doc['gpu']!r}, found for this GPU, {gpu!r}")
     groups = grouped_entries(doc["entries"])
     _groups, _path, _configs = groups, path, configs_by_name(table_machine(doc))
+    _tuned_on = doc["gpu"]
     return groups
 
 
@@ -670,7 +730,8 @@ def tuned_config(
             LaunchConfig among the configurations they timed that take ``rank`` and are
             of ``kernels``; else the same among the entries of the sibling 16-bit dtype
             (bf16 <-> fp16)
-        None where this GPU has no table (always on the simulator) or nothing is near.
+        None where this GPU has no table, nor one of its compute capability (the module's
+        notes; always on the simulator), or nothing is near.
 
     Answers are remembered per argument tuple (up to :data:`MAX_CACHED`), so that a
     repeated call costs one dict lookup; where there is no table, one flag test.
