@@ -350,6 +350,21 @@ def time_calls(calls: list[Callable[[], None]], repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def machine_record(bandwidth: float) -> dict:
+    """What a benchmark's JSON says of where it ran: ``gpu`` (``"simulator"`` there),
+    ``tuned_table``, the table the launcher reads (``{"gpu": whose, "file": its name}``: this
+    GPU's, or another's of its compute capability; None: the heuristic alone), and
+    ``copy_bandwidth_tbps``, the measured ``bandwidth``."""
+    from .tuning.table import tuned_table_gpu, tuned_table_path
+
+    path = tuned_table_path()
+    return {
+        "gpu": "simulator" if SIMULATOR else torch.cuda.get_device_name(),
+        "tuned_table": None if path is None else {"gpu": tuned_table_gpu(), "file": path.name},
+        "copy_bandwidth_tbps": round(bandwidth, 3),
+    }
+
+
 def copy_bandwidth_tbps() -> float:
     """HBM copy bandwidth: bytes read + written by a 1 GiB ``copy_``, eager, CUDA events."""
     a = torch.empty(2**29, dtype=torch.int16, device="cuda")
@@ -622,8 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache() if not SIMULATOR else None
     result = {
         "commit": args.commit or _commit(),
-        "gpu": "simulator" if SIMULATOR else torch.cuda.get_device_name(),
-        "copy_bandwidth_tbps": round(bandwidth, 3),
+        **machine_record(bandwidth),
         "cases": records,
         "host_overhead_us": {k: round(v, 2) for k, v in host_overhead_us().items()},
     }

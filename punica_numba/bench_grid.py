@@ -105,11 +105,11 @@ with the same ``--part``, runs only the rest.
 
 **The JSON.**
 
-``--json PATH`` writes the format family of ``bench``'s (``commit``, ``gpu``,
+``--json PATH`` writes the format family of ``bench``'s (``commit``, ``gpu``, ``tuned_table``,
 ``copy_bandwidth_tbps``), with the grid under the key ``"grid"``, rewritten after every
 case so that a part stopped by its time limit keeps what it measured::
 
-    {"commit": ..., "gpu": ..., "copy_bandwidth_tbps": ...,
+    {"commit": ..., "gpu": ..., "tuned_table": ..., "copy_bandwidth_tbps": ...,
      "grid": {"format": "punica_numba.bench_grid/1", "part": "1/3",
               "cases_in_grid": 71, "twins": false, "axes": {...}, "models": [...],
               "parts": [{"part": "1/3", "copy_bandwidth_tbps": ..., "cases": ...,
@@ -856,8 +856,8 @@ def merge(results: Sequence[dict]) -> dict:
         raise ValueError("nothing to merge")
     first = results[0]
     for other in results[1:]:
-        for key in ("commit", "gpu"):
-            if other[key] != first[key]:
+        for key in ("commit", "gpu", "tuned_table"):
+            if other.get(key) != first.get(key):
                 raise ValueError(f"parts of different {key}s: {first[key]!r}, {other[key]!r}")
         if other["grid"]["format"] != first["grid"]["format"]:
             raise ValueError(f"parts of different formats: {other['grid']['format']!r}")
@@ -878,6 +878,7 @@ def merge(results: Sequence[dict]) -> dict:
     return {
         "commit": first["commit"],
         "gpu": first["gpu"],
+        "tuned_table": first.get("tuned_table"),
         "copy_bandwidth_tbps": round(statistics.median(bandwidths), 3) if bandwidths else 0.0,
         "grid": grid,
     }
@@ -985,8 +986,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = 0.0 if SIMULATOR else bench.copy_bandwidth_tbps()
     result = {
         "commit": commit,
-        "gpu": "simulator" if SIMULATOR else torch.cuda.get_device_name(),
-        "copy_bandwidth_tbps": round(bandwidth, 3),
+        **bench.machine_record(bandwidth),
         "grid": {
             "format": FORMAT,
             "part": part,

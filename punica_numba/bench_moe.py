@@ -283,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         result = {
             "commit": args.commit or bench._commit(),
-            "gpu": "simulator" if SIMULATOR else torch.cuda.get_device_name(),
-            "copy_bandwidth_tbps": round(bandwidth, 3),
+            **bench.machine_record(bandwidth),
             "cases": records,
         }
         with open(args.json, "w") as f:

@@ -14,7 +14,7 @@ through ``PunicaWrapperNumba.add_lora_linear``, each checked against the float64
 reference before it is timed), and sets the pair beside the best peer: the ratio, and
 whether it is at most :data:`TARGET_RATIO`.
 
-``--json PATH`` writes ``{"commit", "gpu", "copy_bandwidth_tbps", "target_ratio",
+``--json PATH`` writes ``{"commit", "gpu", "tuned_table", "copy_bandwidth_tbps", "target_ratio",
 "cases": [the grid record + "peer": {"us", "who"}, "ratio"]}``. On the CUDA simulator (or
 with ``--quick``) two tiny layers run through the same code, whose times are host
 wall-clock and mean nothing for speed.
@@ -26,8 +26,6 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
-
-import torch
 
 from . import bench, bench_grid
 from ._cuda import SIMULATOR
@@ -137,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     result = {
         "commit": args.commit or bench._commit(),
-        "gpu": "simulator" if SIMULATOR else torch.cuda.get_device_name(),
-        "copy_bandwidth_tbps": round(bandwidth, 3),
+        **bench.machine_record(bandwidth),
         "target_ratio": TARGET_RATIO,
         "cases": records,
     }

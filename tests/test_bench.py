@@ -29,6 +29,7 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     assert bench.main(["--quick", "--json", str(out), "--plot", str(plot)]) == 0
     result = json.loads(out.read_text())
     assert {"commit", "gpu", "copy_bandwidth_tbps", "cases", "host_overhead_us"} <= set(result)
+    assert "tuned_table" in result
     assert result["cases"] and all(KEYS <= set(c) for c in result["cases"])
     assert {c["lora_mode"] for c in result["cases"]} == {"identical", "uniform", "distinct"}
     assert "add_lora_linear_eager" in result["host_overhead_us"]

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from punica_numba import __main__ as cli
-from punica_numba import bench_moe, launch
+from punica_numba import bench, bench_moe, launch
 from punica_numba.launch import (
     choose_launch_config,
     config_name,
@@ -450,6 +450,15 @@ def test_a_gpu_without_a_table_reads_one_of_its_compute_capability(fake_gpu, mon
     save(fake_gpu, entry(config="rows_t256_m1_n2"))
     assert shrink_call() == named("shrink", "rows_t256_m1_n2")
     assert table.tuned_table_gpu() == GPU
+
+
+def test_a_benchmark_records_whose_table_its_launcher_reads(fake_gpu):
+    assert bench.machine_record(1.23456)["tuned_table"] is None
+    reload_tuned_tables()
+    save(fake_gpu, entry(), gpu="Twin B", capability=(9, 0))
+    record = bench.machine_record(1.23456)
+    assert record["tuned_table"] == {"gpu": "Twin B", "file": "Twin_B.json"}
+    assert record["copy_bandwidth_tbps"] == 1.235 and "gpu" in record
 
 
 def test_a_table_states_its_compute_capability_as_two_numbers(fake_gpu):
