@@ -428,13 +428,14 @@ def test_the_user_folder_comes_first(fake_gpu, tmp_path, monkeypatch):
 
 
 def test_a_gpu_without_a_table_reads_one_of_its_compute_capability(fake_gpu, monkeypatch):
-    """No file of this GPU's name: the first table (by name) of another GPU that says it was
-    tuned on this compute capability is read, and says whose it is; one of another
-    capability, or of none given, is not; this GPU's own file wins; ``"0"`` in the
-    environment turns the fallback off."""
+    """With the fallback on and no file of this GPU's name, the first table (by name) of
+    another GPU that says it was tuned on this compute capability is read, and says whose it
+    is; one of another capability, or of none given, is not; this GPU's own file wins.
+    Off (by default, or any value but ``"1"``), no other GPU's table is read."""
     save(fake_gpu, entry(config="rows_t128_m1_n8"), gpu="Other GPU", capability=(8, 0))
     save(fake_gpu, entry(config="rows_t256_m4_n4"), gpu="Unsaid GPU")
     (fake_gpu / "Broken.json").write_text("{")
+    monkeypatch.setenv(table.FALLBACK_VARIABLE, "1")
     assert shrink_call() is None and table.tuned_table_gpu() is None
     save(fake_gpu, entry(config="rows_t256_m1_n4"), gpu="Twin B", capability=(9, 0))
     save(fake_gpu, entry(config="rows_t128_m4_n4"), gpu="Twin C", capability=(9, 0))
@@ -442,19 +443,24 @@ def test_a_gpu_without_a_table_reads_one_of_its_compute_capability(fake_gpu, mon
     assert shrink_call() == named("shrink", "rows_t256_m1_n4")
     assert tuned_table_path() == fake_gpu / "Twin_B.json"
     assert table.tuned_table_gpu() == "Twin B"
+    for off in (None, "0", "yes"):
+        reload_tuned_tables()
+        if off is None:
+            monkeypatch.delenv(table.FALLBACK_VARIABLE)
+        else:
+            monkeypatch.setenv(table.FALLBACK_VARIABLE, off)
+        assert shrink_call() is None and tuned_table_path() is None, off
     reload_tuned_tables()
-    monkeypatch.setenv(table.FALLBACK_VARIABLE, "0")
-    assert shrink_call() is None and tuned_table_path() is None
-    reload_tuned_tables()
-    monkeypatch.delenv(table.FALLBACK_VARIABLE)
+    monkeypatch.setenv(table.FALLBACK_VARIABLE, "1")
     save(fake_gpu, entry(config="rows_t256_m1_n2"))
     assert shrink_call() == named("shrink", "rows_t256_m1_n2")
     assert table.tuned_table_gpu() == GPU
 
 
-def test_a_benchmark_records_whose_table_its_launcher_reads(fake_gpu):
+def test_a_benchmark_records_whose_table_its_launcher_reads(fake_gpu, monkeypatch):
     assert bench.machine_record(1.23456)["tuned_table"] is None
     reload_tuned_tables()
+    monkeypatch.setenv(table.FALLBACK_VARIABLE, "1")
     save(fake_gpu, entry(), gpu="Twin B", capability=(9, 0))
     record = bench.machine_record(1.23456)
     assert record["tuned_table"] == {"gpu": "Twin B", "file": "Twin_B.json"}

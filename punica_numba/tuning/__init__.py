@@ -14,9 +14,9 @@
 
 The launcher (:func:`punica_numba.launch.choose_launch_config`) takes a forced
 configuration first, then the tuned table's (where the call can use it; a GPU without a
-table of its own reads one of its compute capability's, :func:`tuned_table_gpu` says
-whose), then its hand-written heuristic. Only :mod:`.table` is imported here: :mod:`.sweep`
-runs the ops and is loaded by the command line alone.
+table of its own can be told to read one of its compute capability's, and
+:func:`tuned_table_gpu` says whose), then its hand-written heuristic. Only :mod:`.table` is
+imported here: :mod:`.sweep` runs the ops and is loaded by the command line alone.
 """
 
 from .table import (
