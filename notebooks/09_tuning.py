@@ -415,3 +415,8 @@ display(
 # python -m punica_numba tune --near 8 --resume --out DIR --hiddens 8192  # short lists
 # PUNICA_NUMBA_CONFIG_DIR=DIR python your_server.py      # the launcher reads DIR's table first
 # ```
+#
+# A GPU with no table of its own takes the heuristic, unless `PUNICA_NUMBA_TABLE_FALLBACK=1`
+# lets it read the table of another GPU of its compute capability (an H100 the shipped H200's:
+# one chip, other memory); `punica_numba.tuning.tuned_table_gpu()` says whose table a process
+# reads, and every benchmark's JSON records it.
