@@ -434,15 +434,21 @@ def _a_fill_never_launched():
 def test_a_first_launch_inside_a_real_capture_is_refused_and_the_capture_stays_usable():
     """On a GPU: inside ``torch.cuda.graph`` a kernel's first launch raises
     ``FirstLaunchInCaptureError`` (not the driver's error of an invalidated capture), the
-    capture ends cleanly, and after one launch outside (a warm-up) the same call is
-    captured and its graph replays it."""
+    capture ends cleanly, holding what was captured before it (an engine's other kernels:
+    here one of torch's, so that the graph is not empty, which torch warns of), and after
+    one launch outside (a warm-up) the same call is captured and its graph replays it."""
     launcher = _a_fill_never_launched()
-    out = torch.zeros(64, device="cuda")
+    out, before = torch.zeros(64, device="cuda"), torch.zeros(64, device="cuda")
+    refused = torch.cuda.CUDAGraph()
     with pytest.raises(punica_numba.FirstLaunchInCaptureError, match="fill_for_the_capture"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with torch.cuda.graph(refused):
+            before.fill_(7.0)
             launcher((2, 1, 1), 32, (out, np.float32(1.0)))
     torch.cuda.synchronize()
-    assert not bool(out.any())  # nothing ran
+    assert not bool(out.any()) and not bool(before.any())  # nothing ran
+    refused.replay()  # the capture ended cleanly: what it holds replays, and only that
+    torch.cuda.synchronize()
+    assert bool((before == 7).all()) and not bool(out.any())
     launcher((2, 1, 1), 32, (out, np.float32(2.0)))  # the warm-up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
