@@ -18,9 +18,10 @@ tuned on one (its ``capability``; the first such file, by folder and then by nam
 reads the H200's. The two are one chip with other memory, and the launch configurations are
 the same code on both; on the 128 problems of the H100's quick grid the H200's picks took
 1.016x (shrinks) and 1.010x (expands) the H100's fastest, the heuristic 1.027x and 1.017x.
-It is off by default: what the H200's answers cost an H100 away from those problems is not
-measured yet (the lab notes, "The H200's picks on an H100"). :func:`tuned_table_gpu` says
-whose table a process reads.
+It is off by default: on the peers' ten layers on an H100 (2f3d682) the H200's answers made
+the shrinks 0.981x and the expands 0.998x as fast, but the pair 1.025x, in geometric mean (the
+lab notes, "The lookups timed on an H100"). :func:`tuned_table_gpu` says whose table a
+process reads.
 
 When: once per process, at the first lookup. What a call chose under the table never
 changes after that, so nothing that records a call's launches (the wrapper's replays,
@@ -67,7 +68,10 @@ nearest entries are weighed (:func:`pick`): of the configurations they timed tha
 can use, the one whose time over each entry's fastest is least in the mean of logs weighted
 by ``2 ** -distance``. The nearest entry's pick alone took 1.085x the fastest on the H200
 table's problems, each left out in turn, and the weighed answer 1.052x (``tune --report``;
-the lab notes, "Weighing the neighbours").
+the lab notes, "Weighing the neighbours"). Timed on an H100 with its quick grid's table, on the
+6 of the grid's 280 lookups where the two differ, the weighed answer took 0.856x the nearest
+pick's time (every one faster) and 0.946x the heuristic's (the benchmarks' probe
+``lookup_ab.py``; the lab notes, "The lookups timed on an H100").
 
 Where nothing of the call's own dtype is near, a 16-bit call takes the nearest entry of
 the other 16-bit dtype (:data:`SIBLING_DTYPES`): bf16 and fp16 run the same kernels, move
