@@ -18,10 +18,10 @@ tuned on one (its ``capability``; the first such file, by folder and then by nam
 reads the H200's. The two are one chip with other memory, and the launch configurations are
 the same code on both; on the 128 problems of the H100's quick grid the H200's picks took
 1.016x (shrinks) and 1.010x (expands) the H100's fastest, the heuristic 1.027x and 1.017x.
-It is off by default: on the peers' ten layers on an H100 (2f3d682) the H200's answers made
-the shrinks 0.981x and the expands 0.998x as fast, but the pair 1.025x, in geometric mean (the
-lab notes, "The lookups timed on an H100"). :func:`tuned_table_gpu` says whose table a
-process reads.
+It is off by default: on the peers' ten layers on an H100 (2f3d682) the H200's answers moved
+6 of the 10 shrinks, which took 0.981x their time over the ten, but the pair 1.025x, in
+geometric mean (the lab notes, "The lookups timed on an H100"). :func:`tuned_table_gpu`
+says whose table a process reads.
 
 When: once per process, at the first lookup. What a call chose under the table never
 changes after that, so nothing that records a call's launches (the wrapper's replays,
