@@ -21,6 +21,18 @@ The byte floor of a case is what the op must move at the least: the A and B of e
 (adapter, expert) its pairs use, once; the input rows; the output rows of every pair,
 read and written. On the simulator a tiny smoke version runs (``--quick``), whose times
 are host wall-clock and mean nothing for speed.
+
+**Against a peer.** ``--against PATH`` sets each case beside another run of the same cases:
+the figures of a peer's kernel (``docs/benchmarks/peers/vllm_moe_lora.py --json`` writes
+them; ``docs/benchmarks/h200_moe_vllm_0.33.json`` holds vLLM 0.33's on an H200) or an earlier
+``bench --moe --json``. A case meets the aim where it takes at most :data:`TARGET_RATIO` of
+the peer's time; the table gives each ratio and says how many meet it, and ``--json`` records
+the file, the peer and each case's ``peer_us`` and ``ratio``. Cases are matched by their
+shape (:data:`SHAPE_FIELDS`); a record that leaves a field out is at this benchmark's own
+layer (the peer script records projection, T and adapters only), so a ``--quick`` run
+matches no full-size figure. ``--report RUN`` reads a stored run instead of timing one, on
+any machine: ``bench --moe --report RUN.json --against PEER.json``. The count names the
+other run's GPU: a ratio to another GPU's figures judges nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -41,12 +53,17 @@ from .ops import moe_dense
 from .ops.moe import DEFAULT_VERSION, VERSIONS, fused_moe_lora
 
 __all__ = [
+    "SHAPE_FIELDS",
+    "TARGET_RATIO",
     "MoECase",
+    "against_peer",
     "argument_set",
     "default_cases",
     "floor_bytes",
     "main",
     "measure",
+    "peer_times",
+    "read_run",
     "run_case",
 ]
 
@@ -56,6 +73,8 @@ TOKENS = (1, 16, 64, 256, 2048)
 LORAS = (1, 4, 16)
 RANK = 16
 BLOCK_SIZE = 16
+#: The aim of the MoE LoRA work: each case in at most this fraction of the peer's time.
+TARGET_RATIO = 0.67
 
 
 @dataclass
@@ -95,6 +114,26 @@ class MoECase:
     @property
     def name(self) -> str:
         return f"moe {self.projection} T={self.T} loras={self.loras}"
+
+
+#: The fields that name a case's shape, by which ``--against`` matches two runs' cases.
+SHAPE_FIELDS = (
+    "projection",
+    "T",
+    "loras",
+    "hidden",
+    "experts",
+    "top_k",
+    "intermediate",
+    "rank",
+    "dtype",
+)
+
+
+def _shape(record: dict) -> tuple:
+    """A record's shape; a field it leaves out is this benchmark's own (MoECase's default)."""
+    own = {f.name: f.default for f in fields(MoECase)}
+    return tuple(record.get(name, own.get(name)) for name in SHAPE_FIELDS)
 
 
 def default_cases(quick: bool = False) -> list[MoECase]:
@@ -235,12 +274,84 @@ def run_case(case: MoECase, bandwidth: float, version: int = DEFAULT_VERSION) ->
     }
 
 
-def _table(records: list[dict]) -> str:
-    lines = [f"  {'case':34s} {'µs':>9s} {'floor µs':>9s} {'of copy bw':>10s}"]
+def read_run(path: str) -> dict:
+    """The run in the JSON file ``path`` (a ``bench --moe --json`` or a peer script's), whose
+    ``cases`` each hold at least ``projection``, ``T``, ``loras`` and ``us``.
+
+    Raises:
+        ValueError: the file cannot be read as such a run (the message names it and why).
+    """
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        for case in doc["cases"]:
+            missing = [k for k in ("projection", "T", "loras", "us") if k not in case]
+            if missing:
+                raise KeyError(f"a case without {', '.join(missing)}")
+            float(case["us"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{path}: not a run of MoE cases, each with projection, T, loras and us "
+            f"({type(error).__name__}: {error})"
+        ) from None
+    return doc
+
+
+def peer_times(path: str) -> tuple[str, dict[tuple, float]]:
+    """``(who, {shape: µs})`` of the run in ``path`` (:func:`read_run`): ``who`` is its
+    ``peer`` (a peer script's) or else its commit and kernel versions, and its GPU."""
+    doc = read_run(path)
+    versions = sorted({c["version"] for c in doc["cases"] if "version" in c})
+    who = doc.get("peer") or " ".join(
+        [str(doc.get("commit", path))] + [f"version {v}" for v in versions]
+    )
+    if doc.get("gpu"):
+        who += f" on {doc['gpu']}"
+    return who, {_shape(c): float(c["us"]) for c in doc["cases"]}
+
+
+def against_peer(records: Sequence[dict], times: dict[tuple, float]) -> list[dict]:
+    """``records`` with the peer's time of each case it holds (``peer_us``) and the ratio
+    of the two (``ratio``: ours over the peer's); a case the peer lacks is left as it is."""
+    out = []
     for r in records:
-        floor = "" if r["floor_us"] is None else f"{r['floor_us']:9.2f}"
-        share = "" if r["of_copy_bandwidth"] is None else f"{r['of_copy_bandwidth']:10.0%}"
-        lines.append(f"  {r['name']:34s} {r['us']:9.2f} {floor:>9s} {share:>10s}")
+        peer = times.get(_shape(r))
+        out.append(r if peer is None else {**r, "peer_us": peer, "ratio": round(r["us"] / peer, 3)})
+    return out
+
+
+def _name(record: dict) -> str:
+    return (
+        record.get("name") or f"moe {record['projection']} T={record['T']} loras={record['loras']}"
+    )
+
+
+def _summary(records: list[dict], who: str) -> str:
+    """How many of ``records`` (:func:`against_peer`'s) meet the aim, and the furthest."""
+    compared = sorted((r for r in records if "ratio" in r), key=lambda r: -r["ratio"])
+    met = sum(r["ratio"] <= TARGET_RATIO for r in compared)
+    line = f"{met} of {len(compared)} cases take at most {TARGET_RATIO}x the time of {who}"
+    if len(compared) < len(records):
+        line += f" ({len(records) - len(compared)} without its figure)"
+    if compared:
+        line += f"; the furthest: {_name(compared[0])}, {compared[0]['ratio']}x"
+    return line
+
+
+def _table(records: list[dict], who: str | None = None) -> str:
+    peer = f" {'peer µs':>9s} {'x peer':>7s}" if who else ""
+    lines = [f"  {'case':34s} {'µs':>9s} {'floor µs':>9s} {'of copy bw':>10s}{peer}"]
+    for r in records:
+        floor = "" if r.get("floor_us") is None else f"{r['floor_us']:9.2f}"
+        share = "" if r.get("of_copy_bandwidth") is None else f"{r['of_copy_bandwidth']:10.0%}"
+        ratio = ""
+        if who:
+            ratio = f" {'':>9s} {'':>7s}"
+            if "ratio" in r:
+                ratio = f" {r['peer_us']:9.2f} {r['ratio']:7.3f}"
+        lines.append(f"  {_name(r):34s} {r['us']:9.2f} {floor:>9s} {share:>10s}{ratio}")
+    if who:
+        lines.append(_summary(records, who))
     return "\n".join(lines)
 
 
@@ -267,7 +378,31 @@ def main(argv: list[str] | None = None) -> int:
         "outer products, 7-9 the dense op's kernels (ops.moe's notes), 11 9's but one "
         "launch for calls of at most 8 pairs (--shrink-version: the same, its earlier name)",
     )
+    parser.add_argument(
+        "--against",
+        metavar="PATH",
+        help="set each case beside another run's (a peer's figures, or a bench --moe --json): "
+        f"its ratio, and how many take at most {TARGET_RATIO}x the other's time",
+    )
+    parser.add_argument(
+        "--report",
+        metavar="RUN",
+        help="time nothing: print the table of a stored bench --moe --json run (with --against)",
+    )
     args = parser.parse_args(argv)
+    who, times = None, {}
+    try:
+        if args.against:
+            who, times = peer_times(args.against)
+        if args.report:
+            if args.json:
+                parser.error("--report prints a stored run; --json is for a run timed here")
+            records = read_run(args.report)["cases"]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.report:
+        print(_table(against_peer(records, times), who))
+        return 0
     cases = default_cases(quick=args.quick or SIMULATOR)
     from tqdm import tqdm
 
@@ -277,13 +412,19 @@ def main(argv: list[str] | None = None) -> int:
         records.append(run_case(case, bandwidth, args.version))
         if not SIMULATOR:
             torch.cuda.empty_cache()
-    print(_table(records))
+    records = against_peer(records, times)
+    print(_table(records, who))
     if SIMULATOR:
         print("(simulator: times are host wall-clock and say nothing about GPU speed)")
     if args.json:
         result = {
             "commit": args.commit or bench._commit(),
             **bench.machine_record(bandwidth),
+            **(
+                {"against": {"file": args.against, "who": who, "target_ratio": TARGET_RATIO}}
+                if who
+                else {}
+            ),
             "cases": records,
         }
         with open(args.json, "w") as f:

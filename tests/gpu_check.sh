@@ -73,6 +73,8 @@
 #   VLLM_SRC        moe: vLLM 0.33.0's source release, extracted (vllm-0.33.0/, with vllm/ in it)
 #   MOE_VERSIONS    moe: the versions to time, e.g. "6 8" (default: every one of the op's
 #                   VERSIONS)
+#   MOE_AGAINST     moe: a run to set each version's cases beside (bench --moe --against),
+#                   e.g. docs/benchmarks/h200_moe_vllm_0.33.json on an H200
 #   GRID_PARTS      grid, grid_tree: the parts to run (default "1/3 2/3 3/3")
 #   GRID_ARGS       grid, grid_tree: more options of `bench --grid`, e.g. "--twins"
 #   GRID_TREE, GRID_TREE_COMMIT  grid_tree: the older tree (holding punica_numba/), its commit
@@ -134,8 +136,11 @@ if want moe; then
     every=$("$PYTHON" -c "from punica_numba.ops.moe import VERSIONS; print(*VERSIONS)" 2>/dev/null)
     [ -n "${MOE_VERSIONS:-$every}" ] || { note "moe: the op's VERSIONS could not be read"; status=1; }
     for version in ${MOE_VERSIONS:-$every}; do
+        against=()
+        [ -n "${MOE_AGAINST:-}" ] && against=(--against "$MOE_AGAINST")
         "$PYTHON" -m punica_numba bench --moe --version "$version" --commit "$COMMIT" \
-            --json "$OUT/moe_v$version.json" >"$OUT/moe_v$version.log" 2>&1 || status=1
+            "${against[@]}" --json "$OUT/moe_v$version.json" >"$OUT/moe_v$version.log" 2>&1 \
+            || status=1
         note "moe, version $version: $(tail -n 1 "$OUT/moe_v$version.log")"
     done
     if [ -n "${VLLM_SRC:-}" ]; then

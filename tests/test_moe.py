@@ -865,6 +865,85 @@ def test_the_moe_benchmark_records_the_dense_ops_configurations():
     assert record["configs"] == {op: config_name(c) for op, c in launched.items()}
 
 
+def _moe_run(path, cases, **top) -> str:
+    path.write_text(json.dumps({**top, "cases": cases}))
+    return str(path)
+
+
+def test_the_moe_benchmark_sets_a_stored_run_beside_a_peers(tmp_path, capsys):
+    """``bench --moe --report RUN --against PEER``: each case of RUN beside the PEER's case of
+    its shape (a field PEER leaves out is the benchmark's own layer), the ratio of the two,
+    and how many take at most TARGET_RATIO of the peer's time, the furthest named."""
+    ours = [
+        {"projection": "w13", "T": 1, "loras": 1, "name": "moe w13 T=1 loras=1", "us": 3.0},
+        {"projection": "w2", "T": 16, "loras": 4, "name": "moe w2 T=16 loras=4", "us": 9.0},
+        {"projection": "w2", "T": 16, "loras": 4, "hidden": 64, "us": 1.0},  # another layer
+    ]
+    run = _moe_run(tmp_path / "ours.json", ours, commit="abc1234")
+    theirs = [
+        {"projection": "w13", "T": 1, "loras": 1, "us": 6.0},
+        {"projection": "w2", "T": 16, "loras": 4, "us": 10.0},
+    ]
+    peer = _moe_run(tmp_path / "peer.json", theirs, peer="a peer kernel", gpu="GPU 9")
+    assert bench_moe.main(["--report", run, "--against", peer]) == 0
+    out = capsys.readouterr().out
+    assert "0.500" in out and "0.900" in out
+    assert (
+        f"1 of 2 cases take at most {bench_moe.TARGET_RATIO}x the time of a peer kernel on GPU 9"
+        in out
+    )
+    assert "(1 without its figure)" in out and "the furthest: moe w2 T=16 loras=4, 0.9x" in out
+
+    records = bench_moe.against_peer(ours, bench_moe.peer_times(peer)[1])
+    assert [r.get("ratio") for r in records] == [0.5, 0.9, None]
+    who, _ = bench_moe.peer_times(run)  # a run of ours is named by its commit
+    assert who == "abc1234"
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{not json", "JSONDecodeError"),
+        ('{"cases": [{"projection": "w13", "T": 1, "us": 2.0}]}', "a case without loras"),
+        ('{"cases": [{"projection": "w13", "T": 1, "loras": 1, "us": "fast"}]}', "ValueError"),
+        ("[1, 2]", "TypeError"),
+    ],
+)
+def test_the_moe_benchmark_refuses_a_file_that_is_not_a_run(tmp_path, capsys, content, why):
+    """A file given to ``--against`` or ``--report`` that is not a run of MoE cases stops the
+    command before anything is timed, with a message naming the file and what it lacks."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    good = _moe_run(tmp_path / "good.json", [{"projection": "w2", "T": 1, "loras": 1, "us": 2.0}])
+    for argv in (["--report", good, "--against", str(bad)], ["--report", str(bad)]):
+        with pytest.raises(SystemExit) as stopped:
+            bench_moe.main(argv)
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert str(bad) in err and "not a run of MoE cases" in err and why in err
+
+
+def test_the_moe_benchmark_records_the_peer_it_was_set_beside(tmp_path, capsys):
+    """A timed run with ``--against`` (here the same quick cases, timed before) records the
+    file, the peer and TARGET_RATIO, and each case's ``peer_us`` and ``ratio``; ``--report``
+    takes no ``--json``."""
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    assert bench_moe.main(["--quick", "--json", str(first), "--version", "3"]) == 0
+    argv = ["--quick", "--json", str(second), "--version", "3", "--against", str(first)]
+    assert bench_moe.main(argv) == 0
+    result = json.loads(second.read_text())
+    assert result["against"]["file"] == str(first)
+    assert result["against"]["target_ratio"] == bench_moe.TARGET_RATIO
+    before = {c["name"]: c["us"] for c in json.loads(first.read_text())["cases"]}
+    for case in result["cases"]:
+        assert case["peer_us"] == before[case["name"]]
+        assert case["ratio"] == round(case["us"] / case["peer_us"], 3)
+    assert "cases take at most" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_moe.main(["--report", str(second), "--json", str(tmp_path / "x.json")])
+    assert "--json is for a run timed here" in capsys.readouterr().err
+
+
 # -- 6. version 4: the tensor cores ----------------------------------------------------------
 
 
