@@ -329,7 +329,7 @@ def _name(record: dict) -> str:
 def _summary(records: list[dict], who: str) -> str:
     """How many of ``records`` (:func:`against_peer`'s) meet the aim, and the furthest."""
     compared = sorted((r for r in records if "ratio" in r), key=lambda r: -r["ratio"])
-    met = sum(r["ratio"] <= TARGET_RATIO for r in compared)
+    met = sum(r["us"] <= TARGET_RATIO * r["peer_us"] for r in compared)  # not the rounded ratio
     line = f"{met} of {len(compared)} cases take at most {TARGET_RATIO}x the time of {who}"
     if len(compared) < len(records):
         line += f" ({len(records) - len(compared)} without its figure)"

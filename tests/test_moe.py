@@ -878,24 +878,26 @@ def test_the_moe_benchmark_sets_a_stored_run_beside_a_peers(tmp_path, capsys):
         {"projection": "w13", "T": 1, "loras": 1, "name": "moe w13 T=1 loras=1", "us": 3.0},
         {"projection": "w2", "T": 16, "loras": 4, "name": "moe w2 T=16 loras=4", "us": 9.0},
         {"projection": "w2", "T": 16, "loras": 4, "hidden": 64, "us": 1.0},  # another layer
+        {"projection": "w2", "T": 1, "loras": 1, "us": 6.701},  # 0.6701x: rounds to 0.67, misses
     ]
     run = _moe_run(tmp_path / "ours.json", ours, commit="abc1234")
     theirs = [
         {"projection": "w13", "T": 1, "loras": 1, "us": 6.0},
         {"projection": "w2", "T": 16, "loras": 4, "us": 10.0},
+        {"projection": "w2", "T": 1, "loras": 1, "us": 10.0},
     ]
     peer = _moe_run(tmp_path / "peer.json", theirs, peer="a peer kernel", gpu="GPU 9")
     assert bench_moe.main(["--report", run, "--against", peer]) == 0
     out = capsys.readouterr().out
     assert "0.500" in out and "0.900" in out
     assert (
-        f"1 of 2 cases take at most {bench_moe.TARGET_RATIO}x the time of a peer kernel on GPU 9"
+        f"1 of 3 cases take at most {bench_moe.TARGET_RATIO}x the time of a peer kernel on GPU 9"
         in out
     )
     assert "(1 without its figure)" in out and "the furthest: moe w2 T=16 loras=4, 0.9x" in out
 
     records = bench_moe.against_peer(ours, bench_moe.peer_times(peer)[1])
-    assert [r.get("ratio") for r in records] == [0.5, 0.9, None]
+    assert [r.get("ratio") for r in records] == [0.5, 0.9, None, 0.67]
     who, _ = bench_moe.peer_times(run)  # a run of ours is named by its commit
     assert who == "abc1234"
 
