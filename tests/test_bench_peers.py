@@ -54,5 +54,17 @@ def test_the_ratio_is_the_pair_over_the_peer(monkeypatch):
     peer = bench_peers.PEER_CASES[0]
     monkeypatch.setattr(bench_peers.bench_grid, "run_grid_case", lambda *a: {"pair": {"us": 7.25}})
     assert bench_peers.run_peer_case(peer, 4.0)["ratio"] == round(7.25 / 14.5, 3)
+    assert bench_peers.meets_target(bench_peers.run_peer_case(peer, 4.0))
     monkeypatch.setattr(bench_peers.bench_grid, "run_grid_case", lambda *a: {"error": "x"})
     assert bench_peers.run_peer_case(peer, 4.0)["ratio"] is None
+    assert bench_peers.meets_target(bench_peers.run_peer_case(peer, 4.0)) is None
+
+
+def test_a_pair_meets_the_target_by_its_time_not_its_rounded_ratio(monkeypatch):
+    """A pair of 0.6703x the peer's time is recorded as 0.67 and misses the 0.67x aim."""
+    peer = bench_peers.PEER_CASES[0]  # 14.5 µs
+    assert peer.peer_us == 14.5
+    pair = {"pair": {"us": 9.72}}  # 0.67034x
+    monkeypatch.setattr(bench_peers.bench_grid, "run_grid_case", lambda *a: dict(pair))
+    record = bench_peers.run_peer_case(peer, 4.0)
+    assert record["ratio"] == 0.67 and bench_peers.meets_target(record) is False
