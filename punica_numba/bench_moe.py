@@ -288,7 +288,8 @@ def read_run(path: str) -> dict:
             missing = [k for k in ("projection", "T", "loras", "us") if k not in case]
             if missing:
                 raise KeyError(f"a case without {', '.join(missing)}")
-            float(case["us"])
+            if isinstance(case["us"], bool) or not isinstance(case["us"], (int, float)):
+                raise TypeError(f"a case whose us is {case['us']!r}, not a number")
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"{path}: not a run of MoE cases, each with projection, T, loras and us "

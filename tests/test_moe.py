@@ -907,7 +907,7 @@ def test_the_moe_benchmark_sets_a_stored_run_beside_a_peers(tmp_path, capsys):
     [
         ("{not json", "JSONDecodeError"),
         ('{"cases": [{"projection": "w13", "T": 1, "us": 2.0}]}', "a case without loras"),
-        ('{"cases": [{"projection": "w13", "T": 1, "loras": 1, "us": "fast"}]}', "ValueError"),
+        ('{"cases": [{"projection": "w13", "T": 1, "loras": 1, "us": "3.0"}]}', "not a number"),
         ("[1, 2]", "TypeError"),
     ],
 )
