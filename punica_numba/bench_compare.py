@@ -9,7 +9,9 @@ and their ratio.
 
 Semantics:
     OLD, NEW: comma-separated JSON files written by ``bench --json`` (or ``bench --grid
-    --json``, whose cases are timed as shrink, expand and the pair: three entries each)
+    --json``, whose cases are timed as shrink, expand and the pair: three entries each;
+    or ``bench --moe --json``, or a peer's figures of its cases, matched by their shape:
+    :func:`punica_numba.bench_moe.case_shape`)
     per case c present on both sides: old_us = median over OLD's runs, new_us likewise
     ratio = new_us / old_us; a case is "slower" when ratio > 1 + tolerance
 Prints a table (the slowest first), and exits 1 when a case is slower, 0 otherwise.
@@ -40,10 +42,15 @@ def _hashable(value):
 
 
 def entries(record: dict):
-    """``(key, us)`` for each time a record holds: one for ``bench``'s, one per run (shrink,
-    expand, pair) for ``bench --grid``'s."""
+    """``(key, us)`` for each time a record holds: one for ``bench``'s and ``bench --moe``'s,
+    one per run (shrink, expand, pair) for ``bench --grid``'s."""
     if "op" in record:
         yield tuple(_hashable(record.get(f)) for f in CASE_FIELDS), record["us"]
+        return
+    if "projection" in record:  # an MoE LoRA case (bench --moe's, or a peer's)
+        from .bench_moe import case_shape
+
+        yield ("moe", *case_shape(record)), record["us"]
         return
     for run in GRID_RUNS:
         if isinstance(record.get(run), dict) and "us" in record[run]:
@@ -76,6 +83,12 @@ def _rows(before: dict[tuple, float], after: dict[tuple, float]) -> list[dict]:
 
 
 def _label(key: tuple) -> str:
+    if key[0] == "moe":  # ("moe", projection, T, loras, hidden, experts, top_k, intermediate, ...)
+        _, projection, T, loras, hidden, experts, top_k, intermediate, rank, dtype = key
+        return (
+            f"moe {projection} T={T} loras={loras} H={hidden} E={experts} top-{top_k}"
+            f" I={intermediate} r={rank} {dtype}"
+        )
     if key[0] == "grid":  # ("grid", run, layer, T, mode, rank, dtype)
         _, run, layer, T, mode, rank, dtype = key
         return f"{run} {layer} T={T} {mode} r={rank} {dtype}"

@@ -58,6 +58,7 @@ __all__ = [
     "MoECase",
     "against_peer",
     "argument_set",
+    "case_shape",
     "default_cases",
     "floor_bytes",
     "main",
@@ -130,8 +131,9 @@ SHAPE_FIELDS = (
 )
 
 
-def _shape(record: dict) -> tuple:
-    """A record's shape; a field it leaves out is this benchmark's own (MoECase's default)."""
+def case_shape(record: dict) -> tuple:
+    """A record's shape (:data:`SHAPE_FIELDS`); a field it leaves out is this benchmark's own
+    (MoECase's default). ``bench --compare`` matches MoE runs' cases by it too."""
     own = {f.name: f.default for f in fields(MoECase)}
     return tuple(record.get(name, own.get(name)) for name in SHAPE_FIELDS)
 
@@ -308,7 +310,7 @@ def peer_times(path: str) -> tuple[str, dict[tuple, float]]:
     )
     if doc.get("gpu"):
         who += f" on {doc['gpu']}"
-    return who, {_shape(c): float(c["us"]) for c in doc["cases"]}
+    return who, {case_shape(c): float(c["us"]) for c in doc["cases"]}
 
 
 def against_peer(records: Sequence[dict], times: dict[tuple, float]) -> list[dict]:
@@ -316,7 +318,7 @@ def against_peer(records: Sequence[dict], times: dict[tuple, float]) -> list[dic
     of the two (``ratio``: ours over the peer's); a case the peer lacks is left as it is."""
     out = []
     for r in records:
-        peer = times.get(_shape(r))
+        peer = times.get(case_shape(r))
         out.append(r if peer is None else {**r, "peer_us": peer, "ratio": round(r["us"] / peer, 3)})
     return out
 

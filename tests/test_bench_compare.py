@@ -1,8 +1,8 @@
 """``bench --compare``: two sets of benchmark runs, case by case.
 
-The medians and ratios on made-up runs of ``bench`` and ``bench --grid`` records, the
-exit code (1 where a case is slower by more than the tolerance), and that the fields
-naming a case are fields the benchmarks write.
+The medians and ratios on made-up runs of ``bench``, ``bench --grid`` and ``bench --moe``
+records, the exit code (1 where a case is slower by more than the tolerance), and that the
+fields naming a case are fields the benchmarks write.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from punica_numba import bench, bench_compare, bench_grid
+from punica_numba import bench, bench_compare, bench_grid, bench_moe
 
 
 def _record(op: str, T: int, us: float, **extra) -> dict:
@@ -70,3 +70,20 @@ def test_the_fields_naming_a_case_are_written_by_the_benchmarks():
     assert set(bench_compare.CASE_FIELDS) <= {f.name for f in dataclasses.fields(bench.Case)}
     grid = bench_grid.grid_cases(quick=True)[0]
     assert set(bench_compare.GRID_FIELDS) <= set(grid.describe())
+    assert set(bench_moe.SHAPE_FIELDS) <= {f.name for f in dataclasses.fields(bench_moe.MoECase)}
+
+
+def test_moe_runs_are_compared_case_by_case_by_their_shape(tmp_path, capsys):
+    """Two ``bench --moe`` runs, and a peer's figures that name only the projection, T and
+    adapters (the benchmark's own layer): each case by its shape, whatever its order; a
+    case of another layer is on one side only."""
+    ours = [dataclasses.asdict(c) | {"us": 2.0} for c in bench_moe.default_cases()[:2]]
+    peer = [{k: c[k] for k in ("projection", "T", "loras")} | {"us": 4.0} for c in ours]
+    other = dict(ours[0], hidden=64)  # the same projection, T and adapters, another layer
+    old = _write(tmp_path, "peer", peer[::-1] + [other], "vllm")
+    new = _write(tmp_path, "ours", ours, "b")
+    assert bench.main(["--compare", old, new]) == 0
+    out = capsys.readouterr().out
+    assert "2 cases on both sides (1 on one side only); 0 slower" in out
+    assert out.count("0.500") == 2
+    assert "moe w13 T=1 loras=1 H=2048 E=128 top-8 I=768 r=16 bf16" in out
