@@ -131,11 +131,14 @@ SHAPE_FIELDS = (
 )
 
 
+#: MoECase's defaults: the benchmark's own layer.
+_OWN_LAYER = {f.name: f.default for f in fields(MoECase)}
+
+
 def case_shape(record: dict) -> tuple:
     """A record's shape (:data:`SHAPE_FIELDS`); a field it leaves out is this benchmark's own
     (MoECase's default). ``bench --compare`` matches MoE runs' cases by it too."""
-    own = {f.name: f.default for f in fields(MoECase)}
-    return tuple(record.get(name, own.get(name)) for name in SHAPE_FIELDS)
+    return tuple(record.get(name, _OWN_LAYER.get(name)) for name in SHAPE_FIELDS)
 
 
 def default_cases(quick: bool = False) -> list[MoECase]:
@@ -315,18 +318,18 @@ def peer_times(path: str) -> tuple[str, dict[tuple, float]]:
 
 def against_peer(records: Sequence[dict], times: dict[tuple, float]) -> list[dict]:
     """``records`` with the peer's time of each case it holds (``peer_us``) and the ratio
-    of the two (``ratio``: ours over the peer's); a case the peer lacks is left as it is."""
+    of the two (``ratio``: ours over the peer's); a case the peer lacks has neither (a stored
+    run's figures from an earlier ``--against`` are dropped)."""
     out = []
     for r in records:
+        r = {k: v for k, v in r.items() if k not in ("peer_us", "ratio")}
         peer = times.get(case_shape(r))
         out.append(r if peer is None else {**r, "peer_us": peer, "ratio": round(r["us"] / peer, 3)})
     return out
 
 
 def _name(record: dict) -> str:
-    return (
-        record.get("name") or f"moe {record['projection']} T={record['T']} loras={record['loras']}"
-    )
+    return record.get("name") or MoECase(record["projection"], record["T"], record["loras"]).name
 
 
 def _summary(records: list[dict], who: str) -> str:

@@ -898,6 +898,9 @@ def test_the_moe_benchmark_sets_a_stored_run_beside_a_peers(tmp_path, capsys):
 
     records = bench_moe.against_peer(ours, bench_moe.peer_times(peer)[1])
     assert [r.get("ratio") for r in records] == [0.5, 0.9, None, 0.67]
+    # a stored run set beside an earlier peer keeps none of that peer's figures
+    stale = [dict(ours[2], peer_us=2.0, ratio=0.5)]
+    assert "ratio" not in bench_moe.against_peer(stale, bench_moe.peer_times(peer)[1])[0]
     who, _ = bench_moe.peer_times(run)  # a run of ours is named by its commit
     assert who == "abc1234"
 
