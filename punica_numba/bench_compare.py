@@ -83,11 +83,13 @@ def _rows(before: dict[tuple, float], after: dict[tuple, float]) -> list[dict]:
 
 
 def _label(key: tuple) -> str:
-    if key[0] == "moe":  # ("moe", projection, T, loras, hidden, experts, top_k, intermediate, ...)
-        _, projection, T, loras, hidden, experts, top_k, intermediate, rank, dtype = key
+    if key[0] == "moe":  # ("moe", *bench_moe.case_shape(record))
+        from .bench_moe import SHAPE_FIELDS
+
+        c = dict(zip(SHAPE_FIELDS, key[1:], strict=True))
         return (
-            f"moe {projection} T={T} loras={loras} H={hidden} E={experts} top-{top_k}"
-            f" I={intermediate} r={rank} {dtype}"
+            f"moe {c['projection']} T={c['T']} loras={c['loras']} H={c['hidden']}"
+            f" E={c['experts']} top-{c['top_k']} I={c['intermediate']} r={c['rank']} {c['dtype']}"
         )
     if key[0] == "grid":  # ("grid", run, layer, T, mode, rank, dtype)
         _, run, layer, T, mode, rank, dtype = key
