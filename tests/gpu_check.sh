@@ -135,9 +135,9 @@ fi
 if want moe; then
     every=$("$PYTHON" -c "from punica_numba.ops.moe import VERSIONS; print(*VERSIONS)" 2>/dev/null)
     [ -n "${MOE_VERSIONS:-$every}" ] || { note "moe: the op's VERSIONS could not be read"; status=1; }
+    against=()
+    [ -n "${MOE_AGAINST:-}" ] && against=(--against "$MOE_AGAINST")
     for version in ${MOE_VERSIONS:-$every}; do
-        against=()
-        [ -n "${MOE_AGAINST:-}" ] && against=(--against "$MOE_AGAINST")
         "$PYTHON" -m punica_numba bench --moe --version "$version" --commit "$COMMIT" \
             "${against[@]}" --json "$OUT/moe_v$version.json" >"$OUT/moe_v$version.log" 2>&1 \
             || status=1
