@@ -47,6 +47,12 @@ def _rank_for(config) -> int:
     return config.from_rank or 16
 
 
+def _hidden_for(config) -> int | None:
+    """A K within ``config``'s range: its ``from_hidden``, else its ``to_hidden``, else
+    none given (a configuration gated on neither is reached without it)."""
+    return config.from_hidden or config.to_hidden
+
+
 def _slices_for(config) -> int:
     """A slice count within ``config``'s range at which no later configuration for fewer
     slices takes over (one capped at ``to_slices=1`` takes one slice from those before
@@ -99,12 +105,14 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
                 and c.to_tokens is None
                 and not c.tuned_only
                 and not c.from_hidden  # (K not given: never reached)
+                and c.to_hidden is None  # (the same)
                 and c.to_blocks is None  # (a million tokens make more blocks than any cap)
             ]
             chosen = _choose(op, 1 << 20, 1, rank, True, slices, N=WIDE)
             assert chosen == fitting[-1], (rank, slices)
     # (not those gated on K or capped by blocks: reached by K and few blocks, not by rows)
-    for config in (c for c in configs if not (c.tuned_only or c.from_hidden or c.to_blocks)):
+    gated = [c for c in configs if c.tuned_only or c.from_hidden or c.to_hidden or c.to_blocks]
+    for config in (c for c in configs if c not in gated):
         tokens = _rows_for(config)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
         tensor_cores = config.kernel == "mma"
@@ -192,13 +200,14 @@ def test_to_rank_holds_back_a_config(monkeypatch):
         tokens = _rows_for(config)
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank, slices = config.to_rank, _slices_for(config)
-        past = _choose(op, tokens, slots, rank + 1, tensor_cores, slices)
+        pick = functools.partial(_choose, op, tokens, slots, K=_hidden_for(config))
+        past = pick(rank + 1, tensor_cores, slices)
         if not config.tuned_only:
-            assert _choose(op, tokens, slots, rank, tensor_cores, slices) == config
+            assert pick(rank, tensor_cores, slices) == config
         assert past != config and (past.to_rank is None or past.to_rank > rank), (config, past)
         with force_launch_config(op, config):
-            assert _choose(op, tokens, slots, rank, tensor_cores, slices) == config
-            assert _choose(op, tokens, slots, rank + 1, tensor_cores, slices) == past
+            assert pick(rank, tensor_cores, slices) == config
+            assert pick(rank + 1, tensor_cores, slices) == past
 
 
 def test_to_tokens_holds_back_a_config(monkeypatch):
@@ -229,8 +238,9 @@ def test_from_slices_holds_back_a_config(monkeypatch):
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank = config.from_rank or 16
         args = (op, tokens, slots, rank, config.kernel == "mma")
-        assert _choose(*args, config.from_slices) == config
-        assert _choose(*args, config.from_slices - 1) != config
+        hidden = _hidden_for(config)
+        assert _choose(*args, config.from_slices, K=hidden) == config
+        assert _choose(*args, config.from_slices - 1, K=hidden) != config
 
 
 def test_to_slices_holds_back_a_config(monkeypatch):
@@ -267,12 +277,13 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
         ranks = [r for r in (config.from_rank, 16, 64) if r >= config.from_rank]
         slices = config.from_slices
         wide = dict(N=WIDE) if config.from_blocks else {}  # (its blocks reached, or none)
+        sizes = dict(wide, K=_hidden_for(config))
         picked = [
-            r for r in ranks if _choose(op, rows, slots, r, tensor_cores, slices, **wide) == config
+            r for r in ranks if _choose(op, rows, slots, r, tensor_cores, slices, **sizes) == config
         ]
         assert picked, config
         rank = picked[0]
-        below = _choose(op, rows - 1, slots, rank, tensor_cores, slices, **wide)
+        below = _choose(op, rows - 1, slots, rank, tensor_cores, slices, **sizes)
         assert below != config, config
 
 
@@ -293,6 +304,23 @@ def test_from_blocks_holds_back_a_config(monkeypatch):
         assert call(num_tokens=tokens, active_slots=tokens) == config
         assert call(num_tokens=tokens - 1, active_slots=tokens - 1) != config
         assert _choose("expand", tokens, tokens, rank, True) != config  # N not known
+
+
+def test_to_hidden_holds_back_a_config(monkeypatch):
+    """A shrink configuration capped by K (the GPU's 4-warp tensor-core blocks up to
+    :data:`launch.SHORT_K`) is reached at that K, not one element past it, and not where K
+    is not given."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    capped = [(op, c) for op in OPS for c in launch_configs(op) if c.to_hidden is not None]
+    assert capped, "the GPU table caps a configuration by K"
+    for op, config in capped:
+        tokens, rank = _rows_for(config), _rank_for(config)
+        slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
+        tensor_cores = config.kernel == "mma"
+        pick = functools.partial(_choose, op, tokens, slots, rank, tensor_cores)
+        assert pick(K=config.to_hidden) == config, config
+        assert pick(K=config.to_hidden + 1) != config, config
+        assert pick() != config, config
 
 
 def test_from_work_holds_back_a_config(monkeypatch):

@@ -634,7 +634,7 @@ def test_the_moe_op_looks_up_the_key_the_moe_tuner_writes(fake_gpu, monkeypatch)
     assert moe_sweep.path_of(tiles.case) == "tiles" and moe_sweep.path_of(pairs.case) == "pairs"
     cases = [(p.case, path) for p in (tiles, pairs) for path in ("tiles", "pairs")]
     without = [moe_shrink_config(*c) for c in cases]  # (no table)
-    mma, rows = "mma_t128_m16_n0", "rows_t256_m1_n4"
+    mma, rows = "mma_t256_m16_n16", "rows_t256_m1_n4"
     assert named("shrink", mma) not in without and named("shrink", rows) not in without
     save(fake_gpu, moe_entry(tiles, mma), moe_entry(pairs, rows))
     reload_tuned_tables()

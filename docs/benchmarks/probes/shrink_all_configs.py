@@ -111,9 +111,9 @@ def main() -> None:
             print(text, side, " ".join(f"{n}={t:.2f}" for n, t in ranked), flush=True)
         for name, why in failed.items():
             print("  failed", name, why[:160], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        if args.json:  # (after each problem: a time limit that stops the run keeps those done)
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
