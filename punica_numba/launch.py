@@ -45,11 +45,6 @@ __all__ = [
 
 OPS = ("shrink", "expand")
 
-#: The longest K at which the heuristic's tensor-core shrink takes blocks of 4 warps of every
-#: rank (the last GPU shrink rule below): 16 warps a block won at K=4096 where blocks were
-#: few, 4 warps won at K=2048 and 768; between them no K was timed, and this is their middle.
-SHORT_K = 3072
-
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -95,8 +90,7 @@ class LaunchConfig:
     (:func:`choose_launch_config`). ``kernel="split"`` is the split-K shrink
     (:mod:`.kernels.shrink_split`): ``tile_m`` tokens of one slot, ``tile_n`` ranks and one
     of ``splits`` chunks of K per block, the last block of each tile and rank group adding
-    the chunks' sums; the heuristic picks it only from ``from_hidden`` (K) on (and a
-    configuration with ``to_hidden`` only up to that K), up to
+    the chunks' sums; the heuristic picks it only from ``from_hidden`` (K) on, up to
     ``to_tokens_per_slot`` tokens per active slot and ``to_tiles`` tiles (the blocks along
     x: beyond them the row shrink has blocks enough). ``to_blocks`` caps the blocks a
     configuration makes before any split of K (tiles x slices x groups of ``tile_n``
@@ -129,7 +123,6 @@ class LaunchConfig:
     from_slices: int = 1  # and where the call has at least this many slices
     to_slices: int | None = None  # and at most this many (None: any)
     from_hidden: int = 0  # and where the shrink's K is at least this (unknown K: never)
-    to_hidden: int | None = None  # and where it is at most this (None: any; unknown K: never)
     to_tokens_per_slot: float | None = None  # and at most this many tokens per slot
     to_tiles: int | None = None  # and at most this many tiles of tile_m (None: any)
     to_blocks: int | None = None  # and at most this many tiles x slices x groups of tile_n
@@ -388,16 +381,20 @@ _GPU_CONFIGS = {
             from_rank=33,
             from_blocks=128,
         ),
-        # Where K is short, 4 warps of every rank up to r=64 wherever the tensor cores are
-        # taken. A block's warps split K between them to fill the GPU; at K=2048 16 warps
-        # walk 128 of it each, 8 of the tensor cores' steps, and then add their sums across
-        # the block, so the split costs more than it fills. The tuned MoE entries (K=768 and
-        # 2048, 2-64 pairs a (slot, expert), 128-8192 tiles) had these blocks fastest or
-        # within 3 % on every one of their 32 tensor-core shrinks; the heuristic's 16 or 8
-        # warps there took up to 2.24x their time (w13 at r=64, 8192 pairs on one adapter:
-        # 273.7 µs, 4 warps 122.3; at 8 warps of every rank, from T=4096 below, up to
-        # 1.29x). At K=4096 and above 16 warps of 8 ranks win wherever blocks are few (down
-        # to 0.3x the 4 warps' time), so the rule stops short of it (SHORT_K).
+        # ... and from 1024 blocks of 4 warps of every rank (tiles x slices), those, at
+        # every rank up to 64 (past it the outputs of every rank would not fit a thread's
+        # registers: ops.operands.MMA_ONE_BLOCK_RANK). With that many blocks every SM has
+        # work without a block's warps splitting K among them, and a split left then costs
+        # the adding of the warps' sums. The MoE op's tiles reach these counts at a few
+        # hundred tokens (a tile per 16 pairs of a (slot, expert)), and the tuned MoE
+        # entries had 4 warps fastest on 29 of their 32 tensor-core shrinks, within 4 % on
+        # two more and 1.07x on the last, at 128 blocks (K=768 and 2048: w13 at r=64, 8192
+        # pairs on one adapter, 1024 blocks, 273.7 µs with 16 warps of 8 ranks, 122.3 with
+        # these). Weighed on the recorded times
+        # (lab notes, "4 warps a block from 1024 blocks"), the heuristic's MoE tile shrinks
+        # went from 1.086x the fastest to 1.020x (the largest 1.38x to 1.13x), its dense
+        # shrinks stayed at 1.064x (H200) and 1.027x (H100); from 512 blocks the MoE ones
+        # did better (1.013x) and the H100's dense ones worse (1.030x) ...
         LaunchConfig(
             "mma",
             threads=128,
@@ -406,7 +403,7 @@ _GPU_CONFIGS = {
             spread=False,
             from_tokens_per_slot=3,
             to_rank=64,
-            to_hidden=SHORT_K,
+            from_blocks=1024,
         ),
         # 16 warps of every rank up to r=32 (from r=33 on ptxas wanted 129-140 registers a
         # thread, more than a 512-thread block can have) beat the row kernels from 16 tokens
@@ -464,14 +461,14 @@ _GPU_CONFIGS = {
         ),
         # Back to blocks of the whole K. At T=4096 and r=64 4 warps of every rank won
         # (4096/64: 42.8 -> 32.4 µs, 4096 on one LoRA 37.6 -> 26.7; 16-rank groups lost
-        # there, 40.3 with 4 warps of 32): the 64-rank groups above take them, since the
-        # rule on blocks reaches them there (the two are within 5 % of each other at every
-        # rank up to 64 in both tuned tables, 0.999x in geometric mean over 258 problems of
-        # the H200's and 64 of the H100's). Past SHORT_K, 8 warps of every rank at T=4096
-        # and r <= 32 (v10's run: 4096/64 18.7 -> 18.0 µs, 4096 on one LoRA 17.6 -> 15.9,
-        # against v9's 16 warps of 32 tokens, which also needed 132-140 registers a thread
-        # from r=17 on; v9 already used these blocks at T=256, before the 16-warp row, and
-        # a configuration has one place) ...
+        # there, 40.3 with 4 warps of 32); the rules on blocks above reach them there (the
+        # 64-rank groups, within 5 % of the blocks of every rank at every rank up to 64 in
+        # both tuned tables). 8 warps of every rank at T=4096 and r <= 32 (v10's run:
+        # 4096/64 18.7 -> 18.0 µs, 4096 on one LoRA 17.6 -> 15.9, against v9's 16 warps of 32
+        # tokens, which also needed 132-140 registers a thread from r=17 on; v9 already used
+        # these blocks at T=256, before the 16-warp row, and a configuration has one place),
+        # up to 1023 blocks, where the 4 warps above take over (in the tuned MoE entries
+        # these took up to 1.38x their time) ...
         LaunchConfig(
             "mma",
             threads=256,
@@ -481,7 +478,7 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=64,
             from_tokens=4096,
             to_rank=32,
-            from_hidden=SHORT_K + 1,
+            to_blocks=1023,
         ),
         # ... and 4 warps of 32 tokens with three slices (QKV 4096/64: 40.3 -> 28.2 µs; one
         # slice 22.9), whose blocks share x through L2 (a tile's slices are neighbours).
@@ -494,7 +491,6 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=64,
             from_tokens=4096,
             to_rank=32,
-            from_hidden=SHORT_K + 1,
             from_slices=3,
         ),
         LaunchConfig("mma", threads=128, tile_m=16, tile_n=8, splits=8, tuned_only=True),
@@ -856,12 +852,12 @@ def choose_launch_config(
     """Pick a configuration from the tokens per active slot, the row count, the rank and
     the number of slices (host-side facts only): the last tensor-core one whose
     ``from_tokens_per_slot``, ``from_tokens``, ``to_tokens``, ``from_rank``, ``to_rank``,
-    ``from_slices``, ``to_slices``, ``from_hidden`` and ``to_hidden`` (``K``),
-    ``to_tokens_per_slot``, ``to_tiles``, ``to_blocks``, ``from_blocks`` and ``from_work`` (T x
-    rank x slices) the call all reaches, when ``tensor_cores`` (the call's dtypes and layout
-    allow them) and there is one; otherwise the last such FFMA one, lane-split expands
-    included only when ``lane_split`` (the call's rows of B split into a few words a lane:
-    :func:`.kernels.expand_lanes.splits`).
+    ``from_slices``, ``to_slices``, ``from_hidden`` (``K``), ``to_tokens_per_slot``,
+    ``to_tiles``, ``to_blocks``, ``from_blocks`` and ``from_work`` (T x rank x slices) the call all
+    reaches, when ``tensor_cores`` (the call's dtypes and layout allow them) and there is
+    one; otherwise
+    the last such FFMA one, lane-split expands included only when ``lane_split`` (the
+    call's rows of B split into a few words a lane: :func:`.kernels.expand_lanes.splits`).
     Configurations marked ``tuned_only`` are never picked here.
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
@@ -916,7 +912,6 @@ def choose_launch_config(
             and slices >= config.from_slices
             and _fits(config.to_slices, slices)
             and hidden >= config.from_hidden
-            and (config.to_hidden is None or 0 < hidden <= config.to_hidden)
             and _fits(config.to_tokens_per_slot, per_slot)
             and (config.to_tiles is None or _tiles(config, num_tokens, slots) <= config.to_tiles)
             and _fits(config.to_blocks, _blocks(config, num_tokens, slots, rank, slices))

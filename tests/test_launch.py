@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from unittest import mock
 
 import pytest
@@ -45,12 +46,6 @@ def _rank_for(config) -> int:
     """A rank within ``config``'s range: its ``from_rank``, 16 where that is 0 (a rank of
     0 makes no products, so reaches no ``from_work``)."""
     return config.from_rank or 16
-
-
-def _hidden_for(config) -> int | None:
-    """A K within ``config``'s range: its ``from_hidden``, else its ``to_hidden``, else
-    none given (a configuration gated on neither is reached without it)."""
-    return config.from_hidden or config.to_hidden
 
 
 def _slices_for(config) -> int:
@@ -105,14 +100,12 @@ def test_the_heuristic_picks_the_last_threshold_reached(op, table):
                 and c.to_tokens is None
                 and not c.tuned_only
                 and not c.from_hidden  # (K not given: never reached)
-                and c.to_hidden is None  # (the same)
                 and c.to_blocks is None  # (a million tokens make more blocks than any cap)
             ]
             chosen = _choose(op, 1 << 20, 1, rank, True, slices, N=WIDE)
             assert chosen == fitting[-1], (rank, slices)
     # (not those gated on K or capped by blocks: reached by K and few blocks, not by rows)
-    gated = [c for c in configs if c.tuned_only or c.from_hidden or c.to_hidden or c.to_blocks]
-    for config in (c for c in configs if c not in gated):
+    for config in (c for c in configs if not (c.tuned_only or c.from_hidden or c.to_blocks)):
         tokens = _rows_for(config)
         slots = max(1, int(tokens / max(config.from_tokens_per_slot, 1)))
         tensor_cores = config.kernel == "mma"
@@ -179,10 +172,17 @@ def test_from_rank_holds_back_a_config(monkeypatch):
     assert {op for op, _ in gated} == set(OPS), "each op gates a configuration on the rank"
     for op, config in gated:
         tensor_cores = config.kernel == "mma"
-        tokens = config.from_tokens or 1 << 12  # (a later one may gate on more)
-        slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank = config.from_rank
-        assert _choose(op, tokens, slots, rank, tensor_cores) == config
+        # rows at which it is the pick: a later configuration may gate on more rows, or on
+        # more blocks (the shrink's 4 warps of every rank from 1024 of them)
+        reaching = [
+            (tokens, slots)
+            for tokens in (config.from_tokens or 1 << 12, max(config.from_tokens, 1 << 10))
+            for slots in [max(1, int(tokens // max(config.from_tokens_per_slot, 1)))]
+            if _choose(op, tokens, slots, rank, tensor_cores) == config
+        ]
+        assert reaching, config
+        tokens, slots = reaching[0]
         below = _choose(op, tokens, slots, rank - 1, tensor_cores)
         assert below != config and below.from_rank < rank, (config, below)
 
@@ -200,14 +200,13 @@ def test_to_rank_holds_back_a_config(monkeypatch):
         tokens = _rows_for(config)
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank, slices = config.to_rank, _slices_for(config)
-        pick = functools.partial(_choose, op, tokens, slots, K=_hidden_for(config))
-        past = pick(rank + 1, tensor_cores, slices)
+        past = _choose(op, tokens, slots, rank + 1, tensor_cores, slices)
         if not config.tuned_only:
-            assert pick(rank, tensor_cores, slices) == config
+            assert _choose(op, tokens, slots, rank, tensor_cores, slices) == config
         assert past != config and (past.to_rank is None or past.to_rank > rank), (config, past)
         with force_launch_config(op, config):
-            assert pick(rank, tensor_cores, slices) == config
-            assert pick(rank + 1, tensor_cores, slices) == past
+            assert _choose(op, tokens, slots, rank, tensor_cores, slices) == config
+            assert _choose(op, tokens, slots, rank + 1, tensor_cores, slices) == past
 
 
 def test_to_tokens_holds_back_a_config(monkeypatch):
@@ -238,9 +237,8 @@ def test_from_slices_holds_back_a_config(monkeypatch):
         slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
         rank = config.from_rank or 16
         args = (op, tokens, slots, rank, config.kernel == "mma")
-        hidden = _hidden_for(config)
-        assert _choose(*args, config.from_slices, K=hidden) == config
-        assert _choose(*args, config.from_slices - 1, K=hidden) != config
+        assert _choose(*args, config.from_slices) == config
+        assert _choose(*args, config.from_slices - 1) != config
 
 
 def test_to_slices_holds_back_a_config(monkeypatch):
@@ -277,13 +275,12 @@ def test_from_tokens_holds_back_a_config(monkeypatch):
         ranks = [r for r in (config.from_rank, 16, 64) if r >= config.from_rank]
         slices = config.from_slices
         wide = dict(N=WIDE) if config.from_blocks else {}  # (its blocks reached, or none)
-        sizes = dict(wide, K=_hidden_for(config))
         picked = [
-            r for r in ranks if _choose(op, rows, slots, r, tensor_cores, slices, **sizes) == config
+            r for r in ranks if _choose(op, rows, slots, r, tensor_cores, slices, **wide) == config
         ]
         assert picked, config
         rank = picked[0]
-        below = _choose(op, rows - 1, slots, rank, tensor_cores, slices, **sizes)
+        below = _choose(op, rows - 1, slots, rank, tensor_cores, slices, **wide)
         assert below != config, config
 
 
@@ -306,21 +303,26 @@ def test_from_blocks_holds_back_a_config(monkeypatch):
         assert _choose("expand", tokens, tokens, rank, True) != config  # N not known
 
 
-def test_to_hidden_holds_back_a_config(monkeypatch):
-    """A shrink configuration capped by K (the GPU's 4-warp tensor-core blocks up to
-    :data:`launch.SHORT_K`) is reached at that K, not one element past it, and not where K
-    is not given."""
+def test_many_shrink_blocks_take_four_warps_of_every_rank(monkeypatch):
+    """From 1024 blocks of 4 warps of every rank (tiles x slices), a tensor-core shrink up to
+    r=64 takes those, at 16 tokens a slot and at 64 (where 8 warps of every rank took T=4096
+    before); a slot fewer it does not, nor past r=64, whose outputs would not fit."""
     monkeypatch.setattr(launch, "SIMULATOR", False)
-    capped = [(op, c) for op in OPS for c in launch_configs(op) if c.to_hidden is not None]
-    assert capped, "the GPU table caps a configuration by K"
-    for op, config in capped:
-        tokens, rank = _rows_for(config), _rank_for(config)
-        slots = max(1, int(tokens // max(config.from_tokens_per_slot, 1)))
-        tensor_cores = config.kernel == "mma"
-        pick = functools.partial(_choose, op, tokens, slots, rank, tensor_cores)
-        assert pick(K=config.to_hidden) == config, config
-        assert pick(K=config.to_hidden + 1) != config, config
-        assert pick() != config, config
+    four = [
+        c
+        for c in launch_configs("shrink")
+        if c.kernel == "mma" and c.threads == 128 and c.from_blocks and not c.tile_n
+    ]
+    assert len(four) == 1, four
+    (four,) = four
+    for rank, slices, per_slot in itertools.product((16, 64), (1, 2), (16, 64)):
+        tiles_a_slot = per_slot // four.tile_m
+        slots = -(-four.from_blocks // (slices * tiles_a_slot))
+        call = functools.partial(_choose, "shrink", rank=rank, tensor_cores=True, slices=slices)
+        assert call(slots * per_slot, slots, K=4096) == four, (rank, slices, per_slot)
+        fewer = slots - 1
+        assert call(fewer * per_slot, fewer, K=4096) != four, (rank, slices, per_slot)
+        assert call(slots * per_slot, slots, rank=four.to_rank + 1, K=4096) != four
 
 
 def test_from_work_holds_back_a_config(monkeypatch):
