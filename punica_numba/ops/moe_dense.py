@@ -45,7 +45,11 @@ Each launch takes the dense op's choice of configuration (:func:`_config`) for P
 table, the op with the heuristic's shrink of 16-pair tiles took 1.06-1.66x its time under the
 fastest shrink (w13 at 2048 tokens over four adapters: 177.9 µs, ``mma_t128_m16_n0`` 107.1); on
 the pairs its picks were within 2 % (``docs/benchmarks/h100_moe_dense_configs_a949933.json``).
-On the H200 at 9fd11ec the MoE entries took that w13 call from 170.98 to 89.86 µs.
+On the H200 at 9fd11ec the MoE entries took that w13 call from 170.98 to 89.86 µs. Since
+e07b1ff the heuristic itself takes those 4-warp blocks wherever there are 1024 of them or more
+(:mod:`..launch`), as the tiles are from a few hundred tokens on: on an H100 the four 2048-token
+tile cases of ``bench --moe`` took 0.825-0.960x their time before (lab notes, "4 warps a block
+from 1024 blocks").
 :func:`recorded_launches` tells which configuration each launch took.
 """
 
