@@ -381,20 +381,20 @@ _GPU_CONFIGS = {
             from_rank=33,
             from_blocks=128,
         ),
-        # ... and from 1024 blocks of 4 warps of every rank (tiles x slices), those, at
-        # every rank up to 64 (past it the outputs of every rank would not fit a thread's
+        # ... and, up to r=64, 4 warps of every rank wherever they make 1024 blocks or more
+        # (tiles x slices; past r=64 the outputs of every rank would not fit a thread's
         # registers: ops.operands.MMA_ONE_BLOCK_RANK). With that many blocks every SM has
-        # work without a block's warps splitting K among them, and a split left then costs
-        # the adding of the warps' sums. The MoE op's tiles reach these counts at a few
-        # hundred tokens (a tile per 16 pairs of a (slot, expert)), and the tuned MoE
-        # entries had 4 warps fastest on 29 of their 32 tensor-core shrinks, within 4 % on
-        # two more and 1.07x on the last, at 128 blocks (K=768 and 2048: w13 at r=64, 8192
-        # pairs on one adapter, 1024 blocks, 273.7 µs with 16 warps of 8 ranks, 122.3 with
-        # these). Weighed on the recorded times
-        # (lab notes, "4 warps a block from 1024 blocks"), the heuristic's MoE tile shrinks
-        # went from 1.086x the fastest to 1.020x (the largest 1.38x to 1.13x), its dense
-        # shrinks stayed at 1.064x (H200) and 1.027x (H100); from 512 blocks the MoE ones
-        # did better (1.013x) and the H100's dense ones worse (1.030x) ...
+        # work without a block's warps splitting K among them, and a split then only costs
+        # the adding up of the warps' sums. The MoE op's tiles (about a tile per 16 pairs, 8
+        # pairs a token) reach that count from about 1024 tokens at w13 and 2048 at w2,
+        # and the tuned MoE entries had 4 warps fastest on 29 of their 32 tensor-core
+        # shrinks, within 4 % on two more and 1.07x on the last, at 128 blocks (K=768 and
+        # 2048: w13 at r=64, 8192 pairs on one adapter, 1024 blocks, 273.7 µs with 16 warps
+        # of 8 ranks, 122.3 with these). Weighed on the recorded times (lab notes, "4 warps
+        # a block from 1024 blocks"), the heuristic's MoE tile shrinks went from 1.086x the
+        # fastest to 1.020x (the largest 1.38x to 1.13x) and its dense shrinks stayed at
+        # 1.064x (H200) and 1.027x (H100); from 512 blocks the MoE ones did better (1.013x)
+        # and the H100's dense ones worse (1.030x) ...
         LaunchConfig(
             "mma",
             threads=128,

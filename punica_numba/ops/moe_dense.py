@@ -47,9 +47,9 @@ fastest shrink (w13 at 2048 tokens over four adapters: 177.9 µs, ``mma_t128_m16
 the pairs its picks were within 2 % (``docs/benchmarks/h100_moe_dense_configs_a949933.json``).
 On the H200 at 9fd11ec the MoE entries took that w13 call from 170.98 to 89.86 µs. Since
 e07b1ff the heuristic itself takes those 4-warp blocks wherever there are 1024 of them or more
-(:mod:`..launch`), as the tiles are from a few hundred tokens on: on an H100 the four 2048-token
-tile cases of ``bench --moe`` took 0.825-0.960x their time before (lab notes, "4 warps a block
-from 1024 blocks").
+(:mod:`..launch`), as this op's tiles do from about a thousand tokens on: on an H100 the four
+2048-token tile cases of ``bench --moe`` took 0.825-0.960x their time before (lab notes, "4
+warps a block from 1024 blocks").
 :func:`recorded_launches` tells which configuration each launch took.
 """
 
