@@ -45,6 +45,10 @@ __all__ = [
 
 OPS = ("shrink", "expand")
 
+#: The blocks (tiles x slices) from which the heuristic's tensor-core shrink takes 4 warps of
+#: every rank; 8 warps of every rank keep T=4096 only below them (:data:`_GPU_CONFIGS`).
+_FOUR_WARPS_FROM_BLOCKS = 1024
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -403,7 +407,7 @@ _GPU_CONFIGS = {
             spread=False,
             from_tokens_per_slot=3,
             to_rank=64,
-            from_blocks=1024,
+            from_blocks=_FOUR_WARPS_FROM_BLOCKS,
         ),
         # 16 warps of every rank up to r=32 (from r=33 on ptxas wanted 129-140 registers a
         # thread, more than a 512-thread block can have) beat the row kernels from 16 tokens
@@ -478,7 +482,7 @@ _GPU_CONFIGS = {
             from_tokens_per_slot=64,
             from_tokens=4096,
             to_rank=32,
-            to_blocks=1023,
+            to_blocks=_FOUR_WARPS_FROM_BLOCKS - 1,
         ),
         # ... and 4 warps of 32 tokens with three slices (QKV 4096/64: 40.3 -> 28.2 µs; one
         # slice 22.9), whose blocks share x through L2 (a tile's slices are neighbours).
