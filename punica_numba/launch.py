@@ -49,6 +49,16 @@ OPS = ("shrink", "expand")
 #: every rank; 8 warps of every rank keep T=4096 only below them (:data:`_GPU_CONFIGS`).
 _FOUR_WARPS_FROM_BLOCKS = 1024
 
+#: From this rank, a call of one token a LoRA (fewer than 2 a slot) takes the lane-split
+#: expand the heuristic reaches before a tensor-core one: past r=64 the tensor-core expand
+#: walks the rank in chunks of 64 (kernels.expand_mma, "Ranks past 64"), each 16-row tile
+#: holding one token. In the H200's tuned table the lanes took 0.67-0.96x the tensor cores'
+#: time on all 9 such problems at r=128 from T=8 (1, 2 and 3 slices; T=8-128); with 2 or
+#: more tokens a LoRA they won on 3 of 45 (all at T=8) and lost the rest; at r=32 and 64, a
+#: token a LoRA, they lost everywhere (1.15-1.48x). Lab notes, "The lanes before the tensor
+#: cores past r=64".
+_LANES_BEFORE_TENSOR_CORES_FROM_RANK = 65
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -648,8 +658,11 @@ _GPU_CONFIGS = {
         # at r=16 it beats the lanes (T=256 distinct 15.0 µs against 17.4) ...
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=512, vec=4, from_tokens=16),
         # ... not at r >= 33: four warps of lanes, 4 columns a group (r=64: T=16 distinct
-        # 13.3 -> 6.67 µs, T=64 distinct 28.2 -> 16.8, T=256 distinct 82.9 -> 53.5) ...
-        LaunchConfig("lanes", threads=128, tile_m=1, tile_n=0, vec=4, from_tokens=16, from_rank=33),
+        # 13.3 -> 6.67 µs, T=64 distinct 28.2 -> 16.8, T=256 distinct 82.9 -> 53.5), from
+        # T=8 since the lanes come before the tensor cores past r=64 (at T=8 a token a LoRA
+        # the H200's table had it at 0.25-0.47x the two-warp lanes' time on r=128's three
+        # layers, 0.40-0.93x on r=32's) ...
+        LaunchConfig("lanes", threads=128, tile_m=1, tile_n=0, vec=4, from_tokens=8, from_rank=33),
         # ... 16 columns a group from T=64. v13 took 8 (h200_v13_candidates.json, two runs
         # each: r=64 T=64 distinct 15.70/15.85 -> 15.28/15.22 µs, T=256 distinct 52.0/52.5
         # -> 47.1/47.4; at T=16 8 columns lost, 6.20 -> 7.40/7.53); the three
@@ -862,6 +875,8 @@ def choose_launch_config(
     one; otherwise
     the last such FFMA one, lane-split expands included only when ``lane_split`` (the
     call's rows of B split into a few words a lane: :func:`.kernels.expand_lanes.splits`).
+    But a lane-split expand so reached comes first from rank
+    ``_LANES_BEFORE_TENSOR_CORES_FROM_RANK`` (65) where the tokens a slot are fewer than 2.
     Configurations marked ``tuned_only`` are never picked here.
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
@@ -926,6 +941,9 @@ def choose_launch_config(
             and num_tokens * rank * slices >= config.from_work
         ):
             chosen[config.kernel == "mma"] = config
+    lanes = chosen[False].kernel == "lanes"
+    if lanes and rank >= _LANES_BEFORE_TENSOR_CORES_FROM_RANK and per_slot < 2:
+        return chosen[False]
     return chosen[True] or chosen[False]
 
 

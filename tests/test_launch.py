@@ -325,6 +325,21 @@ def test_many_shrink_blocks_take_four_warps_of_every_rank(monkeypatch):
         assert call(slots * per_slot, slots, rank=four.to_rank + 1, K=4096) != four
 
 
+def test_lanes_come_before_the_tensor_cores_past_rank_64(monkeypatch):
+    """Past r=64, at a token a LoRA, an expand takes the lane-split kernel it reaches even
+    where the tensor cores could take it; not with 2 tokens a LoRA, not at r=64, and not
+    where its rows of B do not split among lanes."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    first = launch._LANES_BEFORE_TENSOR_CORES_FROM_RANK
+    for tokens, rank in itertools.product((8, 32, 128, 1024), (first, 128, 256)):
+        call = functools.partial(_choose, "expand", rank=rank, tensor_cores=True, N=4096)
+        assert call(tokens, tokens).kernel == "lanes", (tokens, rank)
+        assert call(tokens, tokens // 2).kernel == "mma", (tokens, rank)
+        assert call(tokens, tokens, rank=first - 1).kernel == "mma", tokens
+        plain = choose_launch_config("expand", tokens, tokens, rank, True, N=4096)
+        assert plain.kernel == "mma", (tokens, rank)
+
+
 def test_from_work_holds_back_a_config(monkeypatch):
     """A configuration gated on the products' rows (tokens x rank x slices: the H200's
     8-rank tensor-core shrink from 3072) waits for them: reached at that work, not one
