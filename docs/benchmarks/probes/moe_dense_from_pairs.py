@@ -27,6 +27,9 @@ from punica_numba import bench
 from punica_numba.bench_moe import MoECase, _call, checked_pool
 from punica_numba.ops import moe as moe_ops
 
+#: No kernels of its own: it times the package's.
+VARIANTS: dict = {}
+
 TOKENS = (64, 128, 256, 512, 1024, 2048)
 LORAS = (1, 4, 16)
 
