@@ -55,8 +55,8 @@ _FOUR_WARPS_FROM_BLOCKS = 1024
 #: holding one token. In the H200's tuned table the lanes took 0.67-0.96x the tensor cores'
 #: time on all 9 such problems at r=128 from T=8 (1, 2 and 3 slices; T=8-128); with 2 or
 #: more tokens a LoRA they won on 3 of 45 (all at T=8) and lost the rest; at r=32 and 64, a
-#: token a LoRA, they lost everywhere (1.15-1.48x). Lab notes, "The lanes before the tensor
-#: cores past r=64".
+#: token a LoRA, they lost on all 15 (1.15-1.32x the fastest tensor cores' time). Lab
+#: notes, "The lanes before the tensor cores past r=64".
 _LANES_BEFORE_TENSOR_CORES_FROM_RANK = 65
 
 
