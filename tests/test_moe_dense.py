@@ -257,6 +257,21 @@ def test_version_8_takes_version_7s_kernels_from_its_threshold(dense_from, dense
     assert (tiles.call_count, shrink.call_count) == ((1, 1) if dense else (0, 0))
 
 
+@pytest.mark.parametrize("version, dense", [(11, False), (12, True)])
+def test_version_12_takes_the_tiles_where_11_takes_version_6s_kernels(version, dense, monkeypatch):
+    """The small call (1.67 pairs a (slot, expert)) with MMA_SHRINK_FROM_PAIRS and
+    TILES_FROM_PAIRS at 1, DENSE_FROM_PAIRS as shipped (16): version 12 takes the dense op's
+    tiles there, version 11 version 6's kernels. Each gives the reference."""
+    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", 1)
+    monkeypatch.setattr(moe_ops, "TILES_FROM_PAIRS", 1)
+    tiles = mock.Mock(wraps=moe_ops.moe_tiles)
+    shrink = mock.Mock(wraps=moe_ops.dense_shrink)
+    with mock.patch.multiple(moe_ops, moe_tiles=tiles, dense_shrink=shrink):
+        y, want = _small_call(torch.bfloat16, True, 16, version=version)
+    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert (tiles.call_count, shrink.call_count) == ((1, 1) if dense else (0, 0))
+
+
 @pytest.mark.parametrize("table", [moe_tiles, moe_pairs])
 def test_the_tiles_of_blocks_off_the_kernels_device_are_refused_before_a_launch(table):
     """Blocks where the kernels cannot read them (on a GPU a host pointer would be an illegal

@@ -50,7 +50,10 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
 11. 9's, but for calls of at most :data:`FUSED_TO_PAIRS` pairs (one token of top-8) one
    launch: each block's pairs shrunk and expanded by one CUDA block, the buffer between the
    two in shared memory (:mod:`..kernels.moe_fused`; :data:`FUSED_PAIRS`), no table of
-   pairs. The default.
+   pairs. The default until version 12.
+12. 11's, but the dense op's tiles from :data:`TILES_FROM_PAIRS` (4) pairs a (slot,
+   expert), where 8 to 11 take 6's kernels up to 16 (:func:`tiles_from_pairs`): so 6's
+   kernels run no call of it. The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -102,8 +105,9 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11)  # (10 was built, timed and reverted: lab notes)
-#: The version a call takes unless it asks for another: 11 (:data:`FUSED_TO_PAIRS`' notes).
+VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12)  # (10 was built, timed and reverted: lab notes)
+#: The version a call takes unless it asks for another: 12 (:data:`TILES_FROM_PAIRS`' notes).
+#: Version 11, the default from 3a2ac41 until version 12: :data:`FUSED_TO_PAIRS`' notes.
 #: Version 9, the default from 6426c98 until version 11. On an H100 at 6426c98 (``bench
 #: --moe`` of versions 9 and 8 on one machine; docs/benchmarks/h100_moe_v9_6426c98.json,
 #: h100_moe_v8_6426c98.json) it took 0.54-0.99x version 8's time on the 18 of 30 cases
@@ -126,7 +130,7 @@ VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11)  # (10 was built, timed and reverted:
 #: 0.96-1.08x elsewhere (h200_moe_v3.json at 282eaa9); version 3 took 0.06-0.23x version
 #: 1's (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
 #: measured kernel by kernel; version 2 is not timed on a GPU.
-DEFAULT_VERSION = 11
+DEFAULT_VERSION = 12
 
 #: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
 #: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
@@ -147,6 +151,24 @@ MMA_SHRINK_FROM_PAIRS = 4
 #: tokens, four at 2048), and 0.85-1.62x on the 24 below
 #: (docs/benchmarks/h100_moe_v6_cb9702d.json, h100_moe_v7_cb9702d.json).
 DENSE_FROM_PAIRS = TILE_M
+
+#: Version 12 takes the dense op's tiles from this many pairs a (slot, expert) on average,
+#: the pairs path below it (as version 9 does): version 6's kernels, which 8 to 11 take from
+#: here up to :data:`DENSE_FROM_PAIRS`, no longer beat the tiles, which have since taken
+#: version 9's row kernels, the tuned MoE entries and, on a GPU without a table, the 4-warp
+#: shrink. On an H100 at 470088f (``probes/moe_dense_from_pairs.py``;
+#: docs/benchmarks/h100_moe_dense_from_pairs_470088f.json: ``bench --moe``'s layer, both
+#: projections, 64-2048 tokens on 1, 4 and 16 adapters, 4-16 pairs a (slot, expert)) the tiles
+#: took 0.61-0.73x version 6's kernels' time on all 12 such calls at r=16 and 0.32-0.66x on
+#: all 12 at r=64. Below 4 the pairs path was not measured against them.
+TILES_FROM_PAIRS = MMA_SHRINK_FROM_PAIRS
+
+
+def tiles_from_pairs(version: int = DEFAULT_VERSION) -> float:
+    """The pairs a (slot, expert) on average from which ``version`` (8 and later) takes the
+    dense op's tiles: :data:`TILES_FROM_PAIRS` from version 12, else
+    :data:`DENSE_FROM_PAIRS`."""
+    return TILES_FROM_PAIRS if version >= 12 else DENSE_FROM_PAIRS
 
 
 class SplitShrink(NamedTuple):
@@ -469,7 +491,7 @@ FUSED_TO_PAIRS = 8
 def one_launch(num_pairs: int, version: int = DEFAULT_VERSION) -> bool:
     """Whether ``version`` takes a call of ``num_pairs`` pairs in version 11's one launch (at
     most :data:`FUSED_TO_PAIRS`), from the shapes alone."""
-    return version == 11 and num_pairs <= FUSED_TO_PAIRS
+    return version >= 11 and num_pairs <= FUSED_TO_PAIRS
 
 
 def fused_vec(rank: int, config: FusedPairs = FUSED_PAIRS) -> int:
@@ -542,8 +564,9 @@ def fused_moe_lora(
     one-token tiles on the pairs (:func:`.moe_dense.moe_pairs`), the router's weights in the
     stores of the row shrink or of 7's dense shrink; 11, 9's, but for calls of at most
     :data:`FUSED_TO_PAIRS` (8) pairs one launch, each block's pairs shrunk and expanded by
-    one CUDA block (:mod:`..kernels.moe_fused`). The same sums in other orders;
-    :data:`DEFAULT_VERSION` (11) unless asked.
+    one CUDA block (:mod:`..kernels.moe_fused`); 12, 11's, but 7's tiles from
+    :data:`TILES_FROM_PAIRS` (4). The same sums in other orders; :data:`DEFAULT_VERSION`
+    (12) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
@@ -630,7 +653,7 @@ def fused_moe_lora(
         mma = version == 4 or (version >= 5 and average >= MMA_SHRINK_FROM_PAIRS)
         shrink = _Shrink(buffer, metadata, top_k, block_size, mul_routed_weight)
         sixth = version >= 6  # (7 to 9 take 6's kernels where the dense op's do not run)
-        dense_op = version == 7 or (version >= 8 and average >= DENSE_FROM_PAIRS)
+        dense_op = version == 7 or (version >= 8 and average >= tiles_from_pairs(version))
         x_rows = 1 if mul_routed_weight else top_k  # (w2: a row of x a pair)
         # (9: the router's weights multiplied in as a dense-op shrink stores, no launch)
         routed = weights if version >= 9 and mul_routed_weight else None

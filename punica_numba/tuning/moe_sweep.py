@@ -1,10 +1,11 @@
 """``python -m punica_numba tune --moe``: the MoE op's calls of the dense op's kernels, tuned.
 
-``fused_moe_lora`` (:mod:`punica_numba.ops.moe`, version 9) hands two kinds of call to the dense
-op's kernels (:mod:`punica_numba.ops.moe_dense`): from ``DENSE_FROM_PAIRS`` pairs a (slot,
-expert) on, the *tiles* path (the tensor-core shrink and expand on tiles of 16 pairs); below
-``MMA_SHRINK_FROM_PAIRS``, the *pairs* path (the row kernels on one-token tiles, a pair each).
-Between the two the op runs kernels of its own, which have no configurations to choose. Each
+``fused_moe_lora`` (:mod:`punica_numba.ops.moe`, from version 9) hands two kinds of call to the
+dense op's kernels (:mod:`punica_numba.ops.moe_dense`): from ``tiles_from_pairs()`` pairs a
+(slot, expert) on (16 for versions 9 and 11, ``TILES_FROM_PAIRS`` = 4 from 12), the *tiles* path
+(the tensor-core shrink and expand on tiles of 16 pairs); below ``MMA_SHRINK_FROM_PAIRS``, the
+*pairs* path (the row kernels on one-token tiles, a pair each). Between the two (before version
+12) the op runs kernels of its own, which have no configurations to choose. Each
 launch takes the configuration the table names for the nearest problem; without MoE entries
 that is a problem of a linear layer, of other sizes (no problem of the dense grids has MoE's
 K of 2048, 768 or 1408), and on an H100 at a949933 the op with the
@@ -98,7 +99,7 @@ def path_of(case: bench_moe.MoECase) -> str | None:
     average = _average(case)
     if average < moe_ops.MMA_SHRINK_FROM_PAIRS:
         return "pairs"
-    return "tiles" if average >= moe_ops.DENSE_FROM_PAIRS else None
+    return "tiles" if average >= moe_ops.tiles_from_pairs() else None
 
 
 def _average(case: bench_moe.MoECase) -> float:
