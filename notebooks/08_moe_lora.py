@@ -464,7 +464,7 @@ print("version 9 gives version 6's outputs, within bf16's rounding")
 # shuffles; one barrier, and the threads expand, each with its columns of B loaded before
 # the shrink began.
 #
-# Version 11, the op's default, takes that launch for calls of at most `FUSED_TO_PAIRS` (8)
+# Version 11 takes that launch for calls of at most `FUSED_TO_PAIRS` (8)
 # pairs and version 9's kernels above: on an H100 (at aa6b0cd) one token took 0.65-0.83x
 # version 9's time at w2 and 0.84-0.98x at w13, over 1, 4 and 16 adapters; at 16 tokens the
 # one launch was slower on 4 of 6 calls, where version 9's kernels, each shaped for its own
@@ -480,3 +480,30 @@ fused_moe_lora(
 )  # fmt: skip
 torch.testing.assert_close(y.float(), result[6][:1], rtol=2e-2, atol=2e-2)
 print("version 11's one launch gives version 6's rows of the first token")
+
+# %% [markdown]
+# ## The tiles from 4 pairs a (slot, expert)
+#
+# Version 8's threshold, a tile's worth (16) of pairs a (slot, expert), was measured against
+# version 7's tiles as they were then. Since, the tiles have taken version 9's stores of the
+# router's weights, the tuned MoE entries and, on a GPU without a table, blocks of 4 warps
+# where they are many; version 6's kernels have not changed. On an H100 (at 470088f,
+# `probes/moe_dense_from_pairs.py`) the tiles took 0.61-0.73x version 6's kernels' time on
+# every call of 4 to 16 pairs a (slot, expert) at r=16, and 0.32-0.66x at r=64, even with
+# three quarters of each tile padding at 4. So version 12, the op's default, is version
+# 11 with the tiles from `TILES_FROM_PAIRS` (4), where the pairs path stops: version 6's
+# kernels run none of its calls. The same calls as above:
+
+# %%
+from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, one_launch, tiles_from_pairs
+
+for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
+    average = pairs_per_block(T * 8, loras, 128)
+    for version in (11, 12):
+        if one_launch(T * 8, version):
+            path = "the one launch"
+        elif average < MMA_SHRINK_FROM_PAIRS:
+            path = "the pairs"
+        else:
+            path = "the tiles" if average >= tiles_from_pairs(version) else "version 6's kernels"
+        print(f"{T:5d} tokens over {loras:2d} adapters, version {version}: {path}")

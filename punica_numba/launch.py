@@ -49,15 +49,19 @@ OPS = ("shrink", "expand")
 #: every rank; 8 warps of every rank keep T=4096 only below them (:data:`_GPU_CONFIGS`).
 _FOUR_WARPS_FROM_BLOCKS = 1024
 
-#: From this rank, a call of one token a LoRA (fewer than 2 a slot) takes the lane-split
-#: expand the heuristic reaches before a tensor-core one: past r=64 the tensor-core expand
+#: A call of fewer tokens a slot than its rank's chunks of this many ranks takes the
+#: lane-split expand the heuristic reaches before a tensor-core one: the tensor-core expand
 #: walks the rank in chunks of 64 (kernels.expand_mma, "Ranks past 64"), each 16-row tile
-#: holding one token. In the H200's tuned table the lanes took 0.67-0.96x the tensor cores'
-#: time on all 9 such problems at r=128 from T=8 (1, 2 and 3 slices; T=8-128); with 2 or
-#: more tokens a LoRA they won on 3 of 45 (all at T=8) and lost the rest; at r=32 and 64, a
-#: token a LoRA, they lost on all 15 (1.15-1.32x the fastest tensor cores' time). Lab
-#: notes, "The lanes before the tensor cores past r=64".
-_LANES_BEFORE_TENSOR_CORES_FROM_RANK = 65
+#: holding a token or two; so past r=64 a token a LoRA, past r=128 up to 3. In the H200's
+#: tuned table (r=16-128) the lanes took 0.67-0.96x the tensor cores' time on all 9 problems
+#: of a token a LoRA at r=128 from T=8 (1, 2 and 3 slices; T=8-128); with 2 or more tokens a
+#: LoRA they won on 3 of 45 (all at T=8) and lost the rest; at r=32 and 64, a token a LoRA,
+#: they lost on all 15 (1.15-1.32x the fastest tensor cores' time). On an H100 at 470088f
+#: (probes/expand_lanes_rule.py, h100_expand_lanes_rule_470088f.json: Llama-3-8B's QKV,
+#: gate_up and o, T=8-128) a token a LoRA 0.51-0.81x at r=128 and 0.30-0.69x at r=256 (all 18);
+#: 2 tokens a LoRA, the best lanes 0.45-0.83x at r=256 (all 9), 0.78-1.14x at r=128 (5 of 9
+#: faster). Lab notes, "The lanes before the tensor cores past r=64".
+_LANES_FIRST_RANKS_A_TOKEN = 64
 
 
 @dataclass(frozen=True)
@@ -659,7 +663,7 @@ _GPU_CONFIGS = {
         LaunchConfig("rows", threads=128, tile_m=1, tile_n=512, vec=4, from_tokens=16),
         # ... not at r >= 33: four warps of lanes, 4 columns a group (r=64: T=16 distinct
         # 13.3 -> 6.67 µs, T=64 distinct 28.2 -> 16.8, T=256 distinct 82.9 -> 53.5), from
-        # T=8 since the lanes come before the tensor cores past r=64 (at T=8 a token a LoRA
+        # T=8 since the lanes come before the tensor cores past r=64 (above; at T=8 a token a LoRA
         # the H200's table had it at 0.25-0.47x the two-warp lanes' time on r=128's three
         # layers, 0.40-0.93x on r=32's) ...
         LaunchConfig("lanes", threads=128, tile_m=1, tile_n=0, vec=4, from_tokens=8, from_rank=33),
@@ -875,8 +879,8 @@ def choose_launch_config(
     one; otherwise
     the last such FFMA one, lane-split expands included only when ``lane_split`` (the
     call's rows of B split into a few words a lane: :func:`.kernels.expand_lanes.splits`).
-    But a lane-split expand so reached comes first from rank
-    ``_LANES_BEFORE_TENSOR_CORES_FROM_RANK`` (65) where the tokens a slot are fewer than 2.
+    But a lane-split expand so reached comes first where the tokens a slot are fewer than
+    the rank's chunks of ``_LANES_FIRST_RANKS_A_TOKEN`` (64) ranks.
     Configurations marked ``tuned_only`` are never picked here.
 
     ``active_slots`` is None when the metadata was not built by ``LoRAKernelMeta``;
@@ -941,8 +945,7 @@ def choose_launch_config(
             and num_tokens * rank * slices >= config.from_work
         ):
             chosen[config.kernel == "mma"] = config
-    lanes = chosen[False].kernel == "lanes"
-    if lanes and rank >= _LANES_BEFORE_TENSOR_CORES_FROM_RANK and per_slot < 2:
+    if chosen[False].kernel == "lanes" and per_slot * _LANES_FIRST_RANKS_A_TOKEN < rank:
         return chosen[False]
     return chosen[True] or chosen[False]
 

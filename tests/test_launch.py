@@ -325,19 +325,25 @@ def test_many_shrink_blocks_take_four_warps_of_every_rank(monkeypatch):
         assert call(slots * per_slot, slots, rank=four.to_rank + 1, K=4096) != four
 
 
-def test_lanes_come_before_the_tensor_cores_past_rank_64(monkeypatch):
-    """Past r=64, at a token a LoRA, an expand takes the lane-split kernel it reaches even
-    where the tensor cores could take it; not with 2 tokens a LoRA, not at r=64, and not
+def test_lanes_come_before_the_tensor_cores_where_a_slot_has_fewer_tokens_than_64_rank_chunks(
+    monkeypatch,
+):
+    """An expand takes the lane-split kernel it reaches even where the tensor cores could
+    take it, where its tokens a slot are fewer than its rank's chunks of 64: a token a LoRA
+    past r=64, up to 3 past r=128; not at r=64, not with 2 tokens a LoRA at r=128, and not
     where its rows of B do not split among lanes."""
     monkeypatch.setattr(launch, "SIMULATOR", False)
-    first = launch._LANES_BEFORE_TENSOR_CORES_FROM_RANK
-    for tokens, rank in itertools.product((8, 32, 128, 1024), (first, 128, 256)):
-        call = functools.partial(_choose, "expand", rank=rank, tensor_cores=True, N=4096)
-        assert call(tokens, tokens).kernel == "lanes", (tokens, rank)
-        assert call(tokens, tokens // 2).kernel == "mma", (tokens, rank)
-        assert call(tokens, tokens, rank=first - 1).kernel == "mma", tokens
-        plain = choose_launch_config("expand", tokens, tokens, rank, True, N=4096)
-        assert plain.kernel == "mma", (tokens, rank)
+    chunk = launch._LANES_FIRST_RANKS_A_TOKEN
+    for tokens in (8, 32, 128, 1024):
+        call = functools.partial(_choose, "expand", tokens, tensor_cores=True, N=4096)
+        for rank, per_slot, lanes in (
+            (chunk + 1, 1, True), (2 * chunk, 1, True), (2 * chunk, 2, False),
+            (4 * chunk, 2, True), (4 * chunk, 4, False), (chunk, 1, False),
+        ):  # fmt: skip
+            got = call(tokens // per_slot, rank=rank).kernel
+            assert got == ("lanes" if lanes else "mma"), (tokens, rank, per_slot)
+        plain = choose_launch_config("expand", tokens, tokens, 2 * chunk, True, N=4096)
+        assert plain.kernel == "mma", tokens
 
 
 def test_from_work_holds_back_a_config(monkeypatch):

@@ -1,6 +1,6 @@
 """The expand's configurations past r=64 at one and two tokens a LoRA, checked and timed as
 the tuner times them, to weigh the heuristic's rule that the lane-split expand comes before
-the tensor cores there (``launch._LANES_BEFORE_TENSOR_CORES_FROM_RANK``) on a GPU without a
+the tensor cores there (``launch._LANES_FIRST_RANKS_A_TOKEN``) on a GPU without a
 table, and at ranks the H200's table does not hold (r=256).
 
     python docs/benchmarks/probes/expand_lanes_rule.py [--json PATH] [--commit C]
@@ -31,7 +31,7 @@ VARIANTS: dict = {}
 
 
 def _pick(rank: int, T: int, loras: int, widths: tuple, rule: bool) -> str:
-    off = mock.patch.object(launch, "_LANES_BEFORE_TENSOR_CORES_FROM_RANK", 1 << 30)
+    off = mock.patch.object(launch, "_LANES_FIRST_RANKS_A_TOKEN", 1 << 30)
     with contextlib.nullcontext() if rule else off:
         config = heuristic_config(
             "expand", T, loras, rank, len(widths), rank, max(widths), True, True
