@@ -489,8 +489,8 @@ FUSED_TO_PAIRS = 8
 
 
 def one_launch(num_pairs: int, version: int = DEFAULT_VERSION) -> bool:
-    """Whether ``version`` takes a call of ``num_pairs`` pairs in version 11's one launch (at
-    most :data:`FUSED_TO_PAIRS`), from the shapes alone."""
+    """Whether ``version`` takes a call of ``num_pairs`` pairs in version 11's one launch
+    (versions 11 and 12, at most :data:`FUSED_TO_PAIRS`), from the shapes alone."""
     return version >= 11 and num_pairs <= FUSED_TO_PAIRS
 
 

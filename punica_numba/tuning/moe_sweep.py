@@ -95,7 +95,7 @@ def path_of(case: bench_moe.MoECase) -> str | None:
     if moe_ops.DEFAULT_VERSION < 9:
         return None
     if moe_ops.one_launch(case.T * case.top_k):
-        return None  # (version 11's one launch: no configuration of the dense op's)
+        return None  # (the one launch of 11 and 12: no configuration of the dense op's)
     average = _average(case)
     if average < moe_ops.MMA_SHRINK_FROM_PAIRS:
         return "pairs"
