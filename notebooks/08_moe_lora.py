@@ -492,7 +492,7 @@ print("version 11's one launch gives version 6's rows of the first token")
 # every call of 4 to 16 pairs a (slot, expert) at r=16, and 0.32-0.66x at r=64, even with
 # three quarters of each tile padding at 4. So version 12, the op's default, is version
 # 11 with the tiles from `TILES_FROM_PAIRS` (4), where the pairs path stops: version 6's
-# kernels run none of its calls. The same calls as above:
+# kernels run only where the tensor cores cannot take a kernel. The same calls as above:
 
 # %%
 from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, one_launch, tiles_from_pairs

@@ -53,7 +53,7 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    pairs. The default until version 12.
 12. 11's, but the dense op's tiles from :data:`TILES_FROM_PAIRS` (4) pairs a (slot,
    expert), where 8 to 11 take 6's kernels up to 16 (:func:`tiles_from_pairs`): so 6's
-   kernels run no call of it. The default.
+   kernels run only where the tensor cores cannot take a kernel. The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
