@@ -69,6 +69,12 @@ def _side(version: int, threshold: int | None) -> dict:
     return shipped | {tiles: threshold, "MMA_SHRINK_FROM_PAIRS": pairs}
 
 
+def _set(constants: dict) -> None:
+    """Put a side's constants (:func:`_side`) into the op's module."""
+    for constant, value in constants.items():
+        setattr(moe_ops, constant, value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the records here")
@@ -85,7 +91,7 @@ def main() -> None:
     ranks = [int(r) for r in opts.ranks.split(",")]
     records = []
     for case in _cases(ranks, opts.cases, min(thresholds), opts.version):
-        first, pool, check = checked_pool(case)
+        _, pool, check = checked_pool(case)
         record = {"projection": case.projection, "T": case.T, "loras": case.loras}
         record |= {"rank": case.rank, "version": opts.version, "pool": len(pool)}
         times = {}
@@ -95,18 +101,15 @@ def main() -> None:
 
         try:
             for name, constants in sides.items():
-                for constant, value in constants.items():
-                    setattr(moe_ops, constant, value)
+                _set(constants)
                 record[f"error_{name}"] = check(call)
             for _ in range(opts.rounds):
                 for name, constants in sides.items():
-                    for constant, value in constants.items():
-                        setattr(moe_ops, constant, value)
+                    _set(constants)
                     us = bench.time_calls([call(a) for a in pool])
                     times[name] = min(times.get(name, us), us)
         finally:
-            for constant, value in sides["shipped"].items():
-                setattr(moe_ops, constant, value)
+            _set(sides["shipped"])
         record["us"] = {name: round(us, 3) for name, us in times.items()}
         record["ratio"] = {
             n: round(times[n] / times["shipped"], 3) for n in sides if n != "shipped"
