@@ -50,6 +50,9 @@ __all__ = ["Case", "default_cases", "main"]
 
 L2_BYTES = 60 * 2**20  # the H200's L2; a pool of argument sets at least twice this
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: The aim against a peer's kernel (the dense peers of ``bench --peers``, vLLM's MoE LoRA of
+#: ``bench --moe --against``): each case in at most this fraction of the peer's time.
+TARGET_RATIO = 0.67
 
 #: How many LoRAs the tokens of a case use, by ``lora_mode``, from the token count T. The
 #: tokens take them in equal shares (as equal as T allows), in random token order.

@@ -74,8 +74,9 @@ TOKENS = (1, 16, 64, 256, 2048)
 LORAS = (1, 4, 16)
 RANK = 16
 BLOCK_SIZE = 16
-#: The aim of the MoE LoRA work: each case in at most this fraction of the peer's time.
-TARGET_RATIO = 0.67
+#: The aim: each case in at most this fraction of the peer's time (the package's one aim
+#: against a peer, :data:`punica_numba.bench.TARGET_RATIO`).
+TARGET_RATIO = bench.TARGET_RATIO
 
 
 @dataclass
