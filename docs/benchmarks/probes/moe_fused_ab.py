@@ -1,6 +1,8 @@
 """MoE LoRA's one launch (version 11) beside version 9, on the ``bench --moe`` cases it takes
-(at most ``FUSED_TO_PAIRS`` pairs; with ``--cases``, the cases named), timed as ``bench
---moe`` times the op.
+(at most ``FUSED_TO_PAIRS`` pairs; with ``--cases``, the cases named; with ``--tokens``, the
+layer at those token counts over 1, 4 and 16 adapters), timed as ``bench --moe`` times the op.
+A case of more pairs than ``FUSED_TO_PAIRS`` is taken by the one launch all the same (the
+threshold raised to its pairs while version 11 is checked and timed), to see the crossing.
 
 Version 11 differs from 9 only there: where 9 makes the table of pairs and launches the
 dense op's row shrink and expand, 11 launches :mod:`punica_numba.kernels.moe_fused` once.
@@ -10,7 +12,7 @@ version 11 under each configuration of :data:`VARIANTS` (the shipped ``FUSED_PAI
 ``--rounds`` times, alternating, keeping each one's least time.
 
     python docs/benchmarks/probes/moe_fused_ab.py [--json PATH] [--commit C] [--rounds N]
-        [--variants shipped,t256_n8,...] [--cases w2:1:1,...]
+        [--variants shipped,t256_n8,...] [--cases w2:1:1,...] [--tokens 2,4,8]
 
 GPU only.
 """
@@ -21,7 +23,7 @@ import json
 import torch
 
 from punica_numba import bench
-from punica_numba.bench_moe import _call, checked_pool, default_cases
+from punica_numba.bench_moe import LORAS, MoECase, _call, checked_pool, default_cases
 from punica_numba.kernels import moe_fused
 from punica_numba.ops import moe as moe_ops
 from punica_numba.ops.moe import FUSED_TO_PAIRS, FusedPairs
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--cases", help="projection:T:loras,... (default: every such case)")
     parser.add_argument("--variants", help="names of VARIANTS, comma-separated (default: all)")
+    parser.add_argument("--tokens", help="token counts, comma-separated: the layer's cases there")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (least kept)")
     parser.add_argument("--commit", default="unknown", help="the commit measured, for the JSON")
     opts = parser.parse_args()
@@ -61,10 +64,16 @@ def main() -> None:
         wanted = {tuple(c.split(":")) for c in opts.cases.split(",")}
     names = opts.variants.split(",") if opts.variants else list(VARIANTS)
     records = []
-    for case in default_cases():
+    if opts.tokens:
+        tokens = [int(t) for t in opts.tokens.split(",")]
+        cases = [MoECase(p, T, n) for p in ("w13", "w2") for T in tokens for n in LORAS]
+    else:
+        cases = default_cases()
+    for case in cases:
         P = case.T * case.top_k
-        if P > FUSED_TO_PAIRS and not opts.cases:  # (--cases: any, to see the crossing)
+        if P > FUSED_TO_PAIRS and not (opts.cases or opts.tokens):
             continue
+        moe_ops.FUSED_TO_PAIRS = max(FUSED_TO_PAIRS, P)  # version 11 takes it in one launch
         if wanted and (case.projection, str(case.T), str(case.loras)) not in wanted:
             continue
         first, pool, check = checked_pool(case)
@@ -84,6 +93,7 @@ def main() -> None:
                 us = bench.time_calls([_call(case, a, 11) for a in pool])
                 times[name] = min(times.get(name, us), us)
         moe_ops.FUSED_PAIRS = VARIANTS["shipped"]
+        moe_ops.FUSED_TO_PAIRS = FUSED_TO_PAIRS
         record.update(times)
         records.append({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()})
         print(records[-1], flush=True)
