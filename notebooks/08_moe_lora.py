@@ -507,3 +507,31 @@ for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
         else:
             path = "the tiles" if average >= tiles_from_pairs(version) else "version 6's kernels"
         print(f"{T:5d} tokens over {loras:2d} adapters, version {version}: {path}")
+
+# %% [markdown]
+# ## One launch up to 8 tokens
+#
+# Version 11's threshold, 8 pairs, was one token of top-8: between it and 16 tokens nothing
+# was measured, and decode batches of 2 to 15 tokens are common. On an H100 (at dfa2c7a,
+# `probes/moe_fused_ab.py --tokens`) the one launch, forced past its threshold, took
+# 0.62-0.99x the pairs path's time on every call of 2, 4 and 8 tokens (16 to 64 pairs) over 1,
+# 4 and 16 adapters at both projections, and was slower on 13 of the 18 calls of 10, 12 and
+# 16 tokens. So version 13, the op's default, is version 12 with the one launch up to
+# `ONE_LAUNCH_TO_PAIRS` (64) pairs. The layer above has 12 pairs (6 tokens of top-2): past
+# version 12's one launch, within version 13's. Both against version 6:
+
+# %%
+from punica_numba.ops.moe import one_launch_to_pairs
+
+for version in (12, 13):
+    y = torch.zeros(M, top_k, 2 * N7, device=DEVICE, dtype=torch.bfloat16)
+    fused_moe_lora(
+        y, x13.to(torch.bfloat16), a7, b7, topk_weights, *blocks, adapter_enabled,
+        block_size=block_size, version=version,
+    )  # fmt: skip
+    torch.testing.assert_close(y.float(), result[6], rtol=2e-2, atol=2e-2)
+    print(f"version {version} (one launch: {one_launch(M * top_k, version)}): version 6's rows")
+for T in (1, 4, 8, 16):
+    sides = [f"version {v}: {one_launch(T * 8, v)}" for v in (12, 13)]
+    print(f"{T:2d} tokens of top-8 ({T * 8:3d} pairs) in one launch?", ", ".join(sides))
+print("version 13 takes the one launch up to", one_launch_to_pairs(13), "pairs")

@@ -11,7 +11,8 @@ launch (:mod:`punica_numba.kernels.moe_fused`). Checked here:
    an element) or in whole int64 words; it is the one kernel launched;
 3. version 11 takes version 9's kernels past its threshold of pairs: the same bits;
 4. its compact grid and its grid of every block give the same bits;
-5. the columns a thread owns, within its values of B.
+5. the columns a thread owns, within its values of B;
+6. version 13 takes the one launch up to ONE_LAUNCH_TO_PAIRS, where 12 takes the pairs path.
 """
 
 from __future__ import annotations
@@ -143,3 +144,23 @@ def test_version_11s_columns_a_thread_hold_at_most_its_values_of_b():
     assert moe_ops.fused_vec(24, config) == 2
     assert moe_ops.fused_vec(64, config) == 1
     assert moe_ops.fused_vec(256, config) == 1  # at least 1
+
+
+@pytest.mark.parametrize("version, one", [(12, False), (13, True)])
+def test_version_13_takes_the_one_launch_where_12_takes_the_pairs_path(version, one, monkeypatch):
+    """A call of more pairs than FUSED_TO_PAIRS (lowered to 1) and at most
+    ONE_LAUNCH_TO_PAIRS (raised past it): version 13 launches the one kernel, version 12 the
+    table of pairs and the row kernels. Each gives the reference, the same sums."""
+    case, d, blocks = _one_block_call(torch.bfloat16, rank=4, K=16, N=8, B=8, projection="w13",
+                                      offset=0)  # fmt: skip
+    pairs = d["topk_ids"].numel()
+    monkeypatch.setattr(moe_ops, "FUSED_TO_PAIRS", 1)
+    monkeypatch.setattr(moe_ops, "ONE_LAUNCH_TO_PAIRS", pairs)
+    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", 100)  # (the pairs path below it)
+    builds = mock.Mock(wraps=moe_fused.build_moe_fused_kernel)
+    monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
+    table = mock.Mock(wraps=moe_ops.moe_pairs)
+    monkeypatch.setattr(moe_ops, "moe_pairs", table)
+    y, before = _run(case, d, blocks, 8, version)
+    check_against_reference(case, y, d, before)
+    assert (builds.call_count > 0, table.call_count) == ((True, 0) if one else (False, 1))

@@ -53,7 +53,9 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    pairs. The default until version 12.
 12. 11's, but the dense op's tiles from :data:`TILES_FROM_PAIRS` (4) pairs a (slot,
    expert), where 8 to 11 take 6's kernels up to 16 (:func:`tiles_from_pairs`): so 6's
-   kernels run only where the tensor cores cannot take a kernel. The default.
+   kernels run only where the tensor cores cannot take a kernel. The default until version 13.
+13. 12's, but the one launch for calls of up to :data:`ONE_LAUNCH_TO_PAIRS` (64) pairs (8
+   tokens of top-8), not 8 (:func:`one_launch_to_pairs`). The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -105,8 +107,9 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12)  # (10 was built, timed and reverted: lab notes)
-#: The version a call takes unless it asks for another: 12 (:data:`TILES_FROM_PAIRS`' notes).
+VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13)  # (10 was built, timed and reverted: lab notes)
+#: The version a call takes unless it asks for another: 13 (:data:`ONE_LAUNCH_TO_PAIRS`' notes).
+#: Version 12, the default from 30d253c until version 13: :data:`TILES_FROM_PAIRS`' notes.
 #: Version 11, the default from 3a2ac41 until version 12: :data:`FUSED_TO_PAIRS`' notes.
 #: Version 9, the default from 6426c98 until version 11. On an H100 at 6426c98 (``bench
 #: --moe`` of versions 9 and 8 on one machine; docs/benchmarks/h100_moe_v9_6426c98.json,
@@ -130,7 +133,7 @@ VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12)  # (10 was built, timed and rever
 #: 0.96-1.08x elsewhere (h200_moe_v3.json at 282eaa9); version 3 took 0.06-0.23x version
 #: 1's (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
 #: measured kernel by kernel; version 2 is not timed on a GPU.
-DEFAULT_VERSION = 12
+DEFAULT_VERSION = 13
 
 #: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
 #: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
@@ -487,11 +490,29 @@ FUSED_PAIRS = (
 #: on 4 of the 6; between the two nothing was measured.
 FUSED_TO_PAIRS = 8
 
+#: Version 13 takes the one launch for calls of at most this many pairs (8 tokens of top-8),
+#: version 12's kernels (the pairs path, at these sizes) for larger ones. On an H100 at
+#: dfa2c7a (``probes/moe_fused_ab.py --tokens``,
+#: docs/benchmarks/h100_moe_fused_tokens_dfa2c7a.json:
+#: ``bench --moe``'s layer, both projections, 2 to 16 tokens over 1, 4 and 16 adapters, r=16,
+#: the one launch forced past :data:`FUSED_TO_PAIRS`) it took 0.62-0.99x version 9's time on
+#: all 18 calls of 2, 4 and 8 tokens (16-64 pairs), and 0.87-1.23x at 10 tokens, 0.86-1.20x
+#: at 12, 0.93-1.32x at 16, slower on 13 of those 18 (why was not profiled). Between 8 and 10
+#: tokens nothing was measured. Version 9's side is version 12's kernels at these sizes (the
+#: pairs path: fewer than 4 pairs a (slot, expert)).
+ONE_LAUNCH_TO_PAIRS = 64
+
+
+def one_launch_to_pairs(version: int = DEFAULT_VERSION) -> int:
+    """The most pairs of a call that ``version`` (11 and later) takes in one launch:
+    :data:`ONE_LAUNCH_TO_PAIRS` from version 13, else :data:`FUSED_TO_PAIRS`."""
+    return ONE_LAUNCH_TO_PAIRS if version >= 13 else FUSED_TO_PAIRS
+
 
 def one_launch(num_pairs: int, version: int = DEFAULT_VERSION) -> bool:
     """Whether ``version`` takes a call of ``num_pairs`` pairs in version 11's one launch
-    (versions 11 and 12, at most :data:`FUSED_TO_PAIRS`), from the shapes alone."""
-    return version >= 11 and num_pairs <= FUSED_TO_PAIRS
+    (from version 11, at most :func:`one_launch_to_pairs`), from the shapes alone."""
+    return version >= 11 and num_pairs <= one_launch_to_pairs(version)
 
 
 def fused_vec(rank: int, config: FusedPairs = FUSED_PAIRS) -> int:
@@ -565,8 +586,9 @@ def fused_moe_lora(
     stores of the row shrink or of 7's dense shrink; 11, 9's, but for calls of at most
     :data:`FUSED_TO_PAIRS` (8) pairs one launch, each block's pairs shrunk and expanded by
     one CUDA block (:mod:`..kernels.moe_fused`); 12, 11's, but 7's tiles from
-    :data:`TILES_FROM_PAIRS` (4). The same sums in other orders; :data:`DEFAULT_VERSION`
-    (12) unless asked.
+    :data:`TILES_FROM_PAIRS` (4); 13, 12's, but the one launch up to
+    :data:`ONE_LAUNCH_TO_PAIRS` (64) pairs. The same sums in other orders;
+    :data:`DEFAULT_VERSION` (13) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any

@@ -91,11 +91,11 @@ class MoEProblem:
 def path_of(case: bench_moe.MoECase) -> str | None:
     """``"tiles"``, ``"pairs"`` or None (the op's own kernels): where the op's default
     version sends ``case`` (by its pairs a (slot, expert), :func:`.moe.pairs_per_block`, and
-    from version 11 by its pairs: at most ``FUSED_TO_PAIRS``, its one launch)."""
+    from version 11 by its pairs: at most ``one_launch_to_pairs()``, its one launch)."""
     if moe_ops.DEFAULT_VERSION < 9:
         return None
     if moe_ops.one_launch(case.T * case.top_k):
-        return None  # (the one launch of 11 and 12: no configuration of the dense op's)
+        return None  # (the one launch of 11 on: no configuration of the dense op's)
     average = _average(case)
     if average < moe_ops.MMA_SHRINK_FROM_PAIRS:
         return "pairs"
@@ -179,13 +179,14 @@ def layer_spec(text: str) -> dict:
 
 
 def smoke_grid() -> list[MoEProblem]:
-    """For the simulator: a tiny w13 call on the pairs path (a token more than version 11's
-    one launch takes, of top-1 over two adapters of two experts) and a w2 call on the tiles
-    path (16 tokens of top-1 on one adapter of one expert), each op."""
-    tokens = moe_ops.FUSED_TO_PAIRS + 1
-    tiny = bench_moe.MoECase("w13", tokens, 2, hidden=8, experts=2, top_k=1, intermediate=8,
+    """For the simulator: a tiny w13 call on the pairs path (a token more than the default
+    version's one launch takes, of top-1 over two adapters of 32 experts: about one pair a
+    (slot, expert)) and a w2 call on the tiles path (as many tokens of top-1 on one adapter of
+    one expert), each op."""
+    tokens = moe_ops.one_launch_to_pairs() + 1
+    tiny = bench_moe.MoECase("w13", tokens, 2, hidden=8, experts=32, top_k=1, intermediate=8,
                              rank=4, block_size=16)  # fmt: skip
-    tiles = replace(tiny, projection="w2", T=moe_ops.DENSE_FROM_PAIRS, loras=1, experts=1)
+    tiles = replace(tiny, projection="w2", loras=1, experts=1)
     cases = (tiny, tiles)
     return [MoEProblem(case, op) for case in cases for op in ("shrink", "expand")]
 
