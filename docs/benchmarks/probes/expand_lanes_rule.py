@@ -1,16 +1,16 @@
-"""The expand's configurations past r=64 at one and two tokens a LoRA, checked and timed as
+"""The expand's configurations past r=64 at a few tokens a LoRA, checked and timed as
 the tuner times them, to weigh the heuristic's rule that the lane-split expand comes before
 the tensor cores there (``launch._LANES_FIRST_RANKS_A_TOKEN``) on a GPU without a
 table, and at ranks the H200's table does not hold (r=256).
 
     python docs/benchmarks/probes/expand_lanes_rule.py [--json PATH] [--commit C]
-        [--ranks 128,256] [--tokens 8,32,128,256] [--hiddens 2560,4096]
+        [--ranks 128,256] [--tokens 8,32,128,256] [--hiddens 2560,4096] [--per-lora 1,2]
 
 Each problem is an expand of a real layer (:data:`punica_numba.bench_grid.MODELS`: QKV's
 three slices, gate_up's two, o's one; the o projection's K is the model's hidden size), bf16,
-its T tokens over T LoRAs (one a LoRA) and over T / 2 (two). For each it records every
-configuration's µs (none staged: the heuristic never picks those), the heuristic's pick with
-the rule and without it, and their ratio. GPU only.
+its T tokens over T / n LoRAs for each n of ``--per-lora`` (default: one and two tokens a
+LoRA). For each it records every configuration's µs (none staged: the heuristic never picks
+those), the heuristic's pick with the rule and without it, and their ratio. GPU only.
 """
 
 import argparse
@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="128,256")
     parser.add_argument("--tokens", default="8,32,128,256")
     parser.add_argument("--hiddens", default="2560,4096")
+    parser.add_argument("--per-lora", default="1,2", help="tokens a LoRA, comma-separated")
     args = parser.parse_args()
     configs = [c for c in launch_configs("expand") if not c.staged]
     result = {"gpu": torch.cuda.get_device_name(), "commit": args.commit, "problems": []}
@@ -55,7 +56,7 @@ def main() -> None:
         for rank in map(int, args.ranks.split(",")):
             for T in map(int, args.tokens.split(",")):
                 for kind, widths in layers:
-                    for loras in (T, T // 2):
+                    for loras in (T // int(n) for n in args.per_lora.split(",")):
                         case = SweepCase(
                             "expand", T, "given", hidden, rank, "bf16", list(widths), loras=loras
                         )
