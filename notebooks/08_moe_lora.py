@@ -382,14 +382,19 @@ print(table[table[:, 0] >= 0].tolist())
 N7, r7 = 8, 4
 a7 = [torch.randn(L, E, r7, K, device=DEVICE).to(torch.bfloat16) for _ in ("gate", "up")]
 b7 = [torch.randn(L, E, N7, r7, device=DEVICE).to(torch.bfloat16) for _ in ("gate", "up")]
-result = {}
-for version in (6, 7):
+
+
+def w13_rows(version: int) -> torch.Tensor:
+    """This w13 layer's outputs (from zeros) by the kernels of ``version``."""
     y = torch.zeros(M, top_k, 2 * N7, device=DEVICE, dtype=torch.bfloat16)
     fused_moe_lora(
         y, x13.to(torch.bfloat16), a7, b7, topk_weights, *blocks, adapter_enabled,
         block_size=block_size, version=version,
     )  # fmt: skip
-    result[version] = y.float()
+    return y.float()
+
+
+result = {version: w13_rows(version) for version in (6, 7)}
 torch.testing.assert_close(result[7], result[6], rtol=2e-2, atol=2e-2)
 print("version 7 gives version 6's outputs, within bf16's rounding")
 
@@ -432,12 +437,7 @@ live = table[:, 0] >= 0
 print("dense slot (l * E + e) of each pair:", table[live, 0].tolist())
 print("the pairs, in that order:          ", pair_rows[live].tolist())
 
-y = torch.zeros(M, top_k, 2 * N7, device=DEVICE, dtype=torch.bfloat16)
-fused_moe_lora(
-    y, x13.to(torch.bfloat16), a7, b7, topk_weights, *blocks, adapter_enabled,
-    block_size=block_size, version=9,
-)  # fmt: skip
-torch.testing.assert_close(y.float(), result[6], rtol=2e-2, atol=2e-2)
+torch.testing.assert_close(w13_rows(9), result[6], rtol=2e-2, atol=2e-2)
 print("version 9 gives version 6's outputs, within bf16's rounding")
 
 # %% [markdown]
@@ -524,12 +524,7 @@ for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
 from punica_numba.ops.moe import one_launch_to_pairs
 
 for version in (12, 13):
-    y = torch.zeros(M, top_k, 2 * N7, device=DEVICE, dtype=torch.bfloat16)
-    fused_moe_lora(
-        y, x13.to(torch.bfloat16), a7, b7, topk_weights, *blocks, adapter_enabled,
-        block_size=block_size, version=version,
-    )  # fmt: skip
-    torch.testing.assert_close(y.float(), result[6], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w13_rows(version), result[6], rtol=2e-2, atol=2e-2)
     print(f"version {version} (one launch: {one_launch(M * top_k, version)}): version 6's rows")
 for T in (1, 4, 8, 16):
     sides = [f"version {v}: {one_launch(T * 8, v)}" for v in (12, 13)]

@@ -149,8 +149,8 @@ def test_version_11s_columns_a_thread_hold_at_most_its_values_of_b():
 @pytest.mark.parametrize("version, one", [(12, False), (13, True)])
 def test_version_13_takes_the_one_launch_where_12_takes_the_pairs_path(version, one, monkeypatch):
     """A call of more pairs than FUSED_TO_PAIRS (lowered to 1) and at most
-    ONE_LAUNCH_TO_PAIRS (raised past it): version 13 launches the one kernel, version 12 the
-    table of pairs and the row kernels. Each gives the reference, the same sums."""
+    ONE_LAUNCH_TO_PAIRS (set to its pairs): version 13 launches the one kernel, version 12 the
+    table of pairs and the row kernels. Each gives the reference."""
     case, d, blocks = _one_block_call(torch.bfloat16, rank=4, K=16, N=8, B=8, projection="w13",
                                       offset=0)  # fmt: skip
     pairs = d["topk_ids"].numel()
