@@ -37,6 +37,10 @@ VARIANTS = {
     "u2": moe_ops.FUSED_PAIRS._replace(unroll=2),
     "u8": moe_ops.FUSED_PAIRS._replace(unroll=8),
     "v2": moe_ops.FUSED_PAIRS._replace(vec=2),
+    # more pairs a chunk: past 8 tokens a block's pairs run in more chunks one after another
+    # (the one launch lost on 13 of 18 calls of 10-16 tokens at dfa2c7a)
+    "p4": moe_ops.FUSED_PAIRS._replace(tile_p=4),
+    "p8": moe_ops.FUSED_PAIRS._replace(tile_p=8),
 }
 
 
