@@ -56,17 +56,18 @@ def _cases(ranks, named, lowest: float, version: int) -> list[MoECase]:
     return cases
 
 
-def _side(version: int, threshold: int | None) -> dict:
-    """The module constants for the tiles from ``threshold`` (None: as shipped)."""
+def _side(threshold: int | None) -> dict:
+    """The module constants for the tiles from ``threshold`` (None: as shipped): both tiles
+    thresholds, so that ``ops.moe.tiles_from_pairs`` alone says which one the version reads."""
     shipped = {
         name: getattr(moe_ops, name)
         for name in ("DENSE_FROM_PAIRS", "TILES_FROM_PAIRS", "MMA_SHRINK_FROM_PAIRS")
     }
     if threshold is None:
         return shipped
-    tiles = "TILES_FROM_PAIRS" if version >= 12 else "DENSE_FROM_PAIRS"
     pairs = min(shipped["MMA_SHRINK_FROM_PAIRS"], threshold)
-    return shipped | {tiles: threshold, "MMA_SHRINK_FROM_PAIRS": pairs}
+    tiles = {"DENSE_FROM_PAIRS": threshold, "TILES_FROM_PAIRS": threshold}
+    return shipped | tiles | {"MMA_SHRINK_FROM_PAIRS": pairs}
 
 
 def _set(constants: dict) -> None:
@@ -86,8 +87,8 @@ def main() -> None:
     parser.add_argument("--commit", default="unknown", help="the commit measured, for the JSON")
     opts = parser.parse_args()
     thresholds = [int(t) for t in opts.thresholds.split(",")]
-    sides = {"shipped": _side(opts.version, None)}
-    sides |= {str(t): _side(opts.version, t) for t in thresholds}
+    sides = {"shipped": _side(None)}
+    sides |= {str(t): _side(t) for t in thresholds}
     ranks = [int(r) for r in opts.ranks.split(",")]
     records = []
     for case in _cases(ranks, opts.cases, min(thresholds), opts.version):
