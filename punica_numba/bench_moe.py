@@ -14,8 +14,8 @@ reference on the first, CUDA-graph replays timed with CUDA events), with the ker
 ``--version`` (:data:`punica_numba.ops.moe.VERSIONS`; by default the op's own,
 ``DEFAULT_VERSION``), which each record names, with ``configs``: the dense op's
 configuration that its shrink and its expand took (:func:`.ops.moe_dense.recorded_launches`;
-versions 7 to 12), none where the call ran no kernel of the dense op (the one launch of
-versions 11 and 12, or a version before 7).
+versions 7 and later), none where the call ran no kernel of the dense op (the one launch of
+version 11 and later, or a version before 7).
 
 The byte floor of a case is what the op must move at the least: the A and B of every
 (adapter, expert) its pairs use, once; the input rows; the output rows of every pair,

@@ -163,7 +163,9 @@ DENSE_FROM_PAIRS = TILE_M
 #: docs/benchmarks/h100_moe_dense_from_pairs_470088f.json: ``bench --moe``'s layer, both
 #: projections, 64-2048 tokens on 1, 4 and 16 adapters, 4-16 pairs a (slot, expert)) the tiles
 #: took 0.61-0.73x version 6's kernels' time on all 12 such calls at r=16 and 0.32-0.66x on
-#: all 12 at r=64. Below 4 the pairs path was not measured against them.
+#: all 12 at r=64. Below 4 the pairs path stays: at dfa2c7a the tiles from 1 pair took
+#: 1.05-1.44x its time on all 14 calls of about one pair, and from 2 pairs 0.96-1.24x on the
+#: 4 of two (docs/benchmarks/h100_moe_tiles_below_4_dfa2c7a.json).
 TILES_FROM_PAIRS = MMA_SHRINK_FROM_PAIRS
 
 
