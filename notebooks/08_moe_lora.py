@@ -490,9 +490,10 @@ print("version 11's one launch gives version 6's rows of the first token")
 # where they are many; version 6's kernels have not changed. On an H100 (at 470088f,
 # `probes/moe_dense_from_pairs.py`) the tiles took 0.61-0.73x version 6's kernels' time on
 # every call of 4 to 16 pairs a (slot, expert) at r=16, and 0.32-0.66x at r=64, even with
-# three quarters of each tile padding at 4. So version 12, the op's default, is version
-# 11 with the tiles from `TILES_FROM_PAIRS` (4), where the pairs path stops: version 6's
-# kernels run only where the tensor cores cannot take a kernel. The same calls as above:
+# three quarters of each tile padding at 4. So version 12 is version 11 with the tiles
+# from `TILES_FROM_PAIRS` (4), where the pairs path stops (below it the tiles lost: at
+# dfa2c7a, 1.05-1.44x the pairs path's time at about one pair): version 6's kernels run
+# only where the tensor cores cannot take a kernel. The same calls as above:
 
 # %%
 from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, one_launch, tiles_from_pairs
