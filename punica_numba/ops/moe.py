@@ -56,6 +56,9 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    kernels run only where the tensor cores cannot take a kernel. The default until version 13.
 13. 12's, but the one launch for calls of up to :data:`ONE_LAUNCH_TO_PAIRS` (64) pairs (8
    tokens of top-8), not 8 (:func:`one_launch_to_pairs`). The default.
+14. 13's, but the pairs path's table made with a row for each pair in its own place
+   (:func:`.moe_dense.pair_rows`: every row idle, then each named pair's row, two launches
+   of many CUDA blocks), not packed by one CUDA block's running sum (:func:`pairs_table`).
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -94,6 +97,7 @@ from .moe_dense import (
     dense_shrink,
     moe_pairs,
     moe_tiles,
+    pair_rows,
     row_expand,
     row_shrink,
 )
@@ -107,7 +111,8 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13)  # (10 was built, timed and reverted: lab notes)
+#: (10 was built, timed and reverted: lab notes.)
+VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14)
 #: The version a call takes unless it asks for another: 13 (:data:`ONE_LAUNCH_TO_PAIRS`' notes).
 #: Version 12, the default from 30d253c until version 13: :data:`TILES_FROM_PAIRS`' notes.
 #: Version 11, the default from 3a2ac41 until version 12: :data:`FUSED_TO_PAIRS`' notes.
@@ -517,6 +522,14 @@ def one_launch(num_pairs: int, version: int = DEFAULT_VERSION) -> bool:
     return version >= 11 and num_pairs <= one_launch_to_pairs(version)
 
 
+def pairs_table(version: int = DEFAULT_VERSION):
+    """The function that makes the pairs path's table of one-token tiles at ``version`` (9
+    and later): :func:`.moe_dense.pair_rows` (a row a pair, in the pairs' order) from
+    version 14, else :func:`.moe_dense.moe_pairs` (the pairs packed in the blocks' order).
+    Both take the metadata, the block size, P and E."""
+    return pair_rows if version >= 14 else moe_pairs
+
+
 def fused_vec(rank: int, config: FusedPairs = FUSED_PAIRS) -> int:
     """The columns a thread of version 11 owns at ``rank``: ``config.vec``, lowered until
     their rows of B (``vec * rank`` values) fit ``config.values`` (at least 1)."""
@@ -682,7 +695,7 @@ def fused_moe_lora(
         # (9: the router's weights multiplied in as a dense-op shrink stores, no launch)
         routed = weights if version >= 9 and mul_routed_weight else None
         if version >= 9 and not mma:  # the dense op's row kernels, a pair a tile
-            pairs = moe_pairs(*metadata, block_size, num_pairs, E)
+            pairs = pairs_table(version)(*metadata, block_size, num_pairs, E)
             row_shrink(buffer, x, a, pairs, x_rows, average, routed)
             row_expand(out, buffer, b, pairs, offset, add_inputs, average)
             return

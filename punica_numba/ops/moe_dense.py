@@ -66,6 +66,11 @@ from .._cuda import SIMULATOR
 from ..kernels import MAX_SLICES, build_mma_shrink_kernel, splits
 from ..kernels.dtypes import packing
 from ..kernels.moe_blocks import slots_at_once
+from ..kernels.moe_pair_rows import (
+    PAIR_ROWS_THREADS,
+    build_idle_rows_kernel,
+    build_named_rows_kernel,
+)
 from ..kernels.moe_pairs import build_moe_pairs_kernel, pairs_threads
 from ..kernels.moe_tiles import (
     MOE_TILE_M,
@@ -164,6 +169,42 @@ def moe_pairs(
         kernel = build_moe_pairs_kernel(slots_at_once(slots), threads)
         sizes = (block_size, num_pairs, num_experts)
         _make_table(kernel, (1, 1, 1), threads, blocks, adapter_enabled, sizes, table, tokens)
+    return table, tokens
+
+
+def pair_rows(
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    adapter_enabled: torch.Tensor,
+    block_size: int,
+    num_pairs: int,
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moe_pairs`' table, a row for each pair in its own place: row p is pair p's
+    (version 14), made by two launches of many CUDA blocks and no running sum
+    (:mod:`..kernels.moe_pair_rows`: every row idle, then the named ones).
+
+    Semantics:
+        the entries of the blocks in use: sorted_token_ids[l, q] for each slot l with
+            adapter_enabled[l] != 0 and q < min(EM, ceil(num_tokens_post_padded[l] / bs) * bs),
+            whose block's expert e = expert_ids[l, q // bs] is in [0, E)
+        row p of a pair p < P that such an entry of (slot l, expert e) names:
+            table (l*E + e, p, 1, p), tokens p
+        row p of a pair no such entry names: (-1, 0, 0, 0) and 0
+        a pair named twice: the row of one of its namings (which one is not defined)
+    """
+    blocks = (sorted_token_ids, expert_ids, num_tokens_post_padded)
+    table, tokens = _empty_table(blocks, (num_pairs,))
+    if num_pairs:
+        launcher_of(build_idle_rows_kernel())(
+            (-(-num_pairs // PAIR_ROWS_THREADS), 1, 1), PAIR_ROWS_THREADS, (table, tokens)
+        )
+        slots, entries = sorted_token_ids.shape
+        grid = (max(1, -(-entries // PAIR_ROWS_THREADS)), slots, 1)
+        sizes = (block_size, num_pairs, num_experts)
+        _make_table(build_named_rows_kernel(), grid, PAIR_ROWS_THREADS, blocks, adapter_enabled,
+                    sizes, table, tokens)  # fmt: skip
     return table, tokens
 
 

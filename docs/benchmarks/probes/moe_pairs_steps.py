@@ -2,19 +2,22 @@
 a (slot, expert) timed as ``bench --moe`` times the op.
 
 Below :data:`punica_numba.ops.moe.MMA_SHRINK_FROM_PAIRS` pairs a (slot, expert) the op makes
-the table of pairs (:func:`punica_numba.ops.moe_dense.moe_pairs`, one CUDA block), then runs
-the dense op's row shrink and expand on it. For every ``bench --moe`` case on that path, this
-times, on the benchmark's pool of argument sets (CUDA-graph replays, µs per call):
+a table of the pairs, then runs the dense op's row shrink and expand on it. The table is
+:func:`punica_numba.ops.moe_dense.moe_pairs` (one CUDA block, the pairs packed) up to version
+13, :func:`punica_numba.ops.moe_dense.pair_rows` (two launches, a row a pair) from 14. For
+every ``bench --moe`` case on that path, this times, on the benchmark's pool of argument sets
+(CUDA-graph replays, µs per call):
 
-* ``op``: the whole op;
-* ``pairs``: the table alone;
-* ``pairs_shrink``: the table, then the shrink;
+* ``op`` (``op_v<version>`` for each of ``--versions``): the whole op;
+* ``pairs``, ``pair_rows``: each table alone;
+* ``pairs_shrink``, ``pair_rows_shrink``: each table, then the shrink;
 
 so that the expand is ``op - pairs_shrink`` and the shrink ``pairs_shrink - pairs``. What a
-replay costs beyond its kernels is in all three, and so in ``pairs`` (the first step); it is
-per argument set, so it weighs more where the pool (recorded) is small.
+replay costs beyond its kernels is in all of them, and so in the tables (the first step); it
+is per argument set, so it weighs more where the pool (recorded) is small.
 
-    python docs/benchmarks/probes/moe_pairs_steps.py [--json PATH] [--commit C] [--cases w2:1:1,...]
+    python docs/benchmarks/probes/moe_pairs_steps.py [--json PATH] [--commit C]
+        [--cases w2:1:1,...] [--versions 13,14]
 
 GPU only.
 """
@@ -27,15 +30,18 @@ import torch
 from punica_numba import bench
 from punica_numba.bench_moe import _call, checked_pool, default_cases
 from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, pairs_per_block
-from punica_numba.ops.moe_dense import moe_pairs, row_shrink
+from punica_numba.ops.moe_dense import moe_pairs, pair_rows, row_shrink
 
+#: The tables, by the name of their steps.
+TABLES = {"pairs": moe_pairs, "pair_rows": pair_rows}
 #: The steps timed beside the whole op, as :func:`build`'s arguments.
-VARIANTS = {"pairs": ("pairs",), "pairs_shrink": ("pairs_shrink",)}
+VARIANTS = {name: (name,) for table in TABLES for name in (table, f"{table}_shrink")}
 
 
 def build(step: str):
     """``make(case, args)``: the call of the op's launches up to ``step`` on one argument set
-    (``pairs``: the table; ``pairs_shrink``: the table, then the shrink)."""
+    (``pairs``, ``pair_rows``: a table; ``pairs_shrink``, ``pair_rows_shrink``: the table,
+    then the shrink)."""
     if step not in VARIANTS:
         raise ValueError(f"step must be one of {sorted(VARIANTS)}, got {step!r}")
 
@@ -47,13 +53,15 @@ def build(step: str):
         x_rows = 1 if case.by_pair else case.top_k
         routed = weights if case.by_pair else None
 
+        table = TABLES[step.removesuffix("_shrink")]
+
         def pairs():
-            return moe_pairs(*args["blocks"], args["enabled"], case.block_size, P, case.experts)
+            return table(*args["blocks"], args["enabled"], case.block_size, P, case.experts)
 
         def pairs_shrink():
             row_shrink(buffer, args["x"], args["lora_a"], pairs(), x_rows, average, routed)
 
-        return pairs if step == "pairs" else pairs_shrink
+        return pairs_shrink if step.endswith("_shrink") else pairs
 
     return make
 
@@ -63,7 +71,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--cases", help="projection:T:loras,... (default: every pairs-path case)")
     parser.add_argument("--commit", default="unknown", help="the commit measured, for the JSON")
+    parser.add_argument("--versions", default="13,14", help="the op's versions timed whole")
     opts = parser.parse_args()
+    versions = [int(v) for v in opts.versions.split(",")]
     wanted = None
     if opts.cases:
         wanted = {tuple(c.split(":")) for c in opts.cases.split(",")}
@@ -75,10 +85,12 @@ def main() -> None:
         if wanted and (case.projection, str(case.T), str(case.loras)) not in wanted:
             continue
         first, pool, check = checked_pool(case)
-        check(lambda a, case=case: _call(case, a))
+        for version in versions:  # each against the reference first
+            check(lambda a, case=case, version=version: _call(case, a, version))
         record = {"projection": case.projection, "T": case.T, "loras": case.loras}
         record["pool"] = len(pool)  # (the argument sets a graph replays: the time is per set)
-        record["op"] = bench.time_calls([_call(case, a) for a in pool])
+        for version in versions:
+            record[f"op_v{version}"] = bench.time_calls([_call(case, a, version) for a in pool])
         for step in VARIANTS:
             record[step] = bench.time_calls([build(step)(case, a) for a in pool])
         records.append({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()})
