@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from punica_numba import reference
 from punica_numba._checks import check_stack
+from punica_numba.kernels.moe_pair_rows import PAIR_ROWS_THREADS
 from punica_numba.kernels.moe_pairs import pairs_threads
 from punica_numba.kernels.shrink_mma import build_mma_shrink_kernel
 from punica_numba.launch import LaunchConfig
@@ -35,7 +36,7 @@ from punica_numba.ops import moe as moe_ops
 from punica_numba.ops import moe_dense
 from punica_numba.ops.choice import choose_shrink
 from punica_numba.ops.moe import fused_moe_lora
-from punica_numba.ops.moe_dense import TILE_M, moe_pairs, moe_tiles, pair_rows
+from punica_numba.ops.moe_dense import TILE_M, claimed_pairs, moe_pairs, moe_tiles
 
 from .strategies import DEVICE, LARGE
 from .test_moe import MOE_EXAMPLES, MoECase, check_against_reference
@@ -71,19 +72,31 @@ def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
     return table + [[-1, 0, 0, 0]] * idle, tokens + [[0] * TILE_M] * idle
 
 
-def pair_rows_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
-    """:func:`pair_rows` as its docstring defines it (for metadata that names no pair twice),
-    one entry at a time on the host: row p for pair p."""
+def check_claimed_pairs(got, blocks, enabled, block_size, num_pairs, num_experts):
+    """:func:`claimed_pairs`' table and tokens ``got`` against its docstring, one entry at a
+    time on the host: each run's named pairs (of metadata that names no pair twice) in
+    consecutive rows in their order, every row's number its own, the rows past them idle."""
     ids, experts, padded = (t.cpu().tolist() for t in blocks)
     enabled = enabled.cpu().tolist()
-    table, tokens = [[-1, 0, 0, 0] for _ in range(num_pairs)], [0] * num_pairs
+    table, tokens = (t.cpu().tolist() for t in got)
+    runs = []  # each run's named pairs' rows, as (l * E + e, p)
     for l, row in enumerate(ids):
         in_use = min(len(row), -(-max(padded[l], 0) // block_size) * block_size)
-        for q in range(in_use if enabled[l] != 0 else 0):
-            e, p = experts[l][q // block_size], row[q]
-            if 0 <= e < num_experts and 0 <= p < num_pairs:
-                table[p], tokens[p] = [l * num_experts + e, p, 1, p], p
-    return table, tokens
+        for start in range(0, len(row), PAIR_ROWS_THREADS):
+            run = []
+            for q in range(start, min(start + PAIR_ROWS_THREADS, in_use if enabled[l] else 0)):
+                e, p = experts[l][q // block_size], row[q]
+                if 0 <= e < num_experts and 0 <= p < num_pairs:
+                    run.append([l * num_experts + e, p])
+            runs += [run] if run else []
+    named = sum(len(run) for run in runs)
+    assert table[named:] == [[-1, 0, 0, 0]] * (num_pairs - named)
+    assert tokens[named:] == [0] * (num_pairs - named)
+    assert [row[1:3] for row in table[:named]] == [[i, 1] for i in range(named)]
+    assert tokens[:named] == [row[3] for row in table[:named]]
+    placed = [[slot, p] for slot, _, _, p in table[:named]]
+    firsts = sorted((placed.index(run[0]), run) for run in runs)  # (each p is named once)
+    assert [pair for _, run in firsts for pair in run] == placed
 
 
 def pairs_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
@@ -168,13 +181,12 @@ def test_the_blocks_as_the_dense_tile_table(
     assert pair_table.cpu().tolist() == want_table
     assert pair_tokens.cpu().tolist() == want_tokens
     assert [p for pairs in live for p in pairs] == [p for s, _, _, p in want_table if s >= 0]
-    # The same pairs again, each in its own row (version 14's table): the same rows, placed.
-    rows_table, rows_tokens = pair_rows(*blocks, enabled.to(DEVICE), block_size, num_pairs, local)
-    want_rows = pair_rows_by_loops(blocks, enabled, block_size, num_pairs, local)
-    assert rows_table.dtype == rows_tokens.dtype == torch.int32
-    assert (rows_table.cpu().tolist(), rows_tokens.cpu().tolist()) == want_rows
-    placed = sorted([s, p, 1, p] for s, _, _, p in want_table if s >= 0)
-    assert sorted(row for row in want_rows[0] if row[0] >= 0) == placed
+    # The same pairs again, packed by runs that claim their rows (version 14's table).
+    got = claimed_pairs(*blocks, enabled.to(DEVICE), block_size, num_pairs, local)
+    assert got[0].dtype == got[1].dtype == torch.int32
+    check_claimed_pairs(got, blocks, enabled, block_size, num_pairs, local)
+    live = sorted([s, p] for s, _, _, p in got[0].cpu().tolist() if s >= 0)
+    assert live == sorted([s, p] for s, _, _, p in want_table if s >= 0)
 
 
 @st.composite
@@ -294,7 +306,7 @@ def test_version_12_takes_the_tiles_where_11_takes_version_6s_kernels(version, d
     assert (tiles.call_count, shrink.call_count) == ((1, 1) if dense else (0, 0))
 
 
-@pytest.mark.parametrize("table", [moe_tiles, moe_pairs, pair_rows])
+@pytest.mark.parametrize("table", [moe_tiles, moe_pairs, claimed_pairs])
 def test_the_tiles_of_blocks_off_the_kernels_device_are_refused_before_a_launch(table):
     """Blocks where the kernels cannot read them (on a GPU a host pointer would be an illegal
     address, and the context lost) are a ValueError naming them."""
@@ -302,18 +314,6 @@ def test_the_tiles_of_blocks_off_the_kernels_device_are_refused_before_a_launch(
     blocks = torch.empty(1, 16, **meta), torch.empty(1, 1, **meta), torch.empty(1, **meta)
     with pytest.raises(ValueError, match="sorted_token_ids"):
         table(*blocks, torch.ones(1, dtype=torch.int32), 16, 4, 2)
-
-
-def test_a_pair_named_twice_takes_one_row_in_its_own_place():
-    """Version 14's table on metadata that names pair 0 twice (of expert 1, then of expert 0):
-    its row is one of the two namings, and pair 1's row is its own."""
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-    ids = torch.tensor([[0, 1, 0, 2]], **i32)  # (2 is padding)
-    table, tokens = pair_rows(ids, torch.tensor([[1, 0]], **i32), torch.tensor([4], **i32),
-                              torch.ones(1, **i32), 2, 2, 2)  # fmt: skip
-    assert table.tolist()[0] in ([1, 0, 1, 0], [0, 0, 1, 0])
-    assert table.tolist()[1] == [1, 1, 1, 1]
-    assert tokens.tolist() == [0, 1]
 
 
 def test_a_pair_named_twice_takes_no_row_past_p():
@@ -353,8 +353,8 @@ def test_more_blocks_in_use_than_the_pairs_kernels_threads_take_rounds():
     """On a GPU the pairs kernel is one CUDA block of 1024 threads: some 3,000 blocks in use of
     0 to 2 pairs each (three slots, the second turned off, a few experts -1), in blocks of 4,
     take rounds of its running sum; the table and the tokens against the definition. And
-    version 14's table of the same pairs, a row each in its own place (CUDA blocks of many
-    threads along the entries, where the simulator's are a few)."""
+    version 14's table of the same pairs, claimed by runs of 256 entries (the simulator's are
+    a few)."""
     gen = torch.Generator().manual_seed(5)
     L, NB, bs, E = 3, 1500, 4, 64
     counts = torch.randint(0, 3, (L, NB), generator=gen)
@@ -372,10 +372,8 @@ def test_more_blocks_in_use_than_the_pairs_kernels_threads_take_rounds():
     want_table, want_tokens = pairs_by_loops(blocks, enabled, bs, P, E)
     assert table.cpu().tolist() == want_table
     assert tokens.cpu().tolist() == want_tokens
-    table, tokens = pair_rows(*blocks, enabled.to(DEVICE), bs, P, E)
-    assert (table.cpu().tolist(), tokens.cpu().tolist()) == pair_rows_by_loops(
-        blocks, enabled, bs, P, E
-    )
+    check_claimed_pairs(claimed_pairs(*blocks, enabled.to(DEVICE), bs, P, E), blocks, enabled,
+                        bs, P, E)  # fmt: skip
 
 
 @pytest.mark.parametrize("version", [9, 14])
@@ -386,7 +384,7 @@ def test_version_9_takes_the_row_kernels_below_the_threshold(mma_from, dense, ve
     on (here version 7's tiles and kernels); below it the pairs as one-token tiles and the
     dense op's row kernels. Each gives the reference. Version 14 (its one launch and its
     tiles' threshold moved out of the way) the same, but its table of the pairs is
-    :func:`pair_rows`' two launches, not :func:`moe_pairs`' one."""
+    :func:`claimed_pairs`' two launches, not :func:`moe_pairs`' one."""
     monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", mma_from)
     monkeypatch.setattr(moe_ops, "DENSE_FROM_PAIRS", 1)
     monkeypatch.setattr(moe_ops, "TILES_FROM_PAIRS", mma_from)
@@ -399,18 +397,18 @@ def test_version_9_takes_the_row_kernels_below_the_threshold(mma_from, dense, ve
         return real(kernel)
 
     spies = {name: mock.Mock(wraps=getattr(moe_ops, name)) for name in
-             ("moe_tiles", "moe_pairs", "pair_rows", "row_shrink", "row_expand")}  # fmt: skip
+             ("moe_tiles", "moe_pairs", "claimed_pairs", "row_shrink", "row_expand")}  # fmt: skip
     monkeypatch.setattr(moe_dense, "launcher_of", recording)
     with mock.patch.multiple(moe_ops, **spies):
         y, want = _small_call(torch.bfloat16, True, 16, version=version)
     torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
-    names = ("moe_tiles", "moe_pairs", "pair_rows", "row_shrink")
+    names = ("moe_tiles", "moe_pairs", "claimed_pairs", "row_shrink")
     counts = [spies[name].call_count for name in names]
-    pairs = [0, 1, 0, 1] if version < 14 else [0, 0, 1, 1]  # (moe_pairs, or pair_rows)
+    pairs = [0, 1, 0, 1] if version < 14 else [0, 0, 1, 1]  # (moe_pairs, or claimed_pairs)
     assert counts == ([1, 0, 0, 0] if dense else pairs), counts
     assert spies["row_expand"].call_count == (0 if dense else 1)
     if not dense:  # the table's kernel(s), the row shrink, then a row or lane-split expand
-        kernels = ["pairs"] if version < 14 else ["idle", "named"]
+        kernels = ["pairs"] if version < 14 else ["idle", "claim"]
         assert launched[: len(kernels) + 2] == [*kernels, "shrink", "expand"], launched
 
 

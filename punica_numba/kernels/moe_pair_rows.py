@@ -1,63 +1,75 @@
-"""MoE LoRA's pairs as the dense op's table of one-token tiles, row p for pair p: no
-running sum, two launches of many CUDA blocks.
+"""MoE LoRA's pairs as the dense op's table of one-token tiles, packed by many CUDA blocks
+that each claim their rows with one atomic add: no running sum over the whole call.
 
 :mod:`.moe_pairs` packs the pairs of the blocks in use into the first rows of the table, in
 the blocks' order. Where a row goes depends on how many pairs every block before it holds,
-a running sum, and one CUDA block works it out in rounds: on an H100 at c543804 that table
-took 4 µs at one token (a replay's worth, about one launch) and grew to 27 µs at 256 tokens
-over 16 adapters, a fifth of the op (the lab notes, "The pairs path launch by launch").
+a running sum over the call, and one CUDA block works it out in rounds: on an H100 at c543804
+that table took 4 µs at one token (a replay's worth, about one launch) and grew to 27 µs at
+256 tokens over 16 adapters, a fifth of the op (the lab notes, "The pairs path launch by
+launch").
 
-The row kernels need no packing: each CUDA block reads its own row, leaves at once where the
-row is idle (slot -1), and takes its token from the row (:func:`.segments.tile_token`; a
-one-token tile reads no list of tokens). So version 14 gives every pair ``p`` of the call
-its own row ``p``, whether a block names it or not, and makes the table in two launches
-with no sum between threads:
+The row kernels do not need the blocks' order. Each CUDA block of theirs reads its own row
+and takes its token from it (:func:`.segments.tile_token`; a one-token tile reads no list of
+tokens), and every pair's sums go to its own row of the buffer and its own row of y, so the
+results are the same whatever row a pair is given. What the order is worth is the L2: the
+pairs of one (slot, expert) read the same A and B, and in neighbouring rows they run at the
+same time, so that the second finds them in L2. (A row for each pair in its own place, row
+p, needs no sum at all, but puts the pairs of a (slot, expert) as far apart as their tokens:
+at w13's 256 tokens over 16 adapters, some 750 pairs that share a 128 KB A with an earlier
+one would read it again, about 96 MB.)
 
-1. ``idle``, a thread a row: every row idle, ``(-1, 0, 0, 0)``, its token 0;
-2. ``named``, a thread an entry of ``sorted_token_ids`` (grid: the entries of a row of the
-   metadata along x, the slots along y): an entry of a block in use
+So version 14 makes the table in two launches of many CUDA blocks:
+
+1. ``idle``, a thread a row: every row idle, ``(-1, 0, 0, 0)``, its token 0, and the count
+   of rows claimed (one int32 in memory) 0;
+2. ``claim``, a thread an entry of ``sorted_token_ids`` (grid: runs of ``threads``
+   entries of a row of the metadata along x, the slots along y). An entry of a block in use
    (:func:`.moe_blocks.block_in_use`: the slot turned on, the block below its count of
-   padded entries, its expert in ``[0, E)``) that names a pair ``0 <= p < P`` writes that
-   pair's row, ``(l * E + e, p, 1, p)``, and its token ``p``.
+   padded entries, its expert in ``[0, E)``) that names a pair ``0 <= p < P`` is one of the
+   run's pairs; the run's running sum of them (in shared memory, ``log2(threads)`` steps)
+   gives each its place in the run, one thread adds the run's count to the count of rows
+   claimed (``atomic.add``) and so learns where the run's rows start, and each pair writes
+   its row, ``(l * E + e, row, 1, p)``, and its token ``p``.
 
-The second launch waits for the first (the stream's order, or the dependent launch's
-wait), so a named pair's row is the named one. The pairs' rows come in the pairs' order,
-not the blocks': the pairs that share a (slot, expert), and so its A and B, are no longer
-neighbours. Below 4 pairs a (slot, expert), where the row kernels run, they are one or two.
-
-A pair that a block in use names twice (metadata that the align step does not make) gets one
-row, that of one of its namings, which one not defined; :mod:`.moe_pairs` gives it a row for
-each naming up to P rows. Every entry is read by one thread; fixed sizes, no read-back: both
-launches can be captured in a CUDA graph.
+The second launch waits for the first (the stream's order, or the dependent launch's wait).
+The rows claimed are the first n, n the pairs named; each run's pairs are neighbours in
+their order, so a block of the metadata that no run boundary cuts (a block size that divides
+the run's entries, as 16 does) keeps its pairs together; which run comes first is not
+defined. Rows past P are not written (more pairs named than P: metadata that names a pair
+twice). Fixed sizes, no read-back: both launches can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import functools
 
+from numba import int32
+
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .moe_blocks import block_in_use
 
-__all__ = ["PAIR_ROWS_THREADS", "build_idle_rows_kernel", "build_named_rows_kernel"]
+__all__ = ["PAIR_ROWS_THREADS", "build_claim_rows_kernel", "build_idle_rows_kernel"]
 
-#: Threads a CUDA block of both kernels; on the simulator a few, so that test calls take
-#: several CUDA blocks.
-PAIR_ROWS_THREADS = 8 if SIMULATOR else 256
+#: Threads a CUDA block of both kernels (a power of two: the running sum): the entries of a
+#: run. On the simulator a few, so that test calls take several runs.
+PAIR_ROWS_THREADS = 4 if SIMULATOR else 256
 
 
 @functools.cache
 def build_idle_rows_kernel(threads: int = PAIR_ROWS_THREADS):
-    """The kernel ``idle(table, tokens)``: every row of ``table`` [P, 4] (int32) idle,
-    ``(-1, 0, 0, 0)``, and ``tokens`` [P] 0; a thread a row, ``ceil(P / threads)`` CUDA
-    blocks of ``threads``."""
+    """The kernel ``idle(table, tokens, claimed)``: every row of ``table`` [P, 4] (int32)
+    idle, ``(-1, 0, 0, 0)``, ``tokens`` [P] 0, and ``claimed`` [1] (int32) 0; a thread a
+    row, ``max(1, ceil(P / threads))`` CUDA blocks of ``threads``."""
     THREADS = threads
     begin = prologue()
 
     @jit_kernel(THREADS)
-    def idle(table, tokens):
+    def idle(table, tokens, claimed):
         begin()  # wait for the kernels before this one (dependent_launch)
         i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
+        if i == 0:
+            claimed[0] = 0
         if i < table.shape[0]:
             table[i, 0], table[i, 1], table[i, 2], table[i, 3] = -1, 0, 0, 0
             tokens[i] = 0
@@ -66,16 +78,19 @@ def build_idle_rows_kernel(threads: int = PAIR_ROWS_THREADS):
 
 
 @functools.cache
-def build_named_rows_kernel(threads: int = PAIR_ROWS_THREADS):
-    """The kernel ``named(sorted_token_ids, expert_ids, num_tokens_post_padded,
-    adapter_enabled, block_size, num_pairs, num_experts, table, tokens)``: the row of each
-    pair that an entry of a block in use names, after :func:`build_idle_rows_kernel`'s;
-    grid ``(ceil(EM / threads), L)`` of ``threads``, a thread an entry."""
+def build_claim_rows_kernel(threads: int = PAIR_ROWS_THREADS):
+    """The kernel ``claim(sorted_token_ids, expert_ids, num_tokens_post_padded,
+    adapter_enabled, block_size, num_pairs, num_experts, table, tokens, claimed)``: the rows
+    of the pairs that the entries of blocks in use name, after
+    :func:`build_idle_rows_kernel`'s launch; grid ``(ceil(EM / threads), L)`` of
+    ``threads`` (a power of two), a thread an entry."""
+    if threads & (threads - 1):
+        raise ValueError(f"threads must be a power of two for the running sum, got {threads}")
     THREADS = threads
     begin = prologue()
 
     @jit_kernel(THREADS)
-    def named(
+    def claim(
         sorted_token_ids,
         expert_ids,
         num_tokens_post_padded,
@@ -85,20 +100,40 @@ def build_named_rows_kernel(threads: int = PAIR_ROWS_THREADS):
         num_experts,
         table,
         tokens,
+        claimed,
     ):
-        begin()  # wait for the kernels before this one: the idle rows
+        begin()  # wait for the kernels before this one: the idle rows, the count at 0
+        t = cuda.threadIdx.x
         slot = cuda.blockIdx.y
-        q = cuda.blockIdx.x * THREADS + cuda.threadIdx.x  # the entry of the slot's row
-        if q >= sorted_token_ids.shape[1]:
-            return
-        _, _, e = block_in_use(
-            q // block_size, slot, block_size, sorted_token_ids, num_tokens_post_padded,
-            adapter_enabled, expert_ids, num_experts,
-        )  # fmt: skip
-        p = sorted_token_ids[slot, q]
-        if e >= 0 and 0 <= p < num_pairs:
-            table[p, 0], table[p, 1] = slot * num_experts + e, p
-            table[p, 2], table[p, 3] = 1, p
-            tokens[p] = p
+        q = cuda.blockIdx.x * THREADS + t  # the entry of the slot's row
+        running = cuda.shared.array(THREADS, int32)  # the run's running sum of pairs
+        first = cuda.shared.array(1, int32)  # the run's first row
+        p, e = -1, -1
+        if q < sorted_token_ids.shape[1]:
+            _, _, e = block_in_use(
+                q // block_size, slot, block_size, sorted_token_ids, num_tokens_post_padded,
+                adapter_enabled, expert_ids, num_experts,
+            )  # fmt: skip
+            p = sorted_token_ids[slot, q]
+        named = 1 if e >= 0 and 0 <= p < num_pairs else 0
+        # The running sum over the run's entries (inclusive), in log2(THREADS) steps.
+        running[t] = named
+        cuda.syncthreads()
+        step = 1
+        while step < THREADS:
+            before = running[t - step] if t >= step else 0
+            cuda.syncthreads()
+            running[t] += before
+            cuda.syncthreads()
+            step *= 2
+        if t == THREADS - 1 and running[t] > 0:  # the run's rows, claimed at once
+            first[0] = cuda.atomic.add(claimed, 0, running[t])
+        cuda.syncthreads()
+        if named:
+            row = first[0] + running[t] - 1
+            if row < table.shape[0]:
+                table[row, 0], table[row, 1] = slot * num_experts + e, row
+                table[row, 2], table[row, 3] = 1, p
+                tokens[row] = p
 
-    return named
+    return claim

@@ -56,9 +56,9 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    kernels run only where the tensor cores cannot take a kernel. The default until version 13.
 13. 12's, but the one launch for calls of up to :data:`ONE_LAUNCH_TO_PAIRS` (64) pairs (8
    tokens of top-8), not 8 (:func:`one_launch_to_pairs`). The default.
-14. 13's, but the pairs path's table made with a row for each pair in its own place
-   (:func:`.moe_dense.pair_rows`: every row idle, then each named pair's row, two launches
-   of many CUDA blocks), not packed by one CUDA block's running sum (:func:`pairs_table`).
+14. 13's, but the pairs path's table packed by runs of the entries that claim their rows
+   with an atomic add (:func:`.moe_dense.claimed_pairs`: two launches of many CUDA blocks),
+   not by one CUDA block's running sum over the call (:func:`pairs_table`).
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -93,11 +93,11 @@ from ..moe_meta import check_adapter_enabled
 from .launching import launcher_of
 from .moe_dense import (
     TILE_M,
+    claimed_pairs,
     dense_expand,
     dense_shrink,
     moe_pairs,
     moe_tiles,
-    pair_rows,
     row_expand,
     row_shrink,
 )
@@ -524,10 +524,10 @@ def one_launch(num_pairs: int, version: int = DEFAULT_VERSION) -> bool:
 
 def pairs_table(version: int = DEFAULT_VERSION):
     """The function that makes the pairs path's table of one-token tiles at ``version`` (9
-    and later): :func:`.moe_dense.pair_rows` (a row a pair, in the pairs' order) from
-    version 14, else :func:`.moe_dense.moe_pairs` (the pairs packed in the blocks' order).
-    Both take the metadata, the block size, P and E."""
-    return pair_rows if version >= 14 else moe_pairs
+    and later): :func:`.moe_dense.claimed_pairs` (runs of entries claim their rows) from
+    version 14, else :func:`.moe_dense.moe_pairs` (one CUDA block's running sum). Both take
+    the metadata, the block size, P and E."""
+    return claimed_pairs if version >= 14 else moe_pairs
 
 
 def fused_vec(rank: int, config: FusedPairs = FUSED_PAIRS) -> int:

@@ -68,8 +68,8 @@ from ..kernels.dtypes import packing
 from ..kernels.moe_blocks import slots_at_once
 from ..kernels.moe_pair_rows import (
     PAIR_ROWS_THREADS,
+    build_claim_rows_kernel,
     build_idle_rows_kernel,
-    build_named_rows_kernel,
 )
 from ..kernels.moe_pairs import build_moe_pairs_kernel, pairs_threads
 from ..kernels.moe_tiles import (
@@ -172,7 +172,7 @@ def moe_pairs(
     return table, tokens
 
 
-def pair_rows(
+def claimed_pairs(
     sorted_token_ids: torch.Tensor,
     expert_ids: torch.Tensor,
     num_tokens_post_padded: torch.Tensor,
@@ -181,30 +181,32 @@ def pair_rows(
     num_pairs: int,
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`moe_pairs`' table, a row for each pair in its own place: row p is pair p's
-    (version 14), made by two launches of many CUDA blocks and no running sum
-    (:mod:`..kernels.moe_pair_rows`: every row idle, then the named ones).
+    """:func:`moe_pairs`' rows, packed by runs of the entries that claim their rows with an
+    atomic add (version 14): two launches of many CUDA blocks, no running sum over the call
+    (:mod:`..kernels.moe_pair_rows`). The same rows but for their order and numbers.
 
     Semantics:
-        the entries of the blocks in use: sorted_token_ids[l, q] for each slot l with
-            adapter_enabled[l] != 0 and q < min(EM, ceil(num_tokens_post_padded[l] / bs) * bs),
-            whose block's expert e = expert_ids[l, q // bs] is in [0, E)
-        row p of a pair p < P that such an entry of (slot l, expert e) names:
-            table (l*E + e, p, 1, p), tokens p
-        row p of a pair no such entry names: (-1, 0, 0, 0) and 0
-        a pair named twice: the row of one of its namings (which one is not defined)
+        the named pairs: the entries sorted_token_ids[l, q] = p with 0 <= p < P, for each
+            slot l with adapter_enabled[l] != 0 and q < min(EM, ceil(num_tokens_post_padded[l]
+            / bs) * bs), whose block's expert e = expert_ids[l, q // bs] is in [0, E)
+        a run: entries q of one slot with the same q // PAIR_ROWS_THREADS
+        the n named pairs take rows 0 .. n - 1 (rows past P: none), row i of pair p of
+            (slot l, expert e): table (l*E + e, i, 1, p), tokens p; a run's pairs in
+            consecutive rows in their order; the runs in an order not defined
+        rows n .. P - 1: (-1, 0, 0, 0) and 0
     """
     blocks = (sorted_token_ids, expert_ids, num_tokens_post_padded)
     table, tokens = _empty_table(blocks, (num_pairs,))
     if num_pairs:
-        launcher_of(build_idle_rows_kernel())(
-            (-(-num_pairs // PAIR_ROWS_THREADS), 1, 1), PAIR_ROWS_THREADS, (table, tokens)
-        )
+        claimed = torch.empty(1, dtype=torch.int32, device=table.device)
+        threads = PAIR_ROWS_THREADS
+        idle = launcher_of(build_idle_rows_kernel(threads))
+        idle((-(-num_pairs // threads), 1, 1), threads, (table, tokens, claimed))
         slots, entries = sorted_token_ids.shape
-        grid = (max(1, -(-entries // PAIR_ROWS_THREADS)), slots, 1)
+        grid = (max(1, -(-entries // threads)), slots, 1)
         sizes = (block_size, num_pairs, num_experts)
-        _make_table(build_named_rows_kernel(), grid, PAIR_ROWS_THREADS, blocks, adapter_enabled,
-                    sizes, table, tokens)  # fmt: skip
+        _make_table(build_claim_rows_kernel(threads), grid, threads, blocks, adapter_enabled,
+                    sizes, table, tokens, claimed)  # fmt: skip
     return table, tokens
 
 
@@ -221,14 +223,15 @@ def _empty_table(blocks: tuple, token_shape: tuple) -> tuple[torch.Tensor, torch
     return table, torch.empty(token_shape, dtype=torch.int32, device=device)
 
 
-def _make_table(kernel, grid, threads, blocks, adapter_enabled, sizes, table, tokens) -> None:
+def _make_table(kernel, grid, threads, blocks, adapter_enabled, sizes, *outputs) -> None:
     """Launch a kernel that makes a table from the blocks: its arguments the blocks, the
     first L flags of ``adapter_enabled`` on their device (bytes, where they are bool), the
-    ``sizes`` (block size, P, E), the table and its tokens."""
-    enabled = adapter_enabled[: blocks[0].shape[0]].to(table.device)
+    ``sizes`` (block size, P, E), then ``outputs``: the table, its tokens (and any more the
+    kernel takes)."""
+    enabled = adapter_enabled[: blocks[0].shape[0]].to(outputs[0].device)
     if enabled.dtype == torch.bool:  # (the kernels read bytes)
         enabled = enabled.view(torch.uint8)
-    launcher_of(kernel)(grid, threads, (*blocks, enabled, *sizes, table, tokens))
+    launcher_of(kernel)(grid, threads, (*blocks, enabled, *sizes, *outputs))
 
 
 def _flat(stacked: torch.Tensor, name: str, s: int):

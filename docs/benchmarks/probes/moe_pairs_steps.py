@@ -3,14 +3,14 @@ a (slot, expert) timed as ``bench --moe`` times the op.
 
 Below :data:`punica_numba.ops.moe.MMA_SHRINK_FROM_PAIRS` pairs a (slot, expert) the op makes
 a table of the pairs, then runs the dense op's row shrink and expand on it. The table is
-:func:`punica_numba.ops.moe_dense.moe_pairs` (one CUDA block, the pairs packed) up to version
-13, :func:`punica_numba.ops.moe_dense.pair_rows` (two launches, a row a pair) from 14. For
-every ``bench --moe`` case on that path, this times, on the benchmark's pool of argument sets
-(CUDA-graph replays, µs per call):
+:func:`punica_numba.ops.moe_dense.moe_pairs` (one CUDA block's running sum) up to version 13,
+:func:`punica_numba.ops.moe_dense.claimed_pairs` (two launches, runs of entries claiming their
+rows) from 14. For every ``bench --moe`` case on that path, this times, on the benchmark's
+pool of argument sets (CUDA-graph replays, µs per call):
 
 * ``op`` (``op_v<version>`` for each of ``--versions``): the whole op;
-* ``pairs``, ``pair_rows``: each table alone;
-* ``pairs_shrink``, ``pair_rows_shrink``: each table, then the shrink;
+* ``pairs``, ``claimed``: each table alone;
+* ``pairs_shrink``, ``claimed_shrink``: each table, then the shrink;
 
 so that the expand is ``op - pairs_shrink`` and the shrink ``pairs_shrink - pairs``. What a
 replay costs beyond its kernels is in all of them, and so in the tables (the first step); it
@@ -30,18 +30,18 @@ import torch
 from punica_numba import bench
 from punica_numba.bench_moe import _call, checked_pool, default_cases
 from punica_numba.ops.moe import MMA_SHRINK_FROM_PAIRS, pairs_per_block
-from punica_numba.ops.moe_dense import moe_pairs, pair_rows, row_shrink
+from punica_numba.ops.moe_dense import claimed_pairs, moe_pairs, row_shrink
 
 #: The tables, by the name of their steps.
-TABLES = {"pairs": moe_pairs, "pair_rows": pair_rows}
+TABLES = {"pairs": moe_pairs, "claimed": claimed_pairs}
 #: The steps timed beside the whole op, as :func:`build`'s arguments.
 VARIANTS = {name: (name,) for table in TABLES for name in (table, f"{table}_shrink")}
 
 
 def build(step: str):
     """``make(case, args)``: the call of the op's launches up to ``step`` on one argument set
-    (``pairs``, ``pair_rows``: a table; ``pairs_shrink``, ``pair_rows_shrink``: the table,
-    then the shrink)."""
+    (``pairs``, ``claimed``: a table; ``pairs_shrink``, ``claimed_shrink``: the table, then
+    the shrink)."""
     if step not in VARIANTS:
         raise ValueError(f"step must be one of {sorted(VARIANTS)}, got {step!r}")
 
