@@ -531,3 +531,61 @@ for T in (1, 4, 8, 16):
     sides = [f"version {v}: {one_launch(T * 8, v)}" for v in (12, 13)]
     print(f"{T:2d} tokens of top-8 ({T * 8:3d} pairs) in one launch?", ", ".join(sides))
 print("version 13 takes the one launch up to", one_launch_to_pairs(13), "pairs")
+
+# %% [markdown]
+# ## The table of pairs without one block's running sum
+#
+# Version 9's table of pairs (`moe_pairs`, above) is made by one CUDA block, which works out
+# where each block's pairs go by a running sum over every block in use, in rounds of its 1024
+# threads. On an H100 (at c543804, `probes/moe_pairs_steps.py`) it took 4 µs at one token and
+# 27 µs at 256 tokens over 16 adapters, a fifth of the op. The row kernels that read it need
+# no order: each of their CUDA blocks reads its own row, and every pair's sums go to its own
+# row of the buffer and of y. The order is worth something to the L2 only: the pairs of one
+# (slot, expert) read the same A, and in neighbouring rows they run at the same time.
+#
+# So version 14 packs the pairs with *runs* of the metadata's entries that each claim their
+# rows at once (`ops.moe_dense.claimed_pairs`, `kernels.moe_pair_rows`): a thread an entry,
+# a running sum within the run's CUDA block, and one atomic add a run on a count of the rows
+# claimed, which tells the run where its rows start. The rows are `moe_pairs`' rows, each
+# run's pairs together and in order, the runs in whatever order their atomic adds land. In
+# plain Python, runs of 4 entries, claiming in turn:
+
+# %%
+from punica_numba.ops.moe_dense import claimed_pairs
+
+
+def claimed_by_runs(blocks, run: int = 4) -> list[list[int]]:
+    """The (dense slot, pair) of each row that runs of ``run`` entries claim, in turn."""
+    ids, expert_of, padded = (t.tolist() for t in blocks)
+    rows = []
+    for slot in range(L):
+        in_use = -(-padded[slot] // block_size) * block_size if adapter_enabled[slot] else 0
+        for start in range(0, len(ids[slot]), run):
+            entries = range(start, min(start + run, in_use, len(ids[slot])))
+            named = [
+                [slot * E + expert_of[slot][q // block_size], ids[slot][q]]
+                for q in entries
+                if ids[slot][q] < P and 0 <= expert_of[slot][q // block_size] < E
+            ]
+            rows += named  # the rows claimed, len(rows) before, .. after
+    return rows
+
+
+table, claimed_rows = claimed_pairs(*blocks, adapter_enabled, block_size, P, E)
+live = table[:, 0] >= 0
+by_claims = table[live][:, [0, 3]].tolist()
+print("claimed here (dense slot, pair):", by_claims)
+packed, _ = moe_pairs(*blocks, adapter_enabled, block_size, P, E)
+assert sorted(by_claims) == sorted(claimed_by_runs(blocks))
+assert sorted(by_claims) == sorted(packed[packed[:, 0] >= 0][:, [0, 3]].tolist())
+print("the same rows as moe_pairs', and as the runs claim them in plain Python")
+
+# %% [markdown]
+# Version 14 is built and checked (here, and on the simulator by `tests/test_moe_dense.py`,
+# which also checks that each run's pairs are neighbours in order); it is not yet timed on a
+# GPU, so it is not the default. The layer above (12 pairs) takes the one launch at version 14
+# too, and the two tables feed the same row kernels, so its rows are version 13's:
+
+# %%
+torch.testing.assert_close(w13_rows(14), result[6], rtol=2e-2, atol=2e-2)
+print("version 14: version 6's rows")

@@ -16,7 +16,7 @@ pairs of one (slot, expert) read the same A and B, and in neighbouring rows they
 same time, so that the second finds them in L2. (A row for each pair in its own place, row
 p, needs no sum at all, but puts the pairs of a (slot, expert) as far apart as their tokens:
 at w13's 256 tokens over 16 adapters, some 750 pairs that share a 128 KB A with an earlier
-one would read it again, about 96 MB.)
+one would read it again, about 99 MB: an estimate.)
 
 So version 14 makes the table in two launches of many CUDA blocks:
 
