@@ -41,6 +41,10 @@ VARIANTS = {
     # (the one launch lost on 13 of 18 calls of 10-16 tokens at dfa2c7a)
     "p4": moe_ops.FUSED_PAIRS._replace(tile_p=4),
     "p8": moe_ops.FUSED_PAIRS._replace(tile_p=8),
+    # fewer column groups a slice, so fewer CUDA blocks that each shrink the block's pairs
+    # again (w2's 2048 columns: two groups of 1024, not four of 512; w13's 768: one)
+    "v8": moe_ops.FUSED_PAIRS._replace(vec=8, values=128),
+    "p4_v8": moe_ops.FUSED_PAIRS._replace(tile_p=4, vec=8, values=128),
 }
 
 
