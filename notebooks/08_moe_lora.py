@@ -544,7 +544,7 @@ print("version 13 takes the one launch up to", one_launch_to_pairs(13), "pairs")
 # (slot, expert) read the same A, and in neighbouring rows they run at the same time.
 #
 # So version 14 packs the pairs with *runs* of the metadata's entries that each claim their
-# rows at once (`ops.moe_dense.claimed_pairs`, `kernels.moe_pair_rows`): a thread an entry,
+# rows at once (`ops.moe_dense.claimed_pairs`, `kernels.moe_claims`): a thread an entry,
 # a running sum within the run's CUDA block, and one atomic add a run on a count of the rows
 # claimed, which tells the run where its rows start. The rows are `moe_pairs`' rows, each
 # run's pairs together and in order, the runs in whatever order their atomic adds land. In

@@ -55,11 +55,13 @@ KERNEL_MODULES = {
     "expand_mma",
     "expand_mma_staged",
     "expand_tiled",
+    "moe_claims",
     "moe_expand",
     "moe_expand_columns",
     "moe_expand_mma",
     "moe_expand_outer",
     "moe_fused",
+    "moe_idle_rows",
     "moe_shrink",
     "moe_shrink_mma",
     "moe_shrink_split",
@@ -346,6 +348,11 @@ def _one_of_each_kernel() -> None:
     with mock.patch.object(moe_ops, "OUTER_EXPAND_FROM_PAIRS", 0):
         for mul_routed_weight in (False, True):
             _named_result(mul_routed_weight, version=6)
+    # Version 14's table of claimed rows is its pairs path's, past its one launch (which takes
+    # the named call's 6 pairs): here it takes them on that path.
+    with mock.patch.object(moe_ops, "ONE_LAUNCH_TO_PAIRS", 0):
+        for mul_routed_weight in (False, True):
+            _named_result(mul_routed_weight, version=14)
     for projection in ("w13", "w2"):  # version 4's own kernels need bf16 rows of words
         case, d, blocks = _one_block_call(
             torch.bfloat16, rank=16, K=32, N=8, B=16, projection=projection, offset=0

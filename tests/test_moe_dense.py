@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from punica_numba import reference
 from punica_numba._checks import check_stack
-from punica_numba.kernels.moe_pair_rows import PAIR_ROWS_THREADS
+from punica_numba.kernels.moe_claims import CLAIM_THREADS
 from punica_numba.kernels.moe_pairs import pairs_threads
 from punica_numba.kernels.shrink_mma import build_mma_shrink_kernel
 from punica_numba.launch import LaunchConfig
@@ -82,9 +82,9 @@ def check_claimed_pairs(got, blocks, enabled, block_size, num_pairs, num_experts
     runs = []  # each run's named pairs' rows, as (l * E + e, p)
     for l, row in enumerate(ids):
         in_use = min(len(row), -(-max(padded[l], 0) // block_size) * block_size)
-        for start in range(0, len(row), PAIR_ROWS_THREADS):
+        for start in range(0, len(row), CLAIM_THREADS):
             run = []
-            for q in range(start, min(start + PAIR_ROWS_THREADS, in_use if enabled[l] else 0)):
+            for q in range(start, min(start + CLAIM_THREADS, in_use if enabled[l] else 0)):
                 e, p = experts[l][q // block_size], row[q]
                 if 0 <= e < num_experts and 0 <= p < num_pairs:
                     run.append([l * num_experts + e, p])

@@ -66,11 +66,8 @@ from .._cuda import SIMULATOR
 from ..kernels import MAX_SLICES, build_mma_shrink_kernel, splits
 from ..kernels.dtypes import packing
 from ..kernels.moe_blocks import slots_at_once
-from ..kernels.moe_pair_rows import (
-    PAIR_ROWS_THREADS,
-    build_claim_rows_kernel,
-    build_idle_rows_kernel,
-)
+from ..kernels.moe_claims import CLAIM_THREADS, build_claim_rows_kernel
+from ..kernels.moe_idle_rows import build_idle_rows_kernel
 from ..kernels.moe_pairs import build_moe_pairs_kernel, pairs_threads
 from ..kernels.moe_tiles import (
     MOE_TILE_M,
@@ -183,13 +180,14 @@ def claimed_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`moe_pairs`' rows, packed by runs of the entries that claim their rows with an
     atomic add (version 14): two launches of many CUDA blocks, no running sum over the call
-    (:mod:`..kernels.moe_pair_rows`). The same rows but for their order and numbers.
+    (:mod:`..kernels.moe_idle_rows`, :mod:`..kernels.moe_claims`). The same rows but for their
+    order and numbers.
 
     Semantics:
         the named pairs: the entries sorted_token_ids[l, q] = p with 0 <= p < P, for each
             slot l with adapter_enabled[l] != 0 and q < min(EM, ceil(num_tokens_post_padded[l]
             / bs) * bs), whose block's expert e = expert_ids[l, q // bs] is in [0, E)
-        a run: entries q of one slot with the same q // PAIR_ROWS_THREADS
+        a run: entries q of one slot with the same q // CLAIM_THREADS
         the n named pairs take rows 0 .. n - 1 (rows past P: none), row i of pair p of
             (slot l, expert e): table (l*E + e, i, 1, p), tokens p; a run's pairs in
             consecutive rows in their order; the runs in an order not defined
@@ -199,7 +197,7 @@ def claimed_pairs(
     table, tokens = _empty_table(blocks, (num_pairs,))
     if num_pairs:
         claimed = torch.empty(1, dtype=torch.int32, device=table.device)
-        threads = PAIR_ROWS_THREADS
+        threads = CLAIM_THREADS
         idle = launcher_of(build_idle_rows_kernel(threads))
         idle((-(-num_pairs // threads), 1, 1), threads, (table, tokens, claimed))
         slots, entries = sorted_token_ids.shape

@@ -15,15 +15,15 @@ results are the same whatever row a pair is given. What the order is worth is th
 pairs of one (slot, expert) read the same A and B, and in neighbouring rows they run at the
 same time, so that the second finds them in L2. (A row for each pair in its own place, row
 p, needs no sum at all, but puts the pairs of a (slot, expert) as far apart as their tokens:
-at w13's 256 tokens over 16 adapters, some 750 pairs that share a 128 KB A with an earlier
+at w13's 256 tokens over 16 adapters, some 750 pairs that share a 128 KiB A with an earlier
 one would read it again, about 99 MB: an estimate.)
 
 So version 14 makes the table in two launches of many CUDA blocks:
 
-1. ``idle``, a thread a row: every row idle, ``(-1, 0, 0, 0)``, its token 0, and the count
-   of rows claimed (one int32 in memory) 0;
-2. ``claim``, a thread an entry of ``sorted_token_ids`` (grid: runs of ``threads``
-   entries of a row of the metadata along x, the slots along y). An entry of a block in use
+1. ``idle`` (:mod:`.moe_idle_rows`), a thread a row: every row idle, ``(-1, 0, 0, 0)``, its
+   token 0, and the count of rows claimed (one int32 in memory) 0;
+2. ``claim`` (this module), a thread an entry of ``sorted_token_ids`` (grid: runs of
+   ``threads`` entries of a row of the metadata along x, the slots along y). An entry of a block in use
    (:func:`.moe_blocks.block_in_use`: the slot turned on, the block below its count of
    padded entries, its expert in ``[0, E)``) that names a pair ``0 <= p < P`` is one of the
    run's pairs; the run's running sum of them (in shared memory, ``log2(threads)`` steps)
@@ -49,40 +49,19 @@ from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
 from .moe_blocks import block_in_use
 
-__all__ = ["PAIR_ROWS_THREADS", "build_claim_rows_kernel", "build_idle_rows_kernel"]
+__all__ = ["CLAIM_THREADS", "build_claim_rows_kernel"]
 
-#: Threads a CUDA block of both kernels (a power of two: the running sum): the entries of a
-#: run. On the simulator a few, so that test calls take several runs.
-PAIR_ROWS_THREADS = 4 if SIMULATOR else 256
-
-
-@functools.cache
-def build_idle_rows_kernel(threads: int = PAIR_ROWS_THREADS):
-    """The kernel ``idle(table, tokens, claimed)``: every row of ``table`` [P, 4] (int32)
-    idle, ``(-1, 0, 0, 0)``, ``tokens`` [P] 0, and ``claimed`` [1] (int32) 0; a thread a
-    row, ``max(1, ceil(P / threads))`` CUDA blocks of ``threads``."""
-    THREADS = threads
-    begin = prologue()
-
-    @jit_kernel(THREADS)
-    def idle(table, tokens, claimed):
-        begin()  # wait for the kernels before this one (dependent_launch)
-        i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
-        if i == 0:
-            claimed[0] = 0
-        if i < table.shape[0]:
-            table[i, 0], table[i, 1], table[i, 2], table[i, 3] = -1, 0, 0, 0
-            tokens[i] = 0
-
-    return idle
+#: Threads a CUDA block (a power of two: the running sum): the entries of a run. On the
+#: simulator a few, so that test calls take several runs.
+CLAIM_THREADS = 4 if SIMULATOR else 256
 
 
 @functools.cache
-def build_claim_rows_kernel(threads: int = PAIR_ROWS_THREADS):
+def build_claim_rows_kernel(threads: int = CLAIM_THREADS):
     """The kernel ``claim(sorted_token_ids, expert_ids, num_tokens_post_padded,
     adapter_enabled, block_size, num_pairs, num_experts, table, tokens, claimed)``: the rows
     of the pairs that the entries of blocks in use name, after
-    :func:`build_idle_rows_kernel`'s launch; grid ``(ceil(EM / threads), L)`` of
+    :func:`.moe_idle_rows.build_idle_rows_kernel`'s launch; grid ``(ceil(EM / threads), L)`` of
     ``threads`` (a power of two), a thread an entry."""
     if threads & (threads - 1):
         raise ValueError(f"threads must be a power of two for the running sum, got {threads}")
