@@ -26,10 +26,10 @@ So version 14 makes the table in two launches of many CUDA blocks:
    ``threads`` entries of a row of the metadata along x, the slots along y). An entry of a
    block in use (:func:`.moe_blocks.block_in_use`: the slot turned on, the block below its
    count of padded entries, its expert in ``[0, E)``) that names a pair ``0 <= p < P`` is
-   one of the run's pairs; the run's running sum of them (in shared memory, ``log2(threads)`` steps)
-   gives each its place in the run, one thread adds the run's count to the count of rows
-   claimed (``atomic.add``) and so learns where the run's rows start, and each pair writes
-   its row, ``(l * E + e, row, 1, p)``, and its token ``p``.
+   one of the run's pairs; the run's running sum of them (in shared memory,
+   ``log2(threads)`` steps) gives each its place in the run, one thread adds the run's
+   count to the count of rows claimed (``atomic.add``) and so learns where the run's rows
+   start, and each pair writes its row, ``(l * E + e, row, 1, p)``, and its token ``p``.
 
 The second launch waits for the first (the stream's order, or the dependent launch's wait).
 The rows claimed are the first n, n the pairs named; each run's pairs are neighbours in
