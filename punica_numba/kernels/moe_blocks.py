@@ -46,6 +46,7 @@ __all__ = [
     "block_in_use",
     "chunk_reader",
     "read_pass",
+    "running_sum",
     "slice_and_group",
     "slots_at_once",
     "unit_walker",
@@ -152,6 +153,25 @@ def units_in_use(num_pairs: int, slots: int, experts: int, block_size: int, per:
     runs = min(num_pairs, slots * experts)
     blocks = -(-(num_pairs + runs * (block_size - 1)) // block_size)
     return max(1, -(-blocks // per) + (slots if per > 1 else 0))
+
+
+@cuda.jit(device=True)
+def running_sum(running, t, value):
+    """The running sum of ``value`` over the CUDA block's threads, up to and with thread
+    ``t``'s own, in the shared ``running`` (a value a thread, a power of two of them), in
+    ``log2`` steps of two barriers each; every thread of the block must call it. After it
+    ``running[i]`` holds thread i's sum (so the last, the block's total) until the next
+    write to ``running``."""
+    running[t] = value
+    cuda.syncthreads()
+    step = 1
+    while step < running.shape[0]:
+        before = running[t - step] if t >= step else 0
+        cuda.syncthreads()
+        running[t] += before
+        cuda.syncthreads()
+        step *= 2
+    return running[t]
 
 
 @cuda.jit(device=True)

@@ -47,7 +47,7 @@ from numba import int32
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
-from .moe_blocks import block_in_use
+from .moe_blocks import block_in_use, running_sum
 
 __all__ = ["CLAIM_THREADS", "build_claim_rows_kernel"]
 
@@ -95,21 +95,12 @@ def build_claim_rows_kernel(threads: int = CLAIM_THREADS):
             )  # fmt: skip
             p = sorted_token_ids[slot, q]
         named = 1 if e >= 0 and 0 <= p < num_pairs else 0
-        # The running sum over the run's entries (inclusive), in log2(THREADS) steps.
-        running[t] = named
-        cuda.syncthreads()
-        step = 1
-        while step < THREADS:
-            before = running[t - step] if t >= step else 0
-            cuda.syncthreads()
-            running[t] += before
-            cuda.syncthreads()
-            step *= 2
-        if t == THREADS - 1 and running[t] > 0:  # the run's rows, claimed at once
-            first[0] = cuda.atomic.add(claimed, 0, running[t])
+        place = running_sum(running, t, named)  # the pairs of the run up to this entry
+        if t == THREADS - 1 and place > 0:  # the run's rows, claimed at once
+            first[0] = cuda.atomic.add(claimed, 0, place)
         cuda.syncthreads()
         if named:
-            row = first[0] + running[t] - 1
+            row = first[0] + place - 1
             if row < table.shape[0]:
                 table[row, 0], table[row, 1] = slot * num_experts + e, row
                 table[row, 2], table[row, 3] = 1, p

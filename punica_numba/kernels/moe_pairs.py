@@ -46,7 +46,7 @@ from numba import int32
 
 from .._cuda import SIMULATOR, cuda, jit_kernel
 from .dependent_launch import prologue
-from .moe_blocks import unit_walker
+from .moe_blocks import running_sum, unit_walker
 
 __all__ = ["MOE_PAIRS_THREADS", "build_moe_pairs_kernel", "pairs_threads"]
 
@@ -116,17 +116,8 @@ def build_moe_pairs_kernel(batch: int, threads: int = MOE_PAIRS_THREADS):
                         p = sorted_token_ids[l, q]
                         if 0 <= p < num_pairs:
                             count += 1
-            # The running sum over the round's threads (inclusive), in log2(THREADS) steps.
-            running[t] = count
-            cuda.syncthreads()
-            step = 1
-            while step < THREADS:
-                before = running[t - step] if t >= step else 0
-                cuda.syncthreads()
-                running[t] += before
-                cuda.syncthreads()
-                step *= 2
-            row = done + running[t] - count  # where the block's first pair goes
+            # where the block's first pair goes: the round's running sum, the rounds before
+            row = done + running_sum(running, t, count) - count
             if count > 0:
                 for q in range(start, end):
                     p = sorted_token_ids[l, q]
