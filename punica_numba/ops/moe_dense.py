@@ -36,7 +36,9 @@ one-token tiles instead (:func:`row_shrink`, :func:`row_expand`; the row shrink 
 table of P rows by one kernel (:func:`moe_pairs`, :mod:`..kernels.moe_pairs`), since a tile
 for every entry of the blocks would be mostly the align step's padding. In version 9 the
 router's weights go in as either shrink stores a pair's row (``row_scaled``), not by a
-launch of their own into the buffer as versions 7 and 8 multiply them.
+launch of their own into the buffer as versions 7 and 8 multiply them. Version 14 packs the
+same rows by runs of the metadata's entries that each claim theirs with one atomic add
+(:func:`claimed_pairs`), with no running sum over the whole call.
 
 Each launch takes the dense op's choice of configuration (:func:`_config`) for P rows over
 ``P / average`` slots: first the tuned table's MoE entries, which ``python -m punica_numba tune
@@ -188,9 +190,10 @@ def claimed_pairs(
             slot l with adapter_enabled[l] != 0 and q < min(EM, ceil(num_tokens_post_padded[l]
             / bs) * bs), whose block's expert e = expert_ids[l, q // bs] is in [0, E)
         a run: entries q of one slot with the same q // CLAIM_THREADS
-        the n named pairs take rows 0 .. n - 1 (rows past P: none), row i of pair p of
-            (slot l, expert e): table (l*E + e, i, 1, p), tokens p; a run's pairs in
-            consecutive rows in their order; the runs in an order not defined
+        the n named pairs take rows 0 .. min(n, P) - 1 (n > P only where a pair is named
+            twice; the pairs past P rows take none), row i of pair p of (slot l, expert e):
+            table (l*E + e, i, 1, p), tokens p; a run's pairs in consecutive rows in their
+            order; the runs in an order not defined
         rows n .. P - 1: (-1, 0, 0, 0) and 0
     """
     blocks = (sorted_token_ids, expert_ids, num_tokens_post_padded)
