@@ -412,6 +412,22 @@ def test_version_9_takes_the_row_kernels_below_the_threshold(mma_from, dense, ve
         assert launched[: len(kernels) + 2] == [*kernels, "shrink", "expand"], launched
 
 
+@pytest.mark.parametrize("block_size", [2, 16])
+@pytest.mark.parametrize("mul_routed_weight", [False, True], ids=["w13", "w2"])
+def test_version_14_stores_version_13s_bits_on_the_pairs_path(mul_routed_weight, block_size,
+                                                              monkeypatch):  # fmt: skip
+    """The small call (1.67 pairs a (slot, expert)) on the pairs path (the one launch moved
+    aside): versions 13 and 14 run the same row kernels on the same pairs, in rows of another
+    order, and each pair's sums do not depend on its row: the same bits."""
+    monkeypatch.setattr(moe_ops, "ONE_LAUNCH_TO_PAIRS", 0)
+    stored = {}
+    for version in (13, 14):
+        y, want = _small_call(torch.bfloat16, mul_routed_weight, block_size, version=version)
+        torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+        stored[version] = y.view(torch.int16)
+    assert torch.equal(stored[13], stored[14])
+
+
 def test_x_rows_and_row_scaled_take_only_the_row_shrink_of_one_token_tiles():
     """Pairs that share a row of x (w13's) read it by ``t // x_rows``, and the router's
     weights go in as a factor a row (``row_scaled``), in the row shrink of one-token tiles
