@@ -42,9 +42,9 @@ VARIANTS = {
     "p4": moe_ops.FUSED_PAIRS._replace(tile_p=4),
     "p8": moe_ops.FUSED_PAIRS._replace(tile_p=8),
     # fewer column groups a slice, so fewer CUDA blocks that each shrink the block's pairs
-    # again (w2's 2048 columns: two groups of 1024, not four of 512; w13's 768: one)
+    # again (w2's 2048 columns: two groups of 1024, not four of 512; w13's 768: one). With
+    # chunks of 4 pairs too it spills (ptxas for sm_90: sm90_moe_fused_leads_static.json)
     "v8": moe_ops.FUSED_PAIRS._replace(vec=8, values=128),
-    "p4_v8": moe_ops.FUSED_PAIRS._replace(tile_p=4, vec=8, values=128),
 }
 
 

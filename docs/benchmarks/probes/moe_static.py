@@ -68,6 +68,14 @@ VARIANTS = {  # name: (kernel, its builder's arguments past the dtypes)
     "fused_w2": ("fused", 128, 4, 2, 2, 1, 4, 16, True, True, True, True, True, 1),
     "fused_w2_full_grid": ("fused", 128, 4, 2, 2, 1, 4, 16, True, True, True, True, False, 1),
     "fused_w13_r64": ("fused", 128, 4, 2, 2, 1, 1, 64, True, True, False, True, True, 1),
+    # its shipped loads of four strides, and moe_fused_ab's chunks of 4 and 8 pairs and 8
+    # columns a thread (the leads for its calls past 8 tokens)
+    "fused_w2_u4": ("fused", 128, 4, 2, 4, 1, 4, 16, True, True, True, True, True, 1),
+    "fused_w2_u4_p4": ("fused", 128, 4, 4, 4, 1, 4, 16, True, True, True, True, True, 1),
+    "fused_w2_u4_p8": ("fused", 128, 4, 8, 4, 1, 4, 16, True, True, True, True, True, 1),
+    "fused_w2_u4_v8": ("fused", 128, 4, 2, 4, 1, 8, 16, True, True, True, True, True, 1),
+    "fused_w2_u4_p4_v8": ("fused", 128, 4, 4, 4, 1, 8, 16, True, True, True, True, True, 1),
+    "fused_w13_u4_p4_v8": ("fused", 128, 4, 4, 4, 1, 8, 16, True, True, False, True, True, 1),
 }
 
 
