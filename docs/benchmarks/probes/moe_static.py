@@ -76,6 +76,9 @@ VARIANTS = {  # name: (kernel, its builder's arguments past the dtypes)
     "fused_w2_u4_v8": ("fused", 128, 4, 2, 4, 1, 8, 16, True, True, True, True, True, 1),
     "fused_w2_u4_p4_v8": ("fused", 128, 4, 4, 4, 1, 8, 16, True, True, True, True, True, 1),
     "fused_w13_u4_p4_v8": ("fused", 128, 4, 4, 4, 1, 8, 16, True, True, False, True, True, 1),
+    # the compact grid's walk over the slots, 8 (as shipped for 8 slots or more) or 16 at once
+    "fused_w2_u4_walk8": ("fused", 128, 4, 2, 4, 1, 4, 16, True, True, True, True, True, 8),
+    "fused_w2_u4_walk16": ("fused", 128, 4, 2, 4, 1, 4, 16, True, True, True, True, True, 16),
 }
 
 
