@@ -55,10 +55,10 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    expert), where 8 to 11 take 6's kernels up to 16 (:func:`tiles_from_pairs`): so 6's
    kernels run only where the tensor cores cannot take a kernel. The default until version 13.
 13. 12's, but the one launch for calls of up to :data:`ONE_LAUNCH_TO_PAIRS` (64) pairs (8
-   tokens of top-8), not 8 (:func:`one_launch_to_pairs`). The default.
+   tokens of top-8), not 8 (:func:`one_launch_to_pairs`). The default until version 14.
 14. 13's, but the pairs path's table packed by runs of the entries that claim their rows
    with an atomic add (:func:`.moe_dense.claimed_pairs`: two launches of many CUDA blocks),
-   not by one CUDA block's running sum over the call (:func:`pairs_table`).
+   not by one CUDA block's running sum over the call (:func:`pairs_table`). The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -113,7 +113,8 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 #: The kernel versions (``version``; module docstring).
 #: (10 was built, timed and reverted: lab notes.)
 VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14)
-#: The version a call takes unless it asks for another: 13 (:data:`ONE_LAUNCH_TO_PAIRS`' notes).
+#: The version a call takes unless it asks for another: 14 (:func:`pairs_table`'s notes).
+#: Version 13, the default from 00ded32 until version 14: :data:`ONE_LAUNCH_TO_PAIRS`' notes.
 #: Version 12, the default from 30d253c until version 13: :data:`TILES_FROM_PAIRS`' notes.
 #: Version 11, the default from 3a2ac41 until version 12: :data:`FUSED_TO_PAIRS`' notes.
 #: Version 9, the default from 6426c98 until version 11. On an H100 at 6426c98 (``bench
@@ -138,7 +139,7 @@ VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14)
 #: 0.96-1.08x elsewhere (h200_moe_v3.json at 282eaa9); version 3 took 0.06-0.23x version
 #: 1's (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
 #: measured kernel by kernel; version 2 is not timed on a GPU.
-DEFAULT_VERSION = 13
+DEFAULT_VERSION = 14
 
 #: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
 #: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
@@ -526,7 +527,18 @@ def pairs_table(version: int = DEFAULT_VERSION):
     """The function that makes the pairs path's table of one-token tiles at ``version`` (9
     and later): :func:`.moe_dense.claimed_pairs` (runs of entries claim their rows) from
     version 14, else :func:`.moe_dense.moe_pairs` (one CUDA block's running sum). Both take
-    the metadata, the block size, P and E."""
+    the metadata, the block size, P and E.
+
+    On an H100 at 5d9b04e (``probes/moe_pairs_steps.py``,
+    docs/benchmarks/h100_moe_pairs_steps_5d9b04e.json: the pairs path's 18 calls of
+    ``bench --moe``'s layer, each step on the benchmark's pool) the claimed table took 3.4-9.6
+    µs where the running sum took 3.7-27.2 (27.2 -> 5.8 at w13's 256 tokens over 16 adapters),
+    and the row shrink after it the same time (86.9 against 87.1 µs there: the runs keep a
+    (slot, expert)'s pairs together for the L2). ``bench --moe`` of versions 14 and 13 in one
+    call (h100_moe_v14_5d9b04e.json, h100_moe_v13_5d9b04e.json): 0.77-0.98x version 13's
+    time on the 12 cases of the pairs path; on the 18 others, which launch the same kernels
+    in both, 0.99-1.02x but for w2 at one token over 16 adapters (0.91x: the same one launch,
+    so the spread of a run)."""
     return claimed_pairs if version >= 14 else moe_pairs
 
 
