@@ -282,8 +282,8 @@ print("the wrapper's add_lora_fused_moe gives the reference")
 # 3's, and 3's expand always (timed kernel by kernel on an H200, 4's shrink lost with one
 # pair a block and 4's expand on every case). On the H200 version 5 takes 0.53-0.87x
 # version 3's time where its blocks are full enough for the tensor cores, and version 3's
-# kernels elsewhere. Version 6 (whose kernels the default, version 9 below, still takes
-# where a call's (slot, expert) blocks hold 4 to 16 pairs on average) waits on
+# kernels elsewhere. Version 6 (whose kernels the default still takes where the tensor cores
+# cannot take a call) waits on
 # memory less where blocks are full: its expand takes a chunk of a block's pairs at once,
 # asking for all their old outputs together and forming the sums as outer products, rank
 # by rank (`kernels.moe_expand_outer`); its tensor-core shrink reads each row of x once for
@@ -517,9 +517,9 @@ for T, loras in ((1, 16), (64, 1), (256, 1), (2048, 4), (2048, 16)):
 # `probes/moe_fused_ab.py --tokens`) the one launch, forced past its threshold, took
 # 0.62-0.99x the pairs path's time on every call of 2, 4 and 8 tokens (16 to 64 pairs) over 1,
 # 4 and 16 adapters at both projections, and was slower on 13 of the 18 calls of 10, 12 and
-# 16 tokens. So version 13, the op's default, is version 12 with the one launch up to
-# `ONE_LAUNCH_TO_PAIRS` (64) pairs. The layer above has 12 pairs (6 tokens of top-2): past
-# version 12's one launch, within version 13's. Both against version 6:
+# 16 tokens. So version 13 (the default until version 14, below) is version 12 with the one
+# launch up to `ONE_LAUNCH_TO_PAIRS` (64) pairs. The layer above has 12 pairs (6 tokens of
+# top-2): past version 12's one launch, within version 13's. Both against version 6:
 
 # %%
 from punica_numba.ops.moe import one_launch_to_pairs
@@ -581,9 +581,11 @@ assert sorted(by_claims) == sorted(packed[packed[:, 0] >= 0][:, [0, 3]].tolist()
 print("the same rows as moe_pairs', and as the runs claim them in plain Python")
 
 # %% [markdown]
-# Version 14 is built and checked (here, and on the simulator by `tests/test_moe_dense.py`,
-# which also checks that each run's pairs are neighbours in order); it is not yet timed on a
-# GPU, so it is not the default. The layer above (12 pairs) takes the one launch at version 14
+# On an H100 (at 5d9b04e, `probes/moe_pairs_steps.py`) the claimed table took 3.4-9.6 µs where
+# the running sum took 3.7-27.2 (5.8 against 27.2 at 256 tokens over 16 adapters), and the
+# shrink after it took the same time: the runs kept each (slot, expert)'s pairs together. Whole,
+# the op took 0.77-0.98x version 13's time on every call of `bench --moe` on the pairs path, so
+# version 14 is the default. The layer above (12 pairs) takes the one launch at version 14
 # too, and the two tables feed the same row kernels, so its rows are version 13's:
 
 # %%
