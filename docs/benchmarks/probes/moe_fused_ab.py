@@ -43,11 +43,14 @@ VARIANTS = {
     "p8": moe_ops.FUSED_PAIRS._replace(tile_p=8),
     # fewer column groups a slice, so fewer CUDA blocks that each shrink the block's pairs
     # again (w2's 2048 columns: two groups of 1024, not four of 512; w13's 768: one). With
-    # chunks of 4 pairs too it spills (ptxas for sm_90: sm90_moe_fused_leads_static.json)
+    # chunks of 4 pairs too it spills (ptxas for sm_90: sm90_moe_fused_leads_static.json). On
+    # an H100 at 5d9b04e 0.72-0.82x shipped at 10 and 16 tokens over 4 and 16 adapters
+    # (h100_moe_fused_chunks_5d9b04e.json)
     "v8": moe_ops.FUSED_PAIRS._replace(vec=8, values=128),
     # the shipped build, its compact grid's walk reading 16 slots' counts at once, not 8: one
     # trip to memory, not two, over 16 adapters (the one-token miss there); the same
-    # registers for sm_90 (sm90_moe_fused_leads_static.json)
+    # registers for sm_90 (sm90_moe_fused_leads_static.json). On an H100 at 5d9b04e it did
+    # not pay (h100_moe_fused_walk16_5d9b04e.json)
     "walk16": moe_ops.FUSED_PAIRS,
 }
 #: The slots the compact grid's walk reads at once, where a variant sets it (else the
