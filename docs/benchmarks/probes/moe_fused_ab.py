@@ -9,15 +9,19 @@ dense op's row shrink and expand, 11 launches :mod:`punica_numba.kernels.moe_fus
 For each such case this checks both versions' results against the reference
 and times, on one pool of argument sets (CUDA-graph replays, µs per call), version 9, then
 version 11 under each configuration of :data:`VARIANTS` (the shipped ``FUSED_PAIRS`` first),
-``--rounds`` times, alternating, keeping each one's least time.
+``--rounds`` times, alternating, keeping each one's least time. ``--against V`` sets another
+version's pairs path beside the one launch instead of version 9's (from version 13 its own
+one launch moved aside, ``ONE_LAUNCH_TO_PAIRS`` at 0 while it runs; the record's ``v<V>``):
+version 14's pairs path has a faster table than version 9's.
 
     python docs/benchmarks/probes/moe_fused_ab.py [--json PATH] [--commit C] [--rounds N]
-        [--variants shipped,t256_n8,...] [--cases w2:1:1,...] [--tokens 2,4,8]
+        [--variants shipped,t256_n8,...] [--cases w2:1:1,...] [--tokens 2,4,8] [--against 14]
 
 GPU only.
 """
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -59,6 +63,18 @@ WALKS = {"walk16": 16}
 SHIPPED_WALK = moe_blocks.MOST_SLOTS_AT_ONCE
 
 
+@contextlib.contextmanager
+def pairs_path():
+    """Within it the op takes no one launch from version 13 on (``ONE_LAUNCH_TO_PAIRS`` at
+    0), so that the pairs path of the version set against the one launch runs."""
+    saved = moe_ops.ONE_LAUNCH_TO_PAIRS
+    moe_ops.ONE_LAUNCH_TO_PAIRS = 0
+    try:
+        yield
+    finally:
+        moe_ops.ONE_LAUNCH_TO_PAIRS = saved
+
+
 def use(name: str) -> None:
     """Make variant ``name`` the one the op's version 11 launches."""
     moe_ops.FUSED_PAIRS = VARIANTS[name]
@@ -83,7 +99,9 @@ def main() -> None:
     parser.add_argument("--tokens", help="token counts, comma-separated: the layer's cases there")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (least kept)")
     parser.add_argument("--commit", default="unknown", help="the commit measured, for the JSON")
+    parser.add_argument("--against", type=int, default=9, help="the pairs path's version")
     opts = parser.parse_args()
+    against = f"v{opts.against}"
     wanted = None
     if opts.cases:
         wanted = {tuple(c.split(":")) for c in opts.cases.split(",")}
@@ -104,15 +122,17 @@ def main() -> None:
         first, pool, check = checked_pool(case)
         record = {"projection": case.projection, "T": case.T, "loras": case.loras}
         record["pool"] = len(pool)
-        record["error_v9"] = check(lambda a, case=case: _call(case, a, 9))
+        with pairs_path():
+            record[f"error_{against}"] = check(lambda a, case=case: _call(case, a, opts.against))
         for name in names:
             use(name)
             record[f"error_{name}"] = check(lambda a, case=case: _call(case, a, 11))
         times = {}
         for _ in range(opts.rounds):
             use("shipped")
-            us = bench.time_calls([_call(case, a, 9) for a in pool])
-            times["v9"] = min(times.get("v9", us), us)
+            with pairs_path():
+                us = bench.time_calls([_call(case, a, opts.against) for a in pool])
+            times[against] = min(times.get(against, us), us)
             for name in names:
                 use(name)
                 us = bench.time_calls([_call(case, a, 11) for a in pool])
