@@ -614,8 +614,9 @@ def fused_moe_lora(
     :data:`FUSED_TO_PAIRS` (8) pairs one launch, each block's pairs shrunk and expanded by
     one CUDA block (:mod:`..kernels.moe_fused`); 12, 11's, but 7's tiles from
     :data:`TILES_FROM_PAIRS` (4); 13, 12's, but the one launch up to
-    :data:`ONE_LAUNCH_TO_PAIRS` (64) pairs. The same sums in other orders;
-    :data:`DEFAULT_VERSION` (13) unless asked.
+    :data:`ONE_LAUNCH_TO_PAIRS` (64) pairs; 14, 13's, but the pairs' table claimed by runs
+    of the entries (:func:`.moe_dense.claimed_pairs`). The same sums in other orders;
+    :data:`DEFAULT_VERSION` (14) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
