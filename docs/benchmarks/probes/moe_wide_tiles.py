@@ -16,13 +16,16 @@ replays, µs per call), each shrink alone on tables made before it is timed:
 
 * ``m16``: the op's own (the 16-pair table, :func:`punica_numba.ops.moe_dense.dense_shrink`);
 * ``m<16 g>_t<threads>``: the table's consecutive tiles of one (slot, expert) joined ``g`` at
-  a time (:func:`widen`), the dense shrink of ``g`` 16-pair tiles a CUDA block;
+  a time (:func:`punica_numba.ops.moe_dense.moe_wide_tiles`), the dense shrink of ``g``
+  16-pair tiles a CUDA block;
 * ``..._j`` (w13): the same with gate and up in one CUDA block.
 
 A wide tile begins at a 16-pair tile ``i`` where ``i % g == 0``, or where the tile before is
 of another (slot, expert) or not full; so the table keeps its rows (one a 16-pair tile, those
-inside a wide tile idle), as a kernel of one thread a row would make it. Each variant's
-buffer is compared with ``m16``'s (the same warps: the same sums, bit for bit).
+inside a wide tile idle), as :func:`punica_numba.ops.moe_dense.moe_wide_tiles` makes it.
+Each variant's buffer is compared with ``m16``'s (``<variant>_differs``: the largest
+difference over the largest value; 0 where the warps are as many). Beside them the whole op
+at versions 14 and 15 (``op_v14``, ``op_v15``), each checked against the reference first.
 
     python docs/benchmarks/probes/moe_wide_tiles.py [--json PATH] [--commit C] [--cases w2:1:1,...]
 
@@ -36,13 +39,13 @@ import numpy as np
 import torch
 
 from punica_numba import bench
-from punica_numba.bench_moe import checked_pool, default_cases
+from punica_numba.bench_moe import _call, checked_pool, default_cases
 from punica_numba.kernels import build_mma_shrink_kernel
 from punica_numba.kernels.shrink_mma_joint import build_joint_mma_shrink_kernel
 from punica_numba.ops import operands
 from punica_numba.ops.launching import launcher_of
 from punica_numba.ops.moe import pairs_per_block, tiles_from_pairs
-from punica_numba.ops.moe_dense import _flat, dense_shrink, moe_tiles
+from punica_numba.ops.moe_dense import _flat, dense_shrink, moe_tiles, moe_wide_tiles
 
 #: The variants: (16-pair tiles a CUDA block, threads, slices side by side).
 VARIANTS = {
@@ -53,32 +56,10 @@ VARIANTS = {
     "m64_t128": (4, 128, False),
     "m64_t256": (4, 256, False),
     "m64_t128_j": (4, 128, True),
-    "m64_t256_j": (4, 256, True),
 }
-
-
-def widen(table: torch.Tensor, tokens: torch.Tensor, group: int):
-    """The 16-pair tile table ``(table [R, 4], tokens [R, 16])`` with its consecutive tiles of
-    one (slot, expert) joined ``group`` at a time (module notes): ``[R, 4]`` and ``[R, 16
-    group]``, made on the host."""
-    t, k = table.cpu().numpy(), tokens.cpu().numpy()
-    R, M = len(t), 16 * group
-    wide_t = np.tile(np.array([-1, 0, 0, 0], np.int32), (R, 1))
-    wide_k = np.zeros((R, M), np.int32)
-    i = 0
-    while i < R:
-        if t[i, 0] < 0:
-            i += 1
-            continue
-        j = i + 1
-        while j < R and j % group and t[j, 0] == t[i, 0] and t[j - 1, 2] == 16:
-            j += 1
-        pairs = k[i:j].reshape(-1)[: 16 * (j - i - 1) + t[j - 1, 2]]
-        wide_t[i] = (t[i, 0], M * i, len(pairs), pairs[0])
-        wide_k[i, : len(pairs)] = pairs
-        i = j
-    device = table.device
-    return torch.from_numpy(wide_t).to(device), torch.from_numpy(wide_k).to(device)
+#: The op's versions timed whole beside the shrinks: 14, and 15, whose shrink takes wide
+#: tiles (:func:`punica_numba.ops.moe.wide_group`).
+VERSIONS = (14, 15)
 
 
 def build(variant: str):
@@ -93,12 +74,16 @@ def build(variant: str):
         x_rows = 1 if case.by_pair else case.top_k
         weights = args["topk_weights"].reshape(-1).to(torch.float32)
         routed = weights if case.by_pair else None
-        tiles = moe_tiles(*args["blocks"], args["enabled"], case.block_size, P, case.experts)
+        metadata = (*args["blocks"], args["enabled"], case.block_size, P, case.experts)
         if VARIANTS[variant] is None:
+            tiles = moe_tiles(*metadata)
             return lambda: dense_shrink(buffer, args["x"], args["lora_a"], tiles, x_rows,
                                         average, routed)  # fmt: skip
         group, threads, joint = VARIANTS[variant]
-        table, tokens = widen(*tiles, group)
+        if group == 1:
+            table, tokens = moe_tiles(*metadata)
+        else:
+            _, tokens, table = moe_wide_tiles(*metadata, group)
         stacks = [_flat(a, "lora_a_stacked", s) for s, a in enumerate(args["lora_a"])]
         slices, rank = len(stacks), stacks[0].rows
         x_words, a_words, wide = operands.mma_shrink_operands(args["x"], stacks, 0)
@@ -140,9 +125,13 @@ def main() -> None:
             continue
         if wanted and (case.projection, str(case.T), str(case.loras)) not in wanted:
             continue
-        first, pool, _ = checked_pool(case)
+        first, pool, check = checked_pool(case)
+        for version in VERSIONS:  # each against the reference first
+            check(lambda a, case=case, version=version: _call(case, a, version))
         record = {"projection": case.projection, "T": case.T, "loras": case.loras}
         record["pool"] = len(pool)
+        for version in VERSIONS:
+            record[f"op_v{version}"] = bench.time_calls([_call(case, a, version) for a in pool])
         buffers = [
             torch.zeros(case.slices, P, case.rank, dtype=torch.float32, device=first["x"].device)
             for _ in range(2)
@@ -151,15 +140,18 @@ def main() -> None:
         for variant, shape in VARIANTS.items():
             if shape is not None and shape[2] and case.slices == 1:
                 continue
-            if shape is not None:
-                buffers[1].zero_()
-                build(variant)(case, first, buffers[1])()
-                if not torch.equal(buffers[0], buffers[1]):
-                    diff = (buffers[0] - buffers[1]).abs().max().item()
+            try:
+                if shape is not None:  # (another count of warps: other sums, other bits)
+                    buffers[1].zero_()
+                    build(variant)(case, first, buffers[1])()
+                    scale = buffers[0].abs().max().item()
+                    diff = (buffers[0] - buffers[1]).abs().max().item() / scale
                     record[f"{variant}_differs"] = diff
-            scratch = [torch.empty_like(buffers[0]) for _ in pool]
-            calls = [build(variant)(case, a, b) for a, b in zip(pool, scratch)]
-            record[variant] = bench.time_calls(calls)
+                scratch = [torch.empty_like(buffers[0]) for _ in pool]
+                calls = [build(variant)(case, a, b) for a, b in zip(pool, scratch)]
+                record[variant] = bench.time_calls(calls)
+            except Exception as error:  # (a build past a limit: noted, the others go on)
+                record[variant] = f"{type(error).__name__}: {error}"[:200]
         records.append({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()})
         print(records[-1], flush=True)
     if opts.json:
