@@ -36,75 +36,40 @@ from punica_numba.ops import moe as moe_ops
 from punica_numba.ops import moe_dense
 from punica_numba.ops.choice import choose_shrink
 from punica_numba.ops.moe import fused_moe_lora
-from punica_numba.ops.moe_dense import (
-    TILE_M,
-    claimed_pairs,
-    moe_pairs,
-    moe_tiles,
-    moe_wide_tiles,
-)
+from punica_numba.ops.moe_dense import TILE_M, claimed_pairs, moe_pairs, moe_tiles
 
 from .strategies import DEVICE, LARGE
 from .test_moe import MOE_EXAMPLES, MoECase, check_against_reference
 
 
-def tile_walk(blocks, enabled, block_size, num_pairs, num_experts):
-    """The tiles of the blocks in use as :func:`moe_tiles`' docstring walks them, on the host:
-    ``(l, e, pairs, entries)`` each, its row, its expert (valid or not), the pairs it names
-    in order and its count of entries."""
+def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
+    """:func:`moe_tiles` as its docstring defines it, one tile at a time on the host: the
+    blocks in use, slot by slot, then idle rows up to the bound of any alignment."""
     ids, experts, padded = (t.cpu().tolist() for t in blocks)
     enabled = enabled.cpu().tolist()
     per_block, row_blocks = -(-block_size // TILE_M), len(experts[0])
+    bound = min(num_pairs, len(ids) * row_blocks)  # (a block in use holds a pair)
+    table, tokens = [], []
     for l, row in enumerate(ids):
         if enabled[l] == 0:  # (a slot turned off has no blocks in use)
             continue
         for b in range(min(row_blocks, -(-max(padded[l], 0) // block_size))):
+            e = experts[l][b]
             for j in range(per_block):
                 lo, hi = (
                     b * block_size + TILE_M * j,
                     b * block_size + min(TILE_M * (j + 1), block_size),
                 )
                 pairs = [p for p in row[lo:hi] if 0 <= p < num_pairs]
-                yield l, experts[l][b], pairs, len(row[lo:hi])
-
-
-def tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts):
-    """:func:`moe_tiles` as its docstring defines it, one tile at a time on the host: the
-    blocks in use, slot by slot, then idle rows up to the bound of any alignment."""
-    per_block, row_blocks = -(-block_size // TILE_M), blocks[1].shape[1]
-    bound = min(num_pairs, blocks[0].shape[0] * row_blocks)  # (a block in use holds a pair)
-    table, tokens = [], []
-    for l, e, pairs, _ in tile_walk(blocks, enabled, block_size, num_pairs, num_experts):
-        if 0 <= e < num_experts and pairs:
-            table.append([l * num_experts + e, TILE_M * len(table), len(pairs), pairs[0]])
-            tokens.append(pairs + [pairs[-1]] * (TILE_M - len(pairs)))
-        else:
-            table.append([-1, 0, 0, 0])
-            tokens.append([0] * TILE_M)
+                if 0 <= e < num_experts and pairs:
+                    table.append([l * num_experts + e, TILE_M * len(table), len(pairs), pairs[0]])
+                    tokens.append(pairs + [pairs[-1]] * (TILE_M - len(pairs)))
+                else:
+                    table.append([-1, 0, 0, 0])
+                    tokens.append([0] * TILE_M)
     assert len(table) <= bound * per_block, "the bound is too small for this alignment"
     idle = bound * per_block - len(table)
     return table + [[-1, 0, 0, 0]] * idle, tokens + [[0] * TILE_M] * idle
-
-
-def wide_tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts, group):
-    """The wide tiles of :func:`moe_wide_tiles` as its docstring defines them, on the host:
-    a table row for each tile of :func:`tiles_by_loops`, live where a wide tile begins."""
-    tiles = list(tile_walk(blocks, enabled, block_size, num_pairs, num_experts))
-    rows = len(tiles_by_loops(blocks, enabled, block_size, num_pairs, num_experts)[0])
-
-    def continues(i):
-        (l0, e0, pairs0, entries0), (l1, e1, _, _) = tiles[i - 1], tiles[i]
-        return i % group != 0 and l0 == l1 and e0 == e1 and len(pairs0) == entries0 == TILE_M
-
-    wide = [[-1, 0, 0, 0] for _ in range(rows)]
-    for i, (l, e, pairs, _) in enumerate(tiles):
-        if not (0 <= e < num_experts and pairs) or (i > 0 and continues(i)):
-            continue
-        count, k = len(pairs), i + 1
-        while k < len(tiles) and continues(k):
-            count, k = count + len(tiles[k][2]), k + 1
-        wide[i] = [l * num_experts + e, TILE_M * i, count, pairs[0]]
-    return wide
 
 
 def check_claimed_pairs(got, blocks, enabled, block_size, num_pairs, num_experts):
@@ -196,19 +161,6 @@ def test_the_blocks_as_the_dense_tile_table(
     assert table.dtype == rows.dtype == torch.int32
     assert table.cpu().tolist() == want_table
     assert rows.cpu().tolist() == want_rows
-    # The wide tiles (version 15's shrink), from the same launch: the same table and tokens,
-    # and each wide tile's pairs the tokens from its position on.
-    for group in (2, 4):
-        got = moe_wide_tiles(*blocks, enabled.to(DEVICE), block_size, num_pairs, local, group)
-        assert got[0].cpu().tolist() == want_table
-        assert got[1].cpu().tolist() == want_rows
-        wide = got[2].cpu().tolist()
-        assert wide == wide_tiles_by_loops(blocks, enabled, block_size, num_pairs, local, group)
-        flat = got[1].view(-1).cpu().tolist()
-        live = [flat[at : at + n] for s, at, n, _ in want_table if s >= 0]
-        joined = [flat[at : at + n] for s, at, n, _ in wide if s >= 0]
-        assert sum(joined, []) == sum(live, [])
-        assert all(len(pairs) <= TILE_M * group for pairs in joined)
     # Each pair of a token with an adapter that is on, and a local expert, in one live tile
     # once.
     live = [t[:n] for (s, _, n, _), t in zip(want_table, want_rows) if s >= 0]
@@ -235,58 +187,6 @@ def test_the_blocks_as_the_dense_tile_table(
     check_claimed_pairs(got, blocks, enabled, block_size, num_pairs, local)
     live = sorted([s, p] for s, _, _, p in got[0].cpu().tolist() if s >= 0)
     assert live == sorted([s, p] for s, _, _, p in want_table if s >= 0)
-
-
-@settings(max_examples=min(settings().max_examples, 30))
-@given(
-    st.integers(1, 2),  # slots
-    st.integers(1, 3),  # experts
-    st.sampled_from((16, 20, 32, 48)),  # block size: one tile a block, or several
-    st.integers(0, 70),  # tokens
-    st.sampled_from((2, 4)),  # group
-    st.integers(0, 2**31 - 1),  # seed
-)
-def test_wide_tiles_join_the_full_tiles_of_one_expert(
-    slots, experts, block_size, tokens, group, seed
-):
-    """Routings of many pairs on few experts, so that tiles join: the wide tiles against
-    their definition, each pair in one of them once, none past ``16 group`` pairs."""
-    gen = torch.Generator().manual_seed(seed)
-    top_k = min(2, experts)
-    topk_ids = torch.zeros(tokens, top_k, dtype=torch.int64)
-    for t in range(tokens):
-        topk_ids[t] = torch.randperm(experts, generator=gen)[:top_k]
-    token_slots = torch.randint(0, slots, (tokens,), generator=gen)
-    enabled = torch.ones(slots, dtype=torch.int32)
-    blocks = align_pairs(topk_ids.to(DEVICE), token_slots.to(DEVICE), experts, block_size,
-                         slots, enabled.to(DEVICE))  # fmt: skip
-    P = tokens * top_k
-    table, tokens_, wide = moe_wide_tiles(*blocks, enabled.to(DEVICE), block_size, P, experts,
-                                          group)  # fmt: skip
-    wide = wide.cpu().tolist()
-    assert wide == wide_tiles_by_loops(blocks, enabled, block_size, P, experts, group)
-    flat = tokens_.view(-1).cpu().tolist()
-    joined = [flat[at : at + n] for s, at, n, _ in wide if s >= 0]
-    assert sorted(sum(joined, [])) == list(range(P))
-    assert all(0 < len(pairs) <= TILE_M * group for pairs in joined)
-
-
-def test_a_run_of_64_pairs_is_one_wide_tile_of_four():
-    """64 pairs of one (slot, expert) in blocks of 16 make four full tiles: one wide tile of
-    64 at group 4, two of 32 at group 2; a run of 40 after them (three tiles, the last of 8)
-    one wide tile at group 4, two (32 and 8) at group 2."""
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-    P = 104
-    ids = torch.cat([torch.arange(64), torch.arange(64, 104), torch.full((8,), P)])
-    experts = torch.tensor([[0] * 4 + [1] * 3], **i32)
-    blocks = (ids.to(**i32).view(1, 112), experts, torch.tensor([112], **i32))
-    on = torch.ones(1, **i32)
-    _, _, wide = moe_wide_tiles(*blocks, on, 16, P, 2, 4)
-    live = [row for row in wide.cpu().tolist() if row[0] >= 0]
-    assert live == [[0, 0, 64, 0], [1, 64, 40, 64]]
-    _, _, wide = moe_wide_tiles(*blocks, on, 16, P, 2, 2)
-    live = [row[:3] for row in wide.cpu().tolist() if row[0] >= 0]
-    assert live == [[0, 0, 32], [0, 32, 32], [1, 64, 32], [1, 96, 8]]
 
 
 @st.composite
@@ -526,53 +426,6 @@ def test_version_14_stores_version_13s_bits_on_the_pairs_path(mul_routed_weight,
         torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
         stored[version] = y.view(torch.int16)
     assert torch.equal(stored[13], stored[14])
-
-
-@pytest.mark.parametrize("block_size", [16, 20])
-@pytest.mark.parametrize("mul_routed_weight", [False, True], ids=["w13", "w2"])
-def test_version_15_stores_version_14s_bits_with_its_shrink_on_wide_tiles(
-    mul_routed_weight, block_size, monkeypatch
-):
-    """A call of 40 pairs of one (slot, expert), the one launch moved aside: version 15's
-    shrink takes wide tiles of two 16-pair tiles (:func:`moe_ops.wide_group`), version 14's
-    the 16-pair ones, with the same warps a block: the same sums, so the same bits, and the
-    reference."""
-    monkeypatch.setattr(moe_ops, "ONE_LAUNCH_TO_PAIRS", 0)
-    gen = torch.Generator().manual_seed(5)
-    M, top_k, E, L, K, N, r = 40, 1, 1, 1, 16, 8, 4
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(DEVICE)
-
-    topk_ids = torch.zeros(M, top_k, dtype=torch.int64, device=DEVICE)
-    slots = torch.zeros(M, dtype=torch.int64, device=DEVICE)
-    enabled = torch.ones(L, dtype=torch.int32, device=DEVICE)
-    x = randn(M * top_k if mul_routed_weight else M, K)
-    a, b = [randn(L, E, r, K) for _ in range(2)], [randn(L, E, N, r) for _ in range(2)]
-    if mul_routed_weight:  # (w2: one slice)
-        a, b = a[:1], b[:1]
-    weights = torch.rand(M, top_k, generator=gen).to(DEVICE)
-    y0 = randn(M, top_k, len(b) * N)
-    blocks = align_pairs(topk_ids, slots, E, block_size, L, enabled)
-    assert moe_ops.wide_group(M * top_k / (L * E), r, 15) == 2
-    assert moe_ops.wide_group(M * top_k / (L * E), r, 14) == 1
-    stored = {}
-    for version in (14, 15):
-        y = y0.clone()
-        shrink = mock.Mock(wraps=moe_ops.dense_shrink)
-        with mock.patch.object(moe_ops, "dense_shrink", shrink):
-            fused_moe_lora(
-                y, x, a, b, weights, *blocks, enabled, block_size=block_size,
-                mul_routed_weight=mul_routed_weight, version=version,
-            )  # fmt: skip
-        assert shrink.call_args.args[-1] == (2 if version == 15 else 1)
-        stored[version] = y.view(torch.int16)
-    want = reference.fused_moe_lora(
-        y0, x, a, b, topk_ids, weights, slots, mul_routed_weight=mul_routed_weight,
-        adapter_enabled=enabled,
-    )  # fmt: skip
-    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
-    assert torch.equal(stored[14], stored[15])
 
 
 def test_x_rows_and_row_scaled_take_only_the_row_shrink_of_one_token_tiles():

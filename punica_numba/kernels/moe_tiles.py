@@ -61,29 +61,15 @@ def moe_tile_rows(num_pairs: int, slots: int, block_size: int, row_blocks: int) 
 
 
 @functools.cache
-def build_moe_tiles_kernel(batch: int, group: int = 1):
+def build_moe_tiles_kernel(batch: int):
     """The kernel ``tiles(sorted_token_ids, expert_ids, num_tokens_post_padded,
-    adapter_enabled, block_size, num_pairs, num_experts, table, tokens, wide)``: ``table``
-    [R, 4] and ``tokens`` [R, 16] int32 (R: :func:`moe_tile_rows`), a thread a row (module
-    notes), ``MOE_TILES_THREADS`` a block; ``batch`` the slots the walk reads at once
-    (:func:`.moe_blocks.slots_at_once`). With ``group`` > 1 it also writes ``wide`` [R, 4],
-    the table of wide tiles ("Wide tiles"); else ``wide`` is not touched."""
-    TILE_M, GROUP = MOE_TILE_M, group
+    adapter_enabled, block_size, num_pairs, num_experts, table, tokens)``: ``table`` [R, 4]
+    and ``tokens`` [R, 16] int32 (R: :func:`moe_tile_rows`), a thread a row (module notes),
+    ``MOE_TILES_THREADS`` a block; ``batch`` the slots the walk reads at once
+    (:func:`.moe_blocks.slots_at_once`)."""
+    TILE_M = MOE_TILE_M
     unit_of = unit_walker(batch)
     begin = prologue()
-
-    @cuda.jit(device=True, inline="always")
-    def tile_pairs(sorted_token_ids, l, b, j, block_size, num_pairs):
-        """The pairs tile j of block b of row l names, and whether its entries are 16."""
-        start = b * block_size
-        first = start + TILE_M * j
-        end = min(start + min(TILE_M * (j + 1), block_size), sorted_token_ids.shape[1])
-        count = 0
-        for q in range(first, end):
-            p = sorted_token_ids[l, q]
-            if 0 <= p < num_pairs:
-                count += 1
-        return count, end - first == TILE_M
 
     @jit_kernel(MOE_TILES_THREADS)
     def tiles(
@@ -96,7 +82,6 @@ def build_moe_tiles_kernel(batch: int, group: int = 1):
         num_experts,
         table,
         tokens,
-        wide,
     ):
         begin()  # wait for the kernels before this one (dependent_launch): the align step
         i = cuda.grid(1)
@@ -109,7 +94,7 @@ def build_moe_tiles_kernel(batch: int, group: int = 1):
             i // per_block, num_tokens_post_padded, adapter_enabled, block_size,
             sorted_token_ids, 1,
         )  # fmt: skip
-        slot, rows, e, first, end = -1, 0, -1, 0, 0
+        slot, rows = -1, 0
         if l >= 0:
             e = expert_ids[l, b]
             if 0 <= e < num_experts:
@@ -122,40 +107,10 @@ def build_moe_tiles_kernel(batch: int, group: int = 1):
                     if 0 <= p < num_pairs:
                         tokens[i, rows] = p
                         rows += 1
-        if GROUP > 1:
-            # Wide tiles: whether tile i begins one (the tile before it, in its row, is not
-            # a full tile of its expert, or i is a multiple of GROUP), and its pairs.
-            w_rows = 0
-            if rows > 0:
-                w_rows = rows
-                if i % GROUP != 0 and (j > 0 or b > 0):
-                    pb, pj = (b, j - 1) if j > 0 else (b - 1, per_block - 1)
-                    before, whole = tile_pairs(sorted_token_ids, l, pb, pj, block_size,
-                                               num_pairs)  # fmt: skip
-                    if expert_ids[l, pb] == e and before == TILE_M and whole:
-                        w_rows = 0  # (it continues the wide tile before it)
-            if w_rows > 0:
-                in_use = min(
-                    (max(num_tokens_post_padded[l], 0) + block_size - 1) // block_size,
-                    expert_ids.shape[1],
-                )
-                count, whole, nb, nj, k = rows, end - first == TILE_M, b, j, i + 1
-                while k % GROUP != 0 and count == TILE_M and whole:
-                    nj += 1
-                    if nj == per_block:
-                        nb, nj = nb + 1, 0
-                    if nb >= in_use or expert_ids[l, nb] != e:
-                        break
-                    count, whole = tile_pairs(sorted_token_ids, l, nb, nj, block_size,
-                                              num_pairs)  # fmt: skip
-                    w_rows += count
-                    k += 1
         if rows == 0:
             table[i, 0], table[i, 1], table[i, 2], table[i, 3] = -1, 0, 0, 0
             for k in range(TILE_M):
                 tokens[i, k] = 0
-            if GROUP > 1:
-                wide[i, 0], wide[i, 1], wide[i, 2], wide[i, 3] = -1, 0, 0, 0
             return
         last = tokens[i, rows - 1]
         for k in range(rows, TILE_M):
@@ -164,11 +119,5 @@ def build_moe_tiles_kernel(batch: int, group: int = 1):
         table[i, 1] = TILE_M * i
         table[i, 2] = rows
         table[i, 3] = tokens[i, 0]
-        if GROUP > 1:
-            if w_rows > 0:
-                wide[i, 0], wide[i, 1], wide[i, 2] = slot, TILE_M * i, w_rows
-                wide[i, 3] = tokens[i, 0]
-            else:
-                wide[i, 0], wide[i, 1], wide[i, 2], wide[i, 3] = -1, 0, 0, 0
 
     return tiles

@@ -59,20 +59,18 @@ def build_joint_mma_shrink_kernel(
     n_tiles: int,
     accumulate: bool = True,
     wide: bool = True,
-    x_rows: int = 1,
 ):
     """:func:`.shrink_mma.build_mma_shrink_kernel`'s specialisation, with ``n_tiles``
     8-rank tiles of the slices' joint ranks a block (``blockIdx.y`` numbers the block's
     group). The kernel takes the same arguments; its grid is ``(tiles, joint rank groups,
-    1)``. ``x_rows`` as there: the output rows that share a row of x (MoE LoRA's w13, whose
-    gate and up this takes in one block)."""
+    1)``."""
     parts = mma_shrink_parts(dtype, threads, m_tiles, n_tiles, wide, joint=True)
     walk, tile_to_shared, warps_total = parts.walk, parts.tile_to_shared, parts.warps_total
     load_out, store_out = loader(out_dtype), storer(out_dtype)
     THREADS, WARPS, ROWS, OUTPUTS = threads, parts.warps, parts.rows, parts.outputs
     TILE_M, TILE_N, PER_THREAD = parts.tile_m, parts.tile_n, parts.per_thread
     SCRATCH_WARPS = parts.scratch_warps
-    ACCUMULATE, X_ROWS = accumulate, x_rows
+    ACCUMULATE = accumulate
 
     begin = prologue()
 
@@ -98,7 +96,7 @@ def build_joint_mma_shrink_kernel(
 
         token = cuda.local.array(ROWS, int64)  # row g + 8 * i of the tile
         for i in range(ROWS):
-            token[i] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * i) // X_ROWS
+            token[i] = tile_token(sorted_tokens, position, rows, first_token, g + 8 * i)
         # The outputs this thread will store, and (accumulate) their old values, now.
         out_token = cuda.local.array(PER_THREAD, int64)
         old = cuda.local.array(PER_THREAD, float32)

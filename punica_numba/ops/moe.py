@@ -98,7 +98,6 @@ from .moe_dense import (
     dense_shrink,
     moe_pairs,
     moe_tiles,
-    moe_wide_tiles,
     row_expand,
     row_shrink,
 )
@@ -112,8 +111,8 @@ THREADS = 8 if SIMULATOR else 128
 _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
-#: (10 was built, timed and reverted: lab notes.)
-VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15)
+#: (10 and 15 were built, timed and reverted: lab notes.)
+VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14)
 #: The version a call takes unless it asks for another: 14 (:func:`pairs_table`'s notes).
 #: Version 13, the default from 00ded32 until version 14: :data:`ONE_LAUNCH_TO_PAIRS`' notes.
 #: Version 12, the default from 30d253c until version 13: :data:`TILES_FROM_PAIRS`' notes.
@@ -174,27 +173,6 @@ DENSE_FROM_PAIRS = TILE_M
 #: 1.05-1.44x its time on all 14 calls of about one pair, and from 2 pairs 0.96-1.24x on the
 #: 4 of two (docs/benchmarks/h100_moe_tiles_below_4_dfa2c7a.json).
 TILES_FROM_PAIRS = MMA_SHRINK_FROM_PAIRS
-
-
-#: Version 15's shrink on the tiles path takes wide tiles of up to this many 16-pair tiles of
-#: one (slot, expert) (:func:`.moe_dense.moe_wide_tiles`): a CUDA block then reads its rows
-#: of A once for up to 64 pairs, not once for 16.
-MOST_WIDE_GROUP = 4
-
-
-def wide_group(average: float, rank: int, version: int = DEFAULT_VERSION) -> int:
-    """The 16-pair tiles a wide tile of the tiles path's shrink joins: 1 before version 15;
-    from it the largest power of two up to :data:`MOST_WIDE_GROUP` whose ``16 group`` pairs
-    the call's pairs a (slot, expert) fill on ``average`` (:func:`pairs_per_block`) and
-    whose product tiles (``group x ceil(rank / 8)`` of four fp32 a lane) are at most 8, as a
-    16-pair tile's at r=64 (the most a block of every rank takes)."""
-    group = 1
-    if version < 15:
-        return group
-    tiles_n = -(-rank // 8)
-    while 2 * group <= MOST_WIDE_GROUP and 32 * group <= average and 2 * group * tiles_n <= 8:
-        group *= 2
-    return group
 
 
 def tiles_from_pairs(version: int = DEFAULT_VERSION) -> float:
@@ -637,10 +615,7 @@ def fused_moe_lora(
     one CUDA block (:mod:`..kernels.moe_fused`); 12, 11's, but 7's tiles from
     :data:`TILES_FROM_PAIRS` (4); 13, 12's, but the one launch up to
     :data:`ONE_LAUNCH_TO_PAIRS` (64) pairs; 14, 13's, but the pairs' table claimed by runs
-    of the entries (:func:`.moe_dense.claimed_pairs`); 15, 14's, but the tiles' shrink on
-    wide tiles of up to :data:`MOST_WIDE_GROUP` (4) 16-pair tiles of one (slot, expert)
-    where the pairs fill them on average (:func:`wide_group`,
-    :func:`.moe_dense.moe_wide_tiles`). The same sums in other orders;
+    of the entries (:func:`.moe_dense.claimed_pairs`). The same sums in other orders;
     :data:`DEFAULT_VERSION` (14) unless asked.
 
     Raises:
@@ -737,16 +712,8 @@ def fused_moe_lora(
             row_shrink(buffer, x, a, pairs, x_rows, average, routed)
             row_expand(out, buffer, b, pairs, offset, add_inputs, average)
             return
-        group = wide_group(average, rank, version) if dense_op else 1
-        if group > 1:  # (15: the shrink on wide tiles, the expand on the 16-pair ones)
-            table, tile_tokens, wide = moe_wide_tiles(*metadata, block_size, num_pairs, E, group)
-            tiles, shrink_tiles = (table, tile_tokens), (wide, tile_tokens)
-        else:
-            tiles = moe_tiles(*metadata, block_size, num_pairs, E) if dense_op else None
-            shrink_tiles = tiles
-        dense = tiles is not None and dense_shrink(
-            buffer, x, a, shrink_tiles, x_rows, average, routed, group
-        )
+        tiles = moe_tiles(*metadata, block_size, num_pairs, E) if dense_op else None
+        dense = tiles is not None and dense_shrink(buffer, x, a, tiles, x_rows, average, routed)
         tensor_cores = tensor_core_words(x, a, b) if mma and not dense else None
         if not dense and tensor_cores is not None:
             _mma_shrink(shrink, *tensor_cores[:2], hidden=hidden, dtype=x.dtype, runs=sixth)

@@ -88,7 +88,6 @@ __all__ = [
     "dense_shrink",
     "moe_pairs",
     "moe_tiles",
-    "moe_wide_tiles",
     "row_expand",
     "row_shrink",
 ]
@@ -126,55 +125,16 @@ def moe_tiles(
         no row. So a tile's position is where its row starts in the tokens taken as one
         sorted list (``tokens.view(-1)``: the shrink's ``sorted_tokens``).
     """
-    return _tiles(sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled,
-                  block_size, num_pairs, num_experts, 1)[:2]  # fmt: skip
-
-
-def moe_wide_tiles(
-    sorted_token_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    num_tokens_post_padded: torch.Tensor,
-    adapter_enabled: torch.Tensor,
-    block_size: int,
-    num_pairs: int,
-    num_experts: int,
-    group: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`moe_tiles`' table and tokens, and from the same launch the table of *wide
-    tiles* ``[R, 4]`` over the same tokens (version 15's shrink: up to ``group`` of the
-    16-pair tiles of one (slot, expert) in one tile, so that a CUDA block reads its rows of
-    A once for up to ``16 group`` pairs).
-
-    Semantics (the tiles i = 0, 1, .. of :func:`moe_tiles`' table, tile i of row l covering
-    entries ``first_i .. end_i`` of ``sorted_token_ids[l]``, ``n_i`` pairs):
-        tile i continues the wide tile before it where i % group != 0 and tile i - 1 is of
-            the same row and expert, with 16 entries that all name pairs (n = 16)
-        a live tile i (n_i > 0) that does not continue one begins one: wide row i =
-            (slot of tile i, 16 i, n_i + n_{i+1} + ... over the tiles that continue it,
-             tokens[i, 0]); every other row (-1, 0, 0, 0)
-    So a wide tile's pairs are ``tokens.view(-1)[16 i : 16 i + rows]``, in order (the
-    tiles before its last are full)."""
-    if group < 2:
-        raise ValueError(f"group must be at least 2 (1: moe_tiles), got {group}")
-    return _tiles(sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled,
-                  block_size, num_pairs, num_experts, group)  # fmt: skip
-
-
-def _tiles(sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled, block_size,
-           num_pairs, num_experts, group):  # fmt: skip
-    """``(table, tokens, wide)`` of :func:`moe_wide_tiles` from one launch (``wide`` empty,
-    ``[0, 4]``, where ``group`` is 1: the kernel does not touch it)."""
     blocks = (sorted_token_ids, expert_ids, num_tokens_post_padded)
     count = moe_tile_rows(num_pairs, sorted_token_ids.shape[0], block_size, expert_ids.shape[1])
     table, tokens = _empty_table(blocks, (count, TILE_M))
-    wide = torch.empty((count if group > 1 else 0, 4), dtype=torch.int32, device=table.device)
     if count:
         grid = (-(-count // MOE_TILES_THREADS), 1, 1)
         sizes = (block_size, num_pairs, num_experts)
-        kernel = build_moe_tiles_kernel(slots_at_once(sorted_token_ids.shape[0]), group)
+        kernel = build_moe_tiles_kernel(slots_at_once(sorted_token_ids.shape[0]))
         _make_table(kernel, grid, MOE_TILES_THREADS, blocks, adapter_enabled,
-                    sizes, table, tokens, wide)  # fmt: skip
-    return table, tokens, wide
+                    sizes, table, tokens)  # fmt: skip
+    return table, tokens
 
 
 def moe_pairs(
@@ -375,20 +335,13 @@ def dense_shrink(
     x_rows: int,
     average_pairs: float,
     router_weights: torch.Tensor | None = None,
-    group: int = 1,
 ) -> bool:
     """The shrink of a checked MoE call by the dense op's tensor-core kernel: ``buffer`` [S, P,
     r] fp32 (each pair in a tile's row stored, the others untouched), ``x`` [P / x_rows, K],
     ``lora_a[s]`` [L, E, r, K], ``tiles`` from :func:`moe_tiles`, ``x_rows`` the pairs that
     share a row of x (``top_k`` for w13, 1 for w2), ``average_pairs`` as for
     :func:`dense_expand`; ``router_weights`` as :func:`row_shrink` takes them. False, with
-    nothing launched, where the tensor cores cannot take the call.
-
-    With ``group`` > 1 the tiles are wide ones of up to ``16 group`` pairs (the table of
-    :func:`moe_wide_tiles`, with its tokens), and a CUDA block takes a wide tile: the
-    configuration's kernel with ``group`` 16-pair tiles a block, its threads no more than
-    keep the warps' partial tiles within :data:`WIDE_PARTIALS_BYTES` of shared memory
-    (:func:`wide_threads`)."""
+    nothing launched, where the tensor cores cannot take the call."""
     stacks = [_flat(a, "lora_a_stacked", s) for s, a in enumerate(lora_a)]
     rank, hidden = stacks[0].rows, stacks[0].cols
     num_pairs = buffer.shape[1]
@@ -400,10 +353,9 @@ def dense_shrink(
         return False
     x_words, a_words, wide = mma
     n_tiles = -(-min(rank, config.tile_n or rank) // 8)
-    threads = wide_threads(config.threads, group, n_tiles)
     scaled, scaling = _factors(router_weights)
     kernel = build_mma_shrink_kernel(
-        x.dtype, torch.float32, threads, group, n_tiles, False, wide, x_rows=x_rows,
+        x.dtype, torch.float32, config.threads, 1, n_tiles, False, wide, x_rows=x_rows,
         row_scaled=scaled,
     )  # fmt: skip
     sorted_pairs = tiles[1].view(-1)  # (a tile's position: where its row starts)
@@ -415,24 +367,8 @@ def dense_shrink(
     grid = (table.shape[0] * len(a_words), groups, 1)
     arguments = (x_words, *weights, buffer, 0, len(a_words), table, sorted_pairs, scaling)
     _record("shrink", config)
-    launcher_of(kernel)(grid, threads, arguments)
+    launcher_of(kernel)(grid, config.threads, arguments)
     return True
-
-
-#: The most shared memory a wide tile's shrink gives its warps' partial tiles (fp32 ``16
-#: group x 8 n_tiles`` a warp): 32 KB, as 16 warps of a 16-pair tile at r=16 hold 16 KB.
-WIDE_PARTIALS_BYTES = 32 * 1024
-
-
-def wide_threads(threads: int, group: int, n_tiles: int) -> int:
-    """A configuration's ``threads`` for tiles of ``group`` 16-pair tiles and ``n_tiles``
-    8-rank tiles a block: halved (to one warp at the least) while the warps' partial tiles
-    would take more than :data:`WIDE_PARTIALS_BYTES`. As given where ``group`` is 1."""
-    if group == 1:
-        return threads
-    while threads > 32 and (threads // 32) * 16 * group * 8 * n_tiles * 4 > WIDE_PARTIALS_BYTES:
-        threads //= 2
-    return threads
 
 
 def dense_expand(
