@@ -12,7 +12,9 @@ launch (:mod:`punica_numba.kernels.moe_fused`). Checked here:
 3. version 11 takes version 9's kernels past its threshold of pairs: the same bits;
 4. its compact grid and its grid of every block give the same bits;
 5. the columns a thread owns, within its values of B;
-6. version 13 takes the one launch up to ONE_LAUNCH_TO_PAIRS, where 12 takes the pairs path.
+6. version 13 takes the one launch up to ONE_LAUNCH_TO_PAIRS, where 12 takes the pairs path;
+7. version 16 takes it past that, with 8 columns a thread (the simulator's 2), where the
+   (slot, expert)s are SPARSE_SLOTS_A_PAIR times the pairs, where 14 takes the pairs path.
 """
 
 from __future__ import annotations
@@ -164,3 +166,39 @@ def test_version_13_takes_the_one_launch_where_12_takes_the_pairs_path(version, 
     y, before = _run(case, d, blocks, 8, version)
     check_against_reference(case, y, d, before)
     assert (builds.call_count > 0, table.call_count) == ((True, 0) if one else (False, 1))
+
+
+@pytest.mark.parametrize(
+    "version, slots_a_pair, one",
+    [(14, 0, False), (16, 0, True), (16, 100, False)],
+    ids=["version-14", "version-16-sparse", "version-16-dense"],
+)
+@pytest.mark.parametrize("projection", ["w13", "w2"])
+def test_version_16_takes_the_sparse_one_launch_past_version_14s(
+    projection, version, slots_a_pair, one, monkeypatch
+):
+    """A call of more pairs than ONE_LAUNCH_TO_PAIRS (lowered to 1), at most
+    SPARSE_ONE_LAUNCH_TO_PAIRS (set to its pairs): version 16 launches the one kernel with
+    FUSED_PAIRS_SPARSE's columns where the (slot, expert)s are at least SPARSE_SLOTS_A_PAIR
+    times the pairs (set to 0: always; to 100: never), else, as version 14 always, the table of
+    pairs and the row kernels. Each gives the reference."""
+    case, d, blocks = _one_block_call(torch.bfloat16, rank=4, K=16, N=8, B=8,
+                                      projection=projection, offset=0)  # fmt: skip
+    pairs = d["topk_ids"].numel()
+    monkeypatch.setattr(moe_ops, "FUSED_TO_PAIRS", 1)
+    monkeypatch.setattr(moe_ops, "ONE_LAUNCH_TO_PAIRS", 1)
+    monkeypatch.setattr(moe_ops, "SPARSE_ONE_LAUNCH_TO_PAIRS", pairs)
+    monkeypatch.setattr(moe_ops, "SPARSE_SLOTS_A_PAIR", slots_a_pair)
+    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", 100)  # (the pairs path below it)
+    signature = inspect.signature(moe_fused.build_moe_fused_kernel)
+    builds = mock.Mock(wraps=moe_fused.build_moe_fused_kernel)
+    monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
+    table = mock.Mock(wraps=moe_ops.claimed_pairs)
+    monkeypatch.setattr(moe_ops, "claimed_pairs", table)
+    y, before = _run(case, d, blocks, 8, version)
+    check_against_reference(case, y, d, before)
+    assert (builds.call_count > 0, table.call_count) == ((True, 0) if one else (False, 1))
+    if one:
+        built = signature.bind(*builds.call_args.args).arguments
+        assert built["vec"] == moe_ops.fused_vec(4, moe_ops.FUSED_PAIRS_SPARSE)
+        assert moe_ops.FUSED_PAIRS_SPARSE.vec > moe_ops.FUSED_PAIRS.vec

@@ -112,7 +112,7 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 #: The kernel versions (``version``; module docstring).
 #: (10 and 15 were built, timed and reverted: lab notes.)
-VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14)
+VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 16)
 #: The version a call takes unless it asks for another: 14 (:func:`pairs_table`'s notes).
 #: Version 13, the default from 00ded32 until version 14: :data:`ONE_LAUNCH_TO_PAIRS`' notes.
 #: Version 12, the default from 30d253c until version 13: :data:`TILES_FROM_PAIRS`' notes.
@@ -491,6 +491,16 @@ FUSED_PAIRS = (
     )  # fmt: skip
 )
 
+#: Version 16's one launch past :data:`ONE_LAUNCH_TO_PAIRS` (:func:`fused_config`): 8 columns a
+#: thread (a slice in half as many column groups, each of which shrinks the block's pairs
+#: again), up to 128 values of B in registers. For sm_90 (ptxas 13.0, w2, r=16,
+#: docs/benchmarks/sm90_moe_fused_leads_static.json) 208 registers and a 96-byte stack frame,
+#: no spills, two CUDA blocks an SM (the shipped build: 161, three). On the simulator 2
+#: columns, so that it is a build of its own at test sizes.
+FUSED_PAIRS_SPARSE = (
+    FUSED_PAIRS._replace(vec=2) if SIMULATOR else FUSED_PAIRS._replace(vec=8, values=128)
+)
+
 #: Version 11 takes its one launch for calls of at most this many pairs (tokens x top_k),
 #: version 9's kernels for larger ones. On the H100 at d34f9df (above), with loads of four
 #: strides on the grid of every block, it took 0.66-0.88x version 9's time at one token of
@@ -511,16 +521,56 @@ FUSED_TO_PAIRS = 8
 ONE_LAUNCH_TO_PAIRS = 64
 
 
+#: Version 16 takes the one launch past :data:`ONE_LAUNCH_TO_PAIRS` up to this many pairs (16
+#: tokens of top-8) where the call's (slot, expert)s are at least :data:`SPARSE_SLOTS_A_PAIR`
+#: times its pairs, with :data:`FUSED_PAIRS_SPARSE`'s 8 columns a thread. On an H100 at
+#: 31898a8 (``probes/moe_fused_ab.py --against 14``,
+#: docs/benchmarks/h100_moe_fused_v8_against_14_31898a8.json; ``bench --moe``'s layer, r=16,
+#: one round) that build took 0.82-0.97x version 14's time (the pairs path) on 11 of the 12
+#: calls of 10, 12 and 16 tokens over 4 and 16 adapters (1.04x at w13's 16 tokens over 4),
+#: and 0.97-1.20x over one adapter. Past 16 tokens it was not timed.
+SPARSE_ONE_LAUNCH_TO_PAIRS = 128
+
+#: The (slot, expert)s a pair that version 16's sparse one launch asks of a call: over 4 and
+#: 16 adapters of 128 experts (the calls it won, 4-51 a pair at 10-16 tokens) they are many
+#: times the pairs, over one (where it lost: 1-1.6) about as many. 2 is a point between,
+#: not a measured crossing.
+SPARSE_SLOTS_A_PAIR = 2
+
+
 def one_launch_to_pairs(version: int = DEFAULT_VERSION) -> int:
-    """The most pairs of a call that ``version`` (11 and later) takes in one launch:
-    :data:`ONE_LAUNCH_TO_PAIRS` from version 13, else :data:`FUSED_TO_PAIRS`."""
+    """The most pairs of a call that ``version`` (11 and later) takes in one launch whatever
+    its adapters: :data:`ONE_LAUNCH_TO_PAIRS` from version 13, else :data:`FUSED_TO_PAIRS`
+    (from version 16 more where they are sparse: :func:`fused_config`)."""
     return ONE_LAUNCH_TO_PAIRS if version >= 13 else FUSED_TO_PAIRS
 
 
-def one_launch(num_pairs: int, version: int = DEFAULT_VERSION) -> bool:
+def fused_config(
+    num_pairs: int, slots: int, experts: int, version: int = DEFAULT_VERSION
+) -> FusedPairs | None:
+    """The configuration of version 11's one launch that ``version`` takes for a call of
+    ``num_pairs`` pairs over ``slots`` adapters of ``experts`` experts (L and E of the
+    stacks), or None where it launches other kernels, from the shapes alone:
+    :data:`FUSED_PAIRS` from version 11 up to :func:`one_launch_to_pairs`; from version 16
+    :data:`FUSED_PAIRS_SPARSE` past it up to :data:`SPARSE_ONE_LAUNCH_TO_PAIRS` where ``slots
+    * experts >= SPARSE_SLOTS_A_PAIR * num_pairs``."""
+    if version < 11:
+        return None
+    if num_pairs <= one_launch_to_pairs(version):
+        return FUSED_PAIRS
+    sparse = slots * experts >= SPARSE_SLOTS_A_PAIR * num_pairs
+    if version >= 16 and num_pairs <= SPARSE_ONE_LAUNCH_TO_PAIRS and sparse:
+        return FUSED_PAIRS_SPARSE
+    return None
+
+
+def one_launch(
+    num_pairs: int, version: int = DEFAULT_VERSION, slots: int = 0, experts: int = 0
+) -> bool:
     """Whether ``version`` takes a call of ``num_pairs`` pairs in version 11's one launch
-    (from version 11, at most :func:`one_launch_to_pairs`), from the shapes alone."""
-    return version >= 11 and num_pairs <= one_launch_to_pairs(version)
+    (:func:`fused_config`; ``slots`` and ``experts`` 0 where not known: then only up to
+    :func:`one_launch_to_pairs`), from the shapes alone."""
+    return fused_config(num_pairs, slots, experts, version) is not None
 
 
 def pairs_table(version: int = DEFAULT_VERSION):
@@ -615,7 +665,10 @@ def fused_moe_lora(
     one CUDA block (:mod:`..kernels.moe_fused`); 12, 11's, but 7's tiles from
     :data:`TILES_FROM_PAIRS` (4); 13, 12's, but the one launch up to
     :data:`ONE_LAUNCH_TO_PAIRS` (64) pairs; 14, 13's, but the pairs' table claimed by runs
-    of the entries (:func:`.moe_dense.claimed_pairs`). The same sums in other orders;
+    of the entries (:func:`.moe_dense.claimed_pairs`); 16, 14's, but the one launch past
+    :data:`ONE_LAUNCH_TO_PAIRS` up to :data:`SPARSE_ONE_LAUNCH_TO_PAIRS` (128) pairs where the
+    (slot, expert)s are at least :data:`SPARSE_SLOTS_A_PAIR` (2) times the pairs, with 8
+    columns a thread (:func:`fused_config`). The same sums in other orders;
     :data:`DEFAULT_VERSION` (14) unless asked.
 
     Raises:
@@ -691,9 +744,10 @@ def fused_moe_lora(
     weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
     metadata = (sorted_token_ids, expert_ids, num_tokens_post_padded, adapter_enabled)
     out = y.view(num_pairs, columns)  # [P, W]
-    if one_launch(num_pairs, version):  # its buffer is shared memory: none made here
+    config = fused_config(num_pairs, L, E, version)
+    if config is not None:  # the one launch: its buffer is shared memory, none made here
         _fused_pairs(out, x, a, b, weights, metadata, top_k, block_size,
-                     mul_routed_weight, offset, add_inputs)  # fmt: skip
+                     mul_routed_weight, offset, add_inputs, config)  # fmt: skip
         return
     buffer = torch.empty(len(a), num_pairs, rank, dtype=torch.float32, device=device)
     grid = (expert_ids.shape[1], L, len(a))
@@ -848,11 +902,11 @@ def _fused_pairs(
     by_pair: bool,
     offset: int,
     add_inputs: bool,
+    config: FusedPairs,
 ) -> None:
-    """Version 11's one launch (:mod:`..kernels.moe_fused`), on the grid of every block or the
-    compact one (:class:`FusedPairs`' ``full_grid_blocks``): x and A as
+    """Version 11's one launch (:mod:`..kernels.moe_fused`) under ``config``, on the grid of
+    every block or the compact one (:class:`FusedPairs`' ``full_grid_blocks``): x and A as
     packed int64 words where every one of them allows it, B likewise (:func:`.operands.words`)."""
-    config = FUSED_PAIRS
     slots, experts = metadata[1].shape[0], a[0].shape[1]
     rank, width = a[0].shape[2], b[0].shape[2]
     vec = fused_vec(rank, config)

@@ -91,10 +91,10 @@ class MoEProblem:
 def path_of(case: bench_moe.MoECase) -> str | None:
     """``"tiles"``, ``"pairs"`` or None (the op's own kernels): where the op's default
     version sends ``case`` (by its pairs a (slot, expert), :func:`.moe.pairs_per_block`, and
-    from version 11 by its pairs: at most ``one_launch_to_pairs()``, its one launch)."""
+    from version 11 by its pairs and adapters: :func:`.moe.one_launch`, its one launch)."""
     if moe_ops.DEFAULT_VERSION < 9:
         return None
-    if moe_ops.one_launch(case.T * case.top_k):
+    if moe_ops.one_launch(case.T * case.top_k, slots=case.loras, experts=case.experts):
         return None  # (the one launch of 11 on: no configuration of the dense op's)
     average = _average(case)
     if average < moe_ops.MMA_SHRINK_FROM_PAIRS:
