@@ -591,3 +591,27 @@ print("the same rows as moe_pairs', and as the runs claim them in plain Python")
 # %%
 torch.testing.assert_close(w13_rows(14), result[6], rtol=2e-2, atol=2e-2)
 print("version 14: version 6's rows")
+
+# %% [markdown]
+# ## The one launch past 8 tokens, where the adapters are many
+#
+# Past 64 pairs version 14 takes the pairs path. A build of the one launch with 8 columns of
+# y a thread, not 4 (a slice cut into half as many column groups, each of which shrinks the
+# block's pairs again), took 0.82-0.97x that path's time on 11 of 12 calls of 10 to 16 tokens
+# over 4 and 16 adapters on an H100 (at 31898a8, `probes/moe_fused_ab.py --against 14`), and
+# 0.97-1.20x over one adapter. From the shapes alone, what sets those calls apart is how many
+# (slot, expert)s there are for each pair: over 4 or 16 adapters of 128 experts many, over one
+# about one. So version 16 takes that build (`FUSED_PAIRS_SPARSE`) from 65 to 128 pairs where
+# the (slot, expert)s are at least twice the pairs (`fused_config`), and version 14's kernels
+# elsewhere (on the simulator the two builds take 1 and 2 columns a thread, on a GPU 4 and 8):
+
+# %%
+from punica_numba.ops.moe import fused_config
+
+for T, loras in ((8, 1), (12, 1), (12, 4), (16, 16), (64, 16)):
+    for version in (14, 16):
+        config = fused_config(T * 8, loras, 128, version)
+        path = "the pairs path" if config is None else f"one launch, {config.vec} columns"
+        print(f"{T:2d} tokens over {loras:2d} adapters, version {version}: {path}")
+torch.testing.assert_close(w13_rows(16), result[6], rtol=2e-2, atol=2e-2)
+print("version 16 (this layer's 12 pairs: version 14's one launch): version 6's rows")
