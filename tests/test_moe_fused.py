@@ -148,23 +148,32 @@ def test_version_11s_columns_a_thread_hold_at_most_its_values_of_b():
     assert moe_ops.fused_vec(256, config) == 1  # at least 1
 
 
+def _path_taken(projection, version, table, limits, monkeypatch):
+    """The one-block call (bf16, r=4, K=16, N=8, blocks of 8) at ``version`` with the pairs path
+    below MMA_SHRINK_FROM_PAIRS (raised to 100) and ``limits`` set on the op's module (a
+    value ``None``: the call's pairs), checked against the reference: ``(builds, tables)``,
+    mocks of the one launch's builder and of the module's ``table`` function."""
+    case, d, blocks = _one_block_call(torch.bfloat16, rank=4, K=16, N=8, B=8,
+                                      projection=projection, offset=0)  # fmt: skip
+    pairs = d["topk_ids"].numel()
+    for name, value in {**limits, "MMA_SHRINK_FROM_PAIRS": 100}.items():
+        monkeypatch.setattr(moe_ops, name, pairs if value is None else value)
+    builds = mock.Mock(wraps=moe_fused.build_moe_fused_kernel)
+    monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
+    tables = mock.Mock(wraps=getattr(moe_ops, table))
+    monkeypatch.setattr(moe_ops, table, tables)
+    y, before = _run(case, d, blocks, 8, version)
+    check_against_reference(case, y, d, before)
+    return builds, tables
+
+
 @pytest.mark.parametrize("version, one", [(12, False), (13, True)])
 def test_version_13_takes_the_one_launch_where_12_takes_the_pairs_path(version, one, monkeypatch):
     """A call of more pairs than FUSED_TO_PAIRS (lowered to 1) and at most
     ONE_LAUNCH_TO_PAIRS (set to its pairs): version 13 launches the one kernel, version 12 the
     table of pairs and the row kernels. Each gives the reference."""
-    case, d, blocks = _one_block_call(torch.bfloat16, rank=4, K=16, N=8, B=8, projection="w13",
-                                      offset=0)  # fmt: skip
-    pairs = d["topk_ids"].numel()
-    monkeypatch.setattr(moe_ops, "FUSED_TO_PAIRS", 1)
-    monkeypatch.setattr(moe_ops, "ONE_LAUNCH_TO_PAIRS", pairs)
-    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", 100)  # (the pairs path below it)
-    builds = mock.Mock(wraps=moe_fused.build_moe_fused_kernel)
-    monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
-    table = mock.Mock(wraps=moe_ops.moe_pairs)
-    monkeypatch.setattr(moe_ops, "moe_pairs", table)
-    y, before = _run(case, d, blocks, 8, version)
-    check_against_reference(case, y, d, before)
+    limits = dict(FUSED_TO_PAIRS=1, ONE_LAUNCH_TO_PAIRS=None)
+    builds, table = _path_taken("w13", version, "moe_pairs", limits, monkeypatch)
     assert (builds.call_count > 0, table.call_count) == ((True, 0) if one else (False, 1))
 
 
@@ -182,21 +191,10 @@ def test_version_16_takes_the_sparse_one_launch_past_version_14s(
     FUSED_PAIRS_SPARSE's columns where the (slot, expert)s are at least SPARSE_SLOTS_A_PAIR
     times the pairs (set to 0: always; to 100: never), else, as version 14 always, the table of
     pairs and the row kernels. Each gives the reference."""
-    case, d, blocks = _one_block_call(torch.bfloat16, rank=4, K=16, N=8, B=8,
-                                      projection=projection, offset=0)  # fmt: skip
-    pairs = d["topk_ids"].numel()
-    monkeypatch.setattr(moe_ops, "FUSED_TO_PAIRS", 1)
-    monkeypatch.setattr(moe_ops, "ONE_LAUNCH_TO_PAIRS", 1)
-    monkeypatch.setattr(moe_ops, "SPARSE_ONE_LAUNCH_TO_PAIRS", pairs)
-    monkeypatch.setattr(moe_ops, "SPARSE_SLOTS_A_PAIR", slots_a_pair)
-    monkeypatch.setattr(moe_ops, "MMA_SHRINK_FROM_PAIRS", 100)  # (the pairs path below it)
     signature = inspect.signature(moe_fused.build_moe_fused_kernel)
-    builds = mock.Mock(wraps=moe_fused.build_moe_fused_kernel)
-    monkeypatch.setattr(moe_fused, "build_moe_fused_kernel", builds)
-    table = mock.Mock(wraps=moe_ops.claimed_pairs)
-    monkeypatch.setattr(moe_ops, "claimed_pairs", table)
-    y, before = _run(case, d, blocks, 8, version)
-    check_against_reference(case, y, d, before)
+    limits = dict(FUSED_TO_PAIRS=1, ONE_LAUNCH_TO_PAIRS=1, SPARSE_ONE_LAUNCH_TO_PAIRS=None,
+                  SPARSE_SLOTS_A_PAIR=slots_a_pair)  # fmt: skip
+    builds, table = _path_taken(projection, version, "claimed_pairs", limits, monkeypatch)
     assert (builds.call_count > 0, table.call_count) == ((True, 0) if one else (False, 1))
     if one:
         built = signature.bind(*builds.call_args.args).arguments
