@@ -493,10 +493,11 @@ FUSED_PAIRS = (
 
 #: Version 16's one launch past :data:`ONE_LAUNCH_TO_PAIRS` (:func:`fused_config`): 8 columns a
 #: thread (a slice in half as many column groups, each of which shrinks the block's pairs
-#: again), up to 128 values of B in registers. For sm_90 (ptxas 13.0, w2, r=16,
-#: docs/benchmarks/sm90_moe_fused_leads_static.json) 208 registers and a 96-byte stack frame,
-#: no spills, two CUDA blocks an SM (the shipped build: 161, three). On the simulator 2
-#: columns, so that it is a build of its own at test sizes.
+#: again), up to 128 values of B in registers. For sm_90 (ptxas 13.0, r=16,
+#: docs/benchmarks/sm90_moe_v16_builds_b2f5a30.json: the four builds ``bench --moe``'s cases
+#: launch) 203-206 registers and 80-96 bytes of stack frame, no spills, two CUDA blocks of 128
+#: threads an SM (the builds of 4 columns: 147-176, three). On the simulator 2 columns, so
+#: that it is a build of its own at test sizes.
 FUSED_PAIRS_SPARSE = (
     FUSED_PAIRS._replace(vec=2) if SIMULATOR else FUSED_PAIRS._replace(vec=8, values=128)
 )
@@ -532,7 +533,7 @@ ONE_LAUNCH_TO_PAIRS = 64
 SPARSE_ONE_LAUNCH_TO_PAIRS = 128
 
 #: The (slot, expert)s a pair that version 16's sparse one launch asks of a call: over 4 and
-#: 16 adapters of 128 experts (the calls it won, 4-51 a pair at 10-16 tokens) they are many
+#: 16 adapters of 128 experts (the calls it won, 4-26 a pair at 10-16 tokens) they are many
 #: times the pairs, over one (where it lost: 1-1.6) about as many. 2 is a point between,
 #: not a measured crossing.
 SPARSE_SLOTS_A_PAIR = 2
