@@ -496,7 +496,7 @@ FUSED_PAIRS = (
 #: again), up to 128 values of B in registers. For sm_90 (ptxas 13.0, r=16,
 #: docs/benchmarks/sm90_moe_v16_builds_b2f5a30.json: the four builds ``bench --moe``'s cases
 #: launch) 203-206 registers and 80-96 bytes of stack frame, no spills, two CUDA blocks of 128
-#: threads an SM (the builds of 4 columns: 147-176, three). On the simulator 2 columns, so
+#: threads an SM (the builds of 4 columns: 147-176, three or two). On the simulator 2 columns, so
 #: that it is a build of its own at test sizes.
 FUSED_PAIRS_SPARSE = (
     FUSED_PAIRS._replace(vec=2) if SIMULATOR else FUSED_PAIRS._replace(vec=8, values=128)
