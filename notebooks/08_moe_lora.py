@@ -603,7 +603,9 @@ print("version 14: version 6's rows")
 # (slot, expert)s there are for each pair: over 4 or 16 adapters of 128 experts many, over one
 # about one. So version 16 takes that build (`FUSED_PAIRS_SPARSE`) from 65 to 128 pairs where
 # the (slot, expert)s are at least twice the pairs (`fused_config`), and version 14's kernels
-# elsewhere (on the simulator the two builds take 1 and 2 columns a thread, on a GPU 4 and 8):
+# elsewhere (on the simulator the two builds take 1 and 2 columns a thread, on a GPU 4 and 8).
+# It is not the default: as a version it has not yet run on a GPU, and `bench --moe` has no
+# figures of it.
 
 # %%
 from punica_numba.ops.moe import fused_config
