@@ -11,7 +11,7 @@ and times, on one pool of argument sets (CUDA-graph replays, µs per call), vers
 version 11 under each configuration of :data:`VARIANTS` (the shipped ``FUSED_PAIRS`` first),
 ``--rounds`` times, alternating, keeping each one's least time. ``--against V`` sets another
 version's pairs path beside the one launch instead of version 9's (from version 13 its own
-one launch moved aside, ``ONE_LAUNCH_TO_PAIRS`` at 0 while it runs; the record's ``v<V>``):
+one launch moved aside, its limits at 0 while it runs; the record's ``v<V>``):
 version 14's pairs path has a faster table than version 9's.
 
     python docs/benchmarks/probes/moe_fused_ab.py [--json PATH] [--commit C] [--rounds N]
@@ -63,16 +63,23 @@ WALKS = {"walk16": 16}
 SHIPPED_WALK = moe_blocks.MOST_SLOTS_AT_ONCE
 
 
+#: The op's limits of the one launch past version 11's (13's, and 16's sparse one), which
+#: :func:`pairs_path` sets to 0.
+ONE_LAUNCH_LIMITS = ("ONE_LAUNCH_TO_PAIRS", "SPARSE_ONE_LAUNCH_TO_PAIRS")
+
+
 @contextlib.contextmanager
 def pairs_path():
-    """Within it the op takes no one launch from version 13 on (``ONE_LAUNCH_TO_PAIRS`` at
+    """Within it the op takes no one launch from version 13 on (:data:`ONE_LAUNCH_LIMITS` at
     0), so that the pairs path of the version set against the one launch runs."""
-    saved = moe_ops.ONE_LAUNCH_TO_PAIRS
-    moe_ops.ONE_LAUNCH_TO_PAIRS = 0
+    saved = {name: getattr(moe_ops, name) for name in ONE_LAUNCH_LIMITS}
+    for name in saved:
+        setattr(moe_ops, name, 0)
     try:
         yield
     finally:
-        moe_ops.ONE_LAUNCH_TO_PAIRS = saved
+        for name, value in saved.items():
+            setattr(moe_ops, name, value)
 
 
 def use(name: str) -> None:
