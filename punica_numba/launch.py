@@ -567,6 +567,35 @@ _GPU_CONFIGS = {
             ahead=2,
             tuned_only=True,
         ),
+        # The MoE op's tiles (ops.moe_dense: 16-pair tiles of one (slot, expert)) took the
+        # fewest warps offered at every 256+ token call of the H200 table's MoE entries
+        # (9fd11ec: 4 warps 0.83-0.88x 8 at 2048 tokens), so fewer warps again, and 4 warps
+        # with two passes ahead: for sm_90 at r=16 (r=32) 4 warps two passes ahead 126 (130)
+        # registers against one pass's 86 (100), 2 warps 128 (136) and two passes ahead 162
+        # (142), no spills (probes/shrink_ahead_static.py). Timed by the tuner only.
+        LaunchConfig(
+            "mma",
+            threads=128,
+            tile_m=16,
+            tile_n=0,
+            spread=False,
+            to_rank=32,
+            ahead=2,
+            tuned_only=True,
+        ),
+        LaunchConfig(
+            "mma", threads=64, tile_m=16, tile_n=0, spread=False, to_rank=32, tuned_only=True
+        ),
+        LaunchConfig(
+            "mma",
+            threads=64,
+            tile_m=16,
+            tile_n=0,
+            spread=False,
+            to_rank=32,
+            ahead=2,
+            tuned_only=True,
+        ),
         # A layer's slices in one block, their ranks side by side (kernels.shrink_mma_joint):
         # a tile's rows of x read once, not once a slice. In the H200's grid (h200_grid.json,
         # 23fb2ea) the shrinks of 8192 tokens whose floor is mostly x reach 77-87 % of the

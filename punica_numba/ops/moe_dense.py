@@ -356,7 +356,7 @@ def dense_shrink(
     scaled, scaling = _factors(router_weights)
     kernel = build_mma_shrink_kernel(
         x.dtype, torch.float32, config.threads, 1, n_tiles, False, wide, x_rows=x_rows,
-        row_scaled=scaled,
+        ahead=config.ahead, row_scaled=scaled,
     )  # fmt: skip
     sorted_pairs = tiles[1].view(-1)  # (a tile's position: where its row starts)
     table = _live(tiles[0], tiles[1])[0]

@@ -25,6 +25,13 @@ VARIANTS = {
     for name, shape in {
         "t256_m16_n0_r16": (256, 1, 2, 1),
         "t128_m32_n0_r16": (128, 2, 2, 1),
+        # the MoE tiles' shrink (16-pair tiles): its 4-warp block, and a 2-warp one
+        "t128_m16_n0_r16": (128, 1, 2, 1),
+        "t64_m16_n0_r16": (64, 1, 2, 1),
+        "t128_m16_n0_r32": (128, 1, 4, 1),
+        "t64_m16_n0_r32": (64, 1, 4, 1),
+        "t128_m16_n0_r64": (128, 1, 8, 1),
+        "t64_m16_n0_r64": (64, 1, 8, 1),
     }.items()
     for ahead in (1, 2)
 }
