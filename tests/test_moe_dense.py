@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -25,12 +26,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from punica_numba import reference
+from punica_numba import launch, reference
 from punica_numba._checks import check_stack
 from punica_numba.kernels.moe_claims import CLAIM_THREADS
 from punica_numba.kernels.moe_pairs import pairs_threads
 from punica_numba.kernels.shrink_mma import build_mma_shrink_kernel
-from punica_numba.launch import LaunchConfig
+from punica_numba.launch import LaunchConfig, force_launch_config
 from punica_numba.moe_meta import align_pairs
 from punica_numba.ops import moe as moe_ops
 from punica_numba.ops import moe_dense
@@ -476,6 +477,49 @@ def test_the_router_weights_in_a_shrink_are_a_multiply_of_its_rows(shrink, x_row
     assert torch.equal(folded[:, named], want)
     assert (folded[:, 4] == 7.0).all()
     assert not torch.equal(folded[:, named], plain[:, named])  # (the weights are not all 1)
+
+
+def test_the_tiles_shrink_is_built_with_its_configurations_passes_ahead(monkeypatch):
+    """A tensor-core shrink of two passes of loads ahead, forced on the tiles, is built with
+    two (until a4b8600 every tiles shrink was built with one, so ``tune --moe`` timed
+    ``mma_t256_m16_n0_a2`` as its one-pass twin), and stores the one-pass build's bits: the
+    same chunks of K in the same order. 6 pairs over 2 slots of 2 experts in blocks of 2,
+    K = 456 (15 chunks of 32, the last partly past K), a rank of 4; on the GPU its own
+    twins."""
+    gen = torch.Generator().manual_seed(5)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    P, E, r, K = 6, 2, 4, 456
+    ids = torch.tensor([[0, 3, 2, 6], [1, 5, 4, 6]], **i32)  # (6 is padding)
+    blocks = (ids, torch.tensor([[1, 0], [0, 1]], **i32), torch.tensor([4, 4], **i32))
+    tiles = moe_tiles(*blocks, torch.ones(2, **i32), 2, P, E)
+    x = torch.randn(P, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    a = [torch.randn(2, E, r, K, generator=gen).to(torch.bfloat16).to(DEVICE)]
+    ones = [c for c in launch.launch_configs("shrink") if moe_dense._shrink_runs(c, rank=r)]
+    one = next(c for c in ones if c.ahead == 1)
+    two = dataclasses.replace(one, ahead=2, tuned_only=True)
+    if two not in ones:  # (the simulator's table has no such twin: lend it one)
+        table = launch.launch_configs("shrink") + (two,)
+        configs = dict(launch._SIMULATOR_CONFIGS, shrink=table)
+        monkeypatch.setattr(launch, "_SIMULATOR_CONFIGS", configs)
+        monkeypatch.setattr(launch, "_GPU_CONFIGS", dict(launch._GPU_CONFIGS, shrink=table))
+    built = []
+
+    def recording(*args, **kwargs):
+        built.append(kwargs.get("ahead", 1))
+        return build_mma_shrink_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(moe_dense, "build_mma_shrink_kernel", recording)
+    stored = []
+    for config in (one, two):
+        buffer = torch.full((1, P, r), 7.0, device=DEVICE)
+        with force_launch_config("shrink", config):
+            assert moe_dense.dense_shrink(buffer, x, a, tiles, 1, 1.5)
+        stored.append(buffer)
+    assert built == [1, 2]
+    assert torch.equal(stored[0], stored[1])
+    owner = {0: (0, 1), 3: (0, 1), 2: (0, 0), 1: (1, 0), 5: (1, 0), 4: (1, 1)}  # p: (l, e)
+    want = torch.stack([x[p].double() @ a[0][owner[p]].double().T for p in range(P)])
+    torch.testing.assert_close(stored[1][0].double(), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
