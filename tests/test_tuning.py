@@ -630,7 +630,8 @@ def test_the_moe_op_looks_up_the_key_the_moe_tuner_writes(fake_gpu, monkeypatch)
     its shrink, exactly that key (distance 0), and takes it only where its kernels are the
     path's: the tiles an mma entry, the pairs a row one; otherwise what it takes without."""
     tiles = moe_sweep.MoEProblem(bench_moe.MoECase("w2", 2048, 4, rank=16, **QWEN), "shrink")
-    pairs = moe_sweep.MoEProblem(bench_moe.MoECase("w13", 16, 4, rank=16, **QWEN), "shrink")
+    # (64 tokens: past the one launch at every version; 16 over 4 adapters is version 16's)
+    pairs = moe_sweep.MoEProblem(bench_moe.MoECase("w13", 64, 4, rank=16, **QWEN), "shrink")
     assert moe_sweep.path_of(tiles.case) == "tiles" and moe_sweep.path_of(pairs.case) == "pairs"
     cases = [(p.case, path) for p in (tiles, pairs) for path in ("tiles", "pairs")]
     without = [moe_shrink_config(*c) for c in cases]  # (no table)

@@ -58,7 +58,12 @@ same B into the pair's row of ``y``, by the kernels of one ``version``:
    tokens of top-8), not 8 (:func:`one_launch_to_pairs`). The default until version 14.
 14. 13's, but the pairs path's table packed by runs of the entries that claim their rows
    with an atomic add (:func:`.moe_dense.claimed_pairs`: two launches of many CUDA blocks),
-   not by one CUDA block's running sum over the call (:func:`pairs_table`). The default.
+   not by one CUDA block's running sum over the call (:func:`pairs_table`). The default until
+   version 16.
+16. 14's, but past :func:`one_launch_to_pairs` up to :data:`SPARSE_ONE_LAUNCH_TO_PAIRS` (128)
+   pairs the one launch too, with 8 columns of y a thread (:data:`FUSED_PAIRS_SPARSE`),
+   where the call's (slot, expert)s are at least :data:`SPARSE_SLOTS_A_PAIR` times its pairs
+   (:func:`fused_config`). The default.
 
 The pairs arrive in blocks
 (:func:`punica_numba.moe_meta.align_pairs`, or vLLM's ``moe_lora_align_block_size``)
@@ -113,7 +118,9 @@ _INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 #: The kernel versions (``version``; module docstring).
 #: (10 and 15 were built, timed and reverted: lab notes.)
 VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 16)
-#: The version a call takes unless it asks for another: 14 (:func:`pairs_table`'s notes).
+#: The version a call takes unless it asks for another: 16
+#: (:data:`SPARSE_ONE_LAUNCH_TO_PAIRS`' notes).
+#: Version 14, the default from 3c3cc76 until version 16: :func:`pairs_table`'s notes.
 #: Version 13, the default from 00ded32 until version 14: :data:`ONE_LAUNCH_TO_PAIRS`' notes.
 #: Version 12, the default from 30d253c until version 13: :data:`TILES_FROM_PAIRS`' notes.
 #: Version 11, the default from 3a2ac41 until version 12: :data:`FUSED_TO_PAIRS`' notes.
@@ -139,7 +146,7 @@ VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 16)
 #: 0.96-1.08x elsewhere (h200_moe_v3.json at 282eaa9); version 3 took 0.06-0.23x version
 #: 1's (h200_moe_v1.json at 00c41e9). Version 4's expand is slower than 3's on every case
 #: measured kernel by kernel; version 2 is not timed on a GPU.
-DEFAULT_VERSION = 14
+DEFAULT_VERSION = 16
 
 #: Version 5 takes the tensor-core shrink from this many pairs a block in use on average
 #: (:func:`pairs_per_block`), the split shrink below it. Per-kernel device times on an H200
@@ -529,7 +536,14 @@ ONE_LAUNCH_TO_PAIRS = 64
 #: docs/benchmarks/h100_moe_fused_v8_against_14_31898a8.json; ``bench --moe``'s layer, r=16,
 #: one round) that build took 0.82-0.97x version 14's time (the pairs path) on 11 of the 12
 #: calls of 10, 12 and 16 tokens over 4 and 16 adapters (1.04x at w13's 16 tokens over 4),
-#: and 0.97-1.20x over one adapter. Past 16 tokens it was not timed.
+#: and 0.97-1.20x over one adapter. As version 16, on an H100 at 2c4bce5 (``bench --moe`` of
+#: versions 16, two rounds, and 14, one, in one call; h100_moe_v16_2c4bce5_1.json, _2.json,
+#: h100_moe_v14_2c4bce5.json), it took 0.88x, 0.92x and 0.98x version 14's time on three of
+#: the four calls of the benchmark it changes (w2's 16 tokens over 4 adapters, w13's over 16,
+#: w2's over 16) and 1.05x on the fourth (w13's over 4, the loss of 31898a8 again); it became
+#: the default. Past 16 tokens the same build lost on all 18 calls of 32, 64 and 256 tokens
+#: over 1, 4 and 16 adapters, 1.05-3.27x version 14's time
+#: (h100_moe_one_launch_past_16_2c4bce5.json), so the one launch stops at 128 pairs.
 SPARSE_ONE_LAUNCH_TO_PAIRS = 128
 
 #: The (slot, expert)s a pair that version 16's sparse one launch asks of a call: over 4 and
@@ -670,7 +684,7 @@ def fused_moe_lora(
     :data:`ONE_LAUNCH_TO_PAIRS` up to :data:`SPARSE_ONE_LAUNCH_TO_PAIRS` (128) pairs where the
     (slot, expert)s are at least :data:`SPARSE_SLOTS_A_PAIR` (2) times the pairs, with 8
     columns a thread (:func:`fused_config`). The same sums in other orders;
-    :data:`DEFAULT_VERSION` (14) unless asked.
+    :data:`DEFAULT_VERSION` (16) unless asked.
 
     Raises:
         TypeError / ValueError: a wrong dtype, shape, layout, device or size, before any
