@@ -585,8 +585,9 @@ print("the same rows as moe_pairs', and as the runs claim them in plain Python")
 # the running sum took 3.7-27.2 (5.8 against 27.2 at 256 tokens over 16 adapters), and the
 # shrink after it took the same time: the runs kept each (slot, expert)'s pairs together. Whole,
 # the op took 0.77-0.98x version 13's time on every call of `bench --moe` on the pairs path, so
-# version 14 is the default. The layer above (12 pairs) takes the one launch at version 14
-# too, and the two tables feed the same row kernels, so its rows are version 13's:
+# version 14 became the default (until version 16, below). The layer above (12 pairs) takes the
+# one launch at version 14 too, and the two tables feed the same row kernels, so its rows are
+# version 13's:
 
 # %%
 torch.testing.assert_close(w13_rows(14), result[6], rtol=2e-2, atol=2e-2)
@@ -604,8 +605,10 @@ print("version 14: version 6's rows")
 # about one. So version 16 takes that build (`FUSED_PAIRS_SPARSE`) from 65 to 128 pairs where
 # the (slot, expert)s are at least twice the pairs (`fused_config`), and version 14's kernels
 # elsewhere (on the simulator the two builds take 1 and 2 columns a thread, on a GPU 4 and 8).
-# It is not the default: as a version it has not yet run on a GPU, and `bench --moe` has no
-# figures of it.
+# As a version, on an H100 at 2c4bce5, it took 0.88-0.98x version 14's time on three of the four
+# calls of `bench --moe` it changes and 1.05x on the fourth (w13's 16 tokens over 4 adapters,
+# which the build had lost before too), and past 16 tokens the same build lost on every call
+# timed (32 to 256 tokens). So version 16 is the default, and its one launch stops at 128 pairs.
 
 # %%
 from punica_numba.ops.moe import fused_config
