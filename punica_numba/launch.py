@@ -281,6 +281,8 @@ _SIMULATOR_CONFIGS = {
         LaunchConfig("mma", threads=64, tile_m=16, tile_n=32, staged=True, tuned_only=True),
     ),
 }
+
+
 #: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
 #: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV. Since
 #: v32 moved where the tuner's table says (punica_numba/configs/NVIDIA_H200.json, tuned at
@@ -289,6 +291,14 @@ _SIMULATOR_CONFIGS = {
 #: the fastest configuration's, geometric mean over those problems, went from 1.23x to
 #: 1.15x (shrink) and 1.21x to 1.05x (expand). On the H200 the table itself answers for the
 #: problems near it; these rules are what other GPUs, and shapes far from it, get.
+def _every_rank_to_32(threads: int, tile_m: int, ahead: int = 1) -> LaunchConfig:
+    """A tensor-core shrink block that walks every rank itself, up to r=32 (past it, more
+    registers than these blocks keep without spills), taken by the tuner only."""
+    return LaunchConfig(
+        "mma", threads, tile_m, 0, spread=False, to_rank=32, ahead=ahead, tuned_only=True
+    )
+
+
 _GPU_CONFIGS = {
     "shrink": (
         # Below 16 tokens, a token per slot: 2 ranks per block, so twice the blocks (each
@@ -547,55 +557,19 @@ _GPU_CONFIGS = {
         # its time in geometric mean; at the prefill 17.5 µs against 14.8. Timed by the tuner
         # only. (8 warps of 16-rank groups and 16 warps in 4 runs of K, 1.08x and 1.07x their
         # twins' time there, were removed.)
-        LaunchConfig(
-            "mma",
-            threads=256,
-            tile_m=16,
-            tile_n=0,
-            spread=False,
-            to_rank=32,
-            ahead=2,
-            tuned_only=True,
-        ),
-        LaunchConfig(
-            "mma",
-            threads=128,
-            tile_m=32,
-            tile_n=0,
-            spread=False,
-            to_rank=32,
-            ahead=2,
-            tuned_only=True,
-        ),
+        _every_rank_to_32(256, 16, ahead=2),
+        _every_rank_to_32(128, 32, ahead=2),
         # The MoE op's tiles (ops.moe_dense: 16-pair tiles of one (slot, expert)) took the
-        # fewest warps offered at every 256+ token call of the H200 table's MoE entries
-        # (9fd11ec: 4 warps 0.83-0.88x 8 at 2048 tokens), so fewer warps again, and 4 warps
-        # with two passes ahead: for sm_90 at r=16 (r=32) 4 warps two passes ahead 126 (130)
-        # registers against one pass's 86 (100), 2 warps 128 (136) and two passes ahead 162
-        # (142), no spills (probes/shrink_ahead_static.py). Timed by the tuner only.
-        LaunchConfig(
-            "mma",
-            threads=128,
-            tile_m=16,
-            tile_n=0,
-            spread=False,
-            to_rank=32,
-            ahead=2,
-            tuned_only=True,
-        ),
-        LaunchConfig(
-            "mma", threads=64, tile_m=16, tile_n=0, spread=False, to_rank=32, tuned_only=True
-        ),
-        LaunchConfig(
-            "mma",
-            threads=64,
-            tile_m=16,
-            tile_n=0,
-            spread=False,
-            to_rank=32,
-            ahead=2,
-            tuned_only=True,
-        ),
+        # fewest warps offered at every call of 1024 or more tokens of the H200 table's MoE
+        # entries (9fd11ec: 4 warps, 0.61-0.93x the best of 8), so fewer warps again, and 4
+        # warps with two passes ahead: for sm_90 at r=16 (r=32) 126 (130) registers against
+        # one pass's 86 (100), 2 warps 128 (136), no spills (probes/shrink_ahead_static.py). On
+        # an H100 at 2c4bce5 (tune --moe --quick) the op was fastest with 2 warps on 15 of the
+        # 24 tile shrinks at r=16 and with 4 warps two passes ahead on 2, 0.92-1.00x its time
+        # under the best of the others (lab notes, "Version 16 on an H100, ..."). Timed by the
+        # tuner only. (2 warps two passes ahead, 162 registers, won none there: removed.)
+        _every_rank_to_32(128, 16, ahead=2),
+        _every_rank_to_32(64, 16),
         # A layer's slices in one block, their ranks side by side (kernels.shrink_mma_joint):
         # a tile's rows of x read once, not once a slice. In the H200's grid (h200_grid.json,
         # 23fb2ea) the shrinks of 8192 tokens whose floor is mostly x reach 77-87 % of the
