@@ -283,14 +283,6 @@ _SIMULATOR_CONFIGS = {
 }
 
 
-#: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
-#: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV. Since
-#: v32 moved where the tuner's table says (punica_numba/configs/NVIDIA_H200.json, tuned at
-#: cc380e6: the quick grid and Llama-3-8B's four layers at r=32 and 128, 394 problems, bf16,
-#: every configuration timed on each; "the tuned table" below): the heuristic's time over
-#: the fastest configuration's, geometric mean over those problems, went from 1.23x to
-#: 1.15x (shrink) and 1.21x to 1.05x (expand). On the H200 the table itself answers for the
-#: problems near it; these rules are what other GPUs, and shapes far from it, get.
 def _every_rank_to_32(threads: int, tile_m: int, ahead: int = 1) -> LaunchConfig:
     """A tensor-core shrink block that walks every rank itself, up to r=32 (past it, more
     registers than these blocks keep without spills), taken by the tuner only."""
@@ -299,6 +291,14 @@ def _every_rank_to_32(threads: int, tile_m: int, ahead: int = 1) -> LaunchConfig
     )
 
 
+#: Thresholds from the H200 (`bench --all-configs`, docs/benchmarks/README.md, v4 to v8):
+#: the fastest configuration of each case, bf16 with r=16 and 64, one slice and QKV. Since
+#: v32 moved where the tuner's table says (punica_numba/configs/NVIDIA_H200.json, tuned at
+#: cc380e6: the quick grid and Llama-3-8B's four layers at r=32 and 128, 394 problems, bf16,
+#: every configuration timed on each; "the tuned table" below): the heuristic's time over
+#: the fastest configuration's, geometric mean over those problems, went from 1.23x to
+#: 1.15x (shrink) and 1.21x to 1.05x (expand). On the H200 the table itself answers for the
+#: problems near it; these rules are what other GPUs, and shapes far from it, get.
 _GPU_CONFIGS = {
     "shrink": (
         # Below 16 tokens, a token per slot: 2 ranks per block, so twice the blocks (each
