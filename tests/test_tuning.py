@@ -772,11 +772,15 @@ def test_the_moe_grid_takes_none_of_the_dense_grids_options(smoke, capsys):
     error naming the option."""
     assert cli.main(["tune", "--moe", "--dry-run", "--out", str(smoke)]) == 0
     assert f"tune: {len(moe_sweep.smoke_grid())} problems for" in capsys.readouterr().out
-    for flag, value in (("--hiddens", "4096"), ("--slices", "2"), ("--retime", _joint_name())):
+    for flag, value in (("--hiddens", "4096"), ("--slices", "2")):
         with pytest.raises(SystemExit) as stopped:
             cli.main(["tune", "--moe", flag, value, "--out", str(smoke)])
         assert stopped.value.code == 2
         assert f"{flag} is not an option of --moe" in capsys.readouterr().err
+    expand = config_name(launch_configs("expand")[0])  # (--moe --retime takes shrinks only)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["tune", "--moe", "--retime", expand, "--out", str(smoke)])
+    assert stopped.value.code == 2 and "not shrink configurations" in capsys.readouterr().err
     assert not smoke.exists()
     layer = moe_sweep.layer_spec("2880,32,4,2880")
     assert layer == dict(hidden=2880, experts=32, top_k=4, intermediate=2880)
@@ -1016,6 +1020,57 @@ def test_retime_leaves_the_moe_entries_as_they_are(smoke, monkeypatch, capsys):
     after = read_table(smoke / SMOKE_FILE)["entries"]
     assert after[1] == moe
     assert after[0]["config"] == name and after[0]["retimed_with"] == [name]
+
+
+def test_moe_retime_weighs_named_shrinks_on_the_moe_shrink_entries(smoke, monkeypatch, capsys):
+    """``--moe --retime NAME``: each MoE shrink entry's call, made again from its fields
+    (:func:`moe_sweep.problem_of`: its own key back; an expand entry gives None), is timed
+    under its own configuration and NAME, the faster kept, NAME recorded as skipped where
+    the entry's path does not run it (the pairs' row kernels); the expand entries and a
+    dense entry are as they were."""
+    assert cli.main(["tune", "--moe", "--out", str(smoke)]) == 0
+    doc = read_table(smoke / SMOKE_FILE)
+    moe_entries = list(doc["entries"])
+    shrinks = [e for e in moe_entries if e["op"] == "shrink"]
+    for e in moe_entries:
+        problem = moe_sweep.problem_of(e)
+        assert (problem is None) == (e["op"] == "expand")
+        assert problem is None or moe_sweep.problem_key(problem) == entry_key(e)
+    tiles = next(e for e in shrinks if moe_sweep.path_of(moe_sweep.problem_of(e).case) == "tiles")
+    runs = functools.partial(moe_dense._shrink_runs, rank=tiles["rank"])
+    name = next(
+        config_name(c)
+        for c in launch_configs("shrink")
+        if runs(c) and config_name(c) != tiles["config"]
+    )
+    moe_fields = ("layer", "tokens", "experts", "top_k")
+    dense = {k: v for k, v in shrinks[0].items() if k not in moe_fields}
+    doc["entries"].append(dense)
+    write_table(smoke / SMOKE_FILE, doc)
+    measured, real = [], moe_sweep.measure_problem
+
+    def measure_problem(problem, configs, repeats=None):
+        measured.append((moe_sweep.problem_key(problem), [config_name(c) for c in configs]))
+        return real(problem, configs, repeats)
+
+    monkeypatch.setattr(moe_sweep, "measure_problem", measure_problem)
+    capsys.readouterr()
+    assert sweep.main(["--moe", "--out", str(smoke), "--retime", name]) == 0
+    assert "timing 2 problems" in capsys.readouterr().out
+    assert measured == [(entry_key(e), [e["config"], name]) for e in shrinks]
+    after = {entry_key(e): e for e in read_table(smoke / SMOKE_FILE)["entries"]}
+    assert after[entry_key(dense)] == dense
+    for e in moe_entries:
+        new = after[entry_key(e)]
+        if e["op"] == "expand":
+            assert new == e
+            continue
+        assert new["retimed_with"] == [name]
+        if e is tiles:
+            retimed = {n: new["times_us"][n] for n in (e["config"], name)}
+            assert new["config"] == min(retimed, key=retimed.get)
+        else:  # (the pairs' row kernels: the tensor-core shrink is not theirs)
+            assert name in new["skipped"] and new["config"] == e["config"]
 
 
 def test_retime_never_takes_a_configuration_that_fails_its_check(smoke, monkeypatch):

@@ -48,13 +48,15 @@ from ..launch import config_name, force_launch_config, launch_configs
 from ..ops import moe as moe_ops
 from ..ops import moe_dense
 from .sweep import REASON_CHARS, REPEATS, ranked_entry, stop_if_the_context_is_lost
-from .table import KEY_FIELDS, tokens_per_lora
+from .table import KEY_FIELDS, entry_key, layer_of, tokens_per_lora
 
 __all__ = [
     "MOE_MODELS",
     "MoEProblem",
     "full_grid",
+    "measure_problem",
     "path_of",
+    "problem_of",
     "problem_key",
     "quick_grid",
     "smoke_grid",
@@ -196,6 +198,21 @@ def tune_problem(problem: MoEProblem, repeats: int = REPEATS) -> dict:
     entry (with no ``config`` where none passed: an *unresolved* key)."""
     start = time.perf_counter()
     case, op = problem.case, problem.op
+    configs = launch_configs(op)
+    times, failed, skipped, own = measure_problem(problem, configs, repeats)
+    entry = dict(zip(KEY_FIELDS, problem_key(problem)), layer="moe")
+    entry.update(loras=case.loras, widths=[case.N] * case.slices)
+    entry.update(tokens=case.T, experts=case.experts, top_k=case.top_k)
+    picked = config_name(own) if own is not None else None
+    return ranked_entry(entry, configs, times, failed, skipped, lambda: picked, start)
+
+
+def measure_problem(problem: MoEProblem, configs, repeats: int = REPEATS) -> tuple:
+    """``(times, failed, skipped, own)`` of ``configs`` on one pool of the problem's call:
+    µs by name of each forced, checked and timed (the whole call); why by name of each that
+    failed its check or did not run; the names its path does not run, or that the op turned
+    down (another configuration ran); and the configuration the op took by itself."""
+    case, op = problem.case, problem.op
     runs = _runs(path_of(case), op, case.rank)
     _, pool, check = bench_moe.checked_pool(case)
     calls = [bench_moe._call(case, args) for args in pool]
@@ -203,7 +220,6 @@ def tune_problem(problem: MoEProblem, repeats: int = REPEATS) -> dict:
         check(lambda args: bench_moe._call(case, args))
         own = launched.get(op)
     times, failed, skipped = {}, {}, []
-    configs = launch_configs(op)
     for config in configs:
         name = config_name(config)
         if not runs(config):
@@ -220,8 +236,24 @@ def tune_problem(problem: MoEProblem, repeats: int = REPEATS) -> dict:
                 if not isinstance(error, AssertionError):
                     stop_if_the_context_is_lost(problem, config)
                 failed[name] = f"{type(error).__name__}: {error}"[:REASON_CHARS]
-    entry = dict(zip(KEY_FIELDS, problem_key(problem)), layer="moe")
-    entry.update(loras=case.loras, widths=[case.N] * case.slices)
-    entry.update(tokens=case.T, experts=case.experts, top_k=case.top_k)
-    picked = config_name(own) if own is not None else None
-    return ranked_entry(entry, configs, times, failed, skipped, lambda: picked, start)
+    return times, failed, skipped, own
+
+
+def problem_of(entry: dict) -> MoEProblem | None:
+    """The problem a MoE shrink entry of :func:`tune_problem` was tuned on, made again from
+    its fields (w13 where it has two slices: K its hidden size, its widths the intermediate
+    size; w2 where one: the other way round; the benchmark's block size), or None where that
+    does not give the entry's own key back. An expand entry records its rank and slice
+    widths but not the width of its call's input rows, so it gives None too."""
+    fields = ("tokens", "loras", "experts", "top_k", "widths")
+    if layer_of(entry) != "moe" or entry["op"] != "shrink" or any(f not in entry for f in fields):
+        return None
+    projection = "w13" if entry["slices"] == 2 else "w2"
+    K, width = entry["K"], entry["widths"][0]
+    hidden, intermediate = (K, width) if projection == "w13" else (width, K)
+    case = bench_moe.MoECase(
+        projection, entry["tokens"], entry["loras"], hidden=hidden, experts=entry["experts"],
+        top_k=entry["top_k"], intermediate=intermediate, rank=entry["rank"], dtype=entry["dtype"],
+    )  # fmt: skip
+    problem = MoEProblem(case, "shrink")
+    return problem if problem_key(problem) == entry_key(entry) else None

@@ -58,7 +58,10 @@ of 463 problems; on the H100's quick grid (3e971ac), 5.9 of 29.8, 1.0061x, at mo
 MoE layers of real models, or those of ``--moe-layer H,E,K,I``; ``--quick``, ``--ranks``,
 ``--dtypes``, ``--part``, ``--budget-s`` and ``--resume`` as above), into the same table as
 entries of their own (``"layer": "moe"``), which MoE calls consult before the dense ones.
-``--retime`` leaves MoE entries as they are.
+``--retime`` leaves MoE entries as they are; ``--moe --retime NAMES`` (shrink configurations)
+times the table's MoE shrink entries again instead, each its whole call as ``--moe`` times it,
+beside the entry's own configuration, and leaves the dense ones as they are (a MoE expand entry
+does not record the width of its call's input rows, so its call cannot be made again).
 
 ``--report TABLE`` runs nothing: it weighs this package's heuristic against a table made
 before, on any machine (:mod:`.report`).
@@ -67,6 +70,7 @@ before, on any machine (:mod:`.report`).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -356,7 +360,12 @@ def entry_case(entry: dict) -> SweepCase:
 
 
 def retime_entry(
-    entry: dict, names: list[str], repeats: int = REPEATS, seed: int = 0, keep_others: bool = True
+    entry: dict,
+    names: list[str],
+    repeats: int = REPEATS,
+    seed: int = 0,
+    keep_others: bool = True,
+    measure=None,
 ) -> dict:
     """``entry`` after its problem is timed again under its own configuration and those
     named (of its op), on one pool in this process: the fastest of them is its
@@ -366,11 +375,16 @@ def retime_entry(
     check is recorded under ``failed`` (its earlier time dropped) and never chosen; one the
     problem cannot use, under ``skipped``. Where the entry's own fails now too, the entry
     keeps its choice. ``keep_others=False`` drops the other configurations' times (another
-    GPU's, which nothing timed here may be set beside)."""
+    GPU's, which nothing timed here may be set beside). ``measure(configs)``: ``(times,
+    failed, skipped, ...)`` of those configurations on the entry's problem; by default the
+    dense sweep's (a MoE entry's: :func:`.moe_sweep.measure_problem`)."""
     by_name = {config_name(c): c for c in launch_configs(entry["op"])}
     wanted = list(dict.fromkeys([entry["config"], *names]))
     configs = [by_name[name] for name in wanted if name in by_name]
-    times, failed, skipped, _ = _measure_all(entry_case(entry), configs, repeats, seed)
+    if measure is None:
+        times, failed, skipped, _ = _measure_all(entry_case(entry), configs, repeats, seed)
+    else:
+        times, failed, skipped, _ = measure(configs)
     new = dict(entry)
     stale = set(failed) | set(skipped)  # (an earlier time of one that fails now is dropped)
     earlier = entry.get("times_us", {}) if keep_others else {}
@@ -501,25 +515,41 @@ def _grid(args) -> list:
 
 def _retime(args, parser, path: Path) -> int:
     """``--retime``: the table's entries (of the named configurations' op, and of the
-    ranks, dtypes and slice counts asked for) timed again beside those configurations."""
+    ranks, dtypes and slice counts asked for) timed again beside those configurations; with
+    ``--moe`` its MoE shrink entries (:func:`.moe_sweep.problem_of`), else its dense ones."""
+    from . import moe_sweep
+
+    ops = ("shrink",) if args.moe else OPS
     names_of = {  # each op's configurations among those named
         op: [n for n in args.retime if n in {config_name(c) for c in launch_configs(op)}]
         for op in OPS
     }
-    unknown = sorted(set(args.retime) - {n for names in names_of.values() for n in names})
+    unknown = sorted(set(args.retime) - {n for op in ops for n in names_of[op]})
+    if unknown and args.moe:
+        parser.error(
+            f"--moe --retime {unknown}: not shrink configurations of this machine (a MoE "
+            "expand entry does not record its call's input width, so it is not timed again)"
+        )
     if unknown:
         parser.error(f"--retime {unknown}: not configurations of this machine")
     if not path.exists():
         print(f"tune --retime: no table at {path} to time again", file=sys.stderr)
         return 2
     doc = read_table(path)
+    layer = "moe" if args.moe else "dense"
+    problems = {}  # a MoE entry's problem, made again from its fields
+    for k, e in enumerate(doc["entries"]):
+        if args.moe and e["op"] == "shrink" and layer_of(e) == "moe":
+            problems[k] = moe_sweep.problem_of(e)
     chosen = [
         k
         for k, e in enumerate(doc["entries"])
         if names_of[e["op"]]
-        and layer_of(e) == "dense"
+        and e["op"] in ops
+        and layer_of(e) == layer
         and "widths" in e
         and "loras" in e
+        and (not args.moe or problems[k] is not None)
         and (not args.ranks or e["rank"] in args.ranks)
         and (not args.dtypes or e["dtype"] in args.dtypes)
         and (not args.slices or e["slices"] in args.slices)
@@ -539,8 +569,12 @@ def _retime(args, parser, path: Path) -> int:
         if args.budget_s and time.monotonic() - started + longest > args.budget_s:
             break
         begun, old = time.monotonic(), doc["entries"][k]
+        measure = None
+        if args.moe:  # (the whole MoE call timed under each, as tune --moe times it)
+            problem = problems[k]
+            measure = functools.partial(moe_sweep.measure_problem, problem, repeats=args.repeats)
         doc["entries"][k] = new = retime_entry(
-            old, names_of[old["op"]], repeats=args.repeats, keep_others=same_gpu
+            old, names_of[old["op"]], repeats=args.repeats, keep_others=same_gpu, measure=measure
         )
         if new["config"] != old["config"]:  # the old pick's time of this run over the new's
             gains.append(new["times_us"][old["config"]] / new["us"])
@@ -612,7 +646,6 @@ def main(argv: list[str] | None = None) -> int:
     for given, flag in (
         (args.hiddens, "--hiddens"),
         (args.slices, "--slices"),
-        (args.retime, "--retime"),
         (args.near, "--near"),
     ):
         if given and args.moe:
