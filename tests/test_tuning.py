@@ -1027,7 +1027,8 @@ def test_moe_retime_weighs_named_shrinks_on_the_moe_shrink_entries(smoke, monkey
     (:func:`moe_sweep.problem_of`: its own key back; an expand entry gives None), is timed
     under its own configuration and NAME, the faster kept, NAME recorded as skipped where
     the entry's path does not run it (the pairs' row kernels); the expand entries and a
-    dense entry are as they were."""
+    dense entry are as they were; an entry whose call the op takes in its one launch is
+    left out."""
     assert cli.main(["tune", "--moe", "--out", str(smoke)]) == 0
     doc = read_table(smoke / SMOKE_FILE)
     moe_entries = list(doc["entries"])
@@ -1071,6 +1072,11 @@ def test_moe_retime_weighs_named_shrinks_on_the_moe_shrink_entries(smoke, monkey
             assert new["config"] == min(retimed, key=retimed.get)
         else:  # (the pairs' row kernels: the tensor-core shrink is not theirs)
             assert name in new["skipped"] and new["config"] == e["config"]
+    # calls the op now takes in its one launch (which reads no table) are not timed again
+    monkeypatch.setattr(moe_ops, "ONE_LAUNCH_TO_PAIRS", 1 << 20)
+    measured.clear()
+    assert sweep.main(["--moe", "--out", str(smoke), "--retime", name]) == 0
+    assert "timing 0 problems" in capsys.readouterr().out and measured == []
 
 
 def test_retime_never_takes_a_configuration_that_fails_its_check(smoke, monkeypatch):

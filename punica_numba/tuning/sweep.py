@@ -61,7 +61,8 @@ entries of their own (``"layer": "moe"``), which MoE calls consult before the de
 ``--retime`` leaves MoE entries as they are; ``--moe --retime NAMES`` (shrink configurations)
 times the table's MoE shrink entries again instead, each its whole call as ``--moe`` times it,
 beside the entry's own configuration, and leaves the dense ones as they are (a MoE expand entry
-does not record the width of its call's input rows, so its call cannot be made again).
+does not record the width of its call's input rows, so its call cannot be made again; nor is an
+entry whose call the op's default version now takes in its one launch, which reads no table).
 
 ``--report TABLE`` runs nothing: it weighs this package's heuristic against a table made
 before, on any machine (:mod:`.report`).
@@ -537,10 +538,12 @@ def _retime(args, parser, path: Path) -> int:
         return 2
     doc = read_table(path)
     layer = "moe" if args.moe else "dense"
-    problems = {}  # a MoE entry's problem, made again from its fields
-    for k, e in enumerate(doc["entries"]):
+    problems = {}  # a MoE entry's problem, made again from its fields, where the op's
+    for k, e in enumerate(doc["entries"]):  # default version still takes the dense op there
         if args.moe and e["op"] == "shrink" and layer_of(e) == "moe":
-            problems[k] = moe_sweep.problem_of(e)
+            problem = moe_sweep.problem_of(e)
+            on_a_path = problem is not None and moe_sweep.path_of(problem.case) is not None
+            problems[k] = problem if on_a_path else None
     chosen = [
         k
         for k, e in enumerate(doc["entries"])
