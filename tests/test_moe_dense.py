@@ -497,11 +497,10 @@ def test_the_tiles_shrink_is_built_with_its_configurations_passes_ahead(monkeypa
     ones = [c for c in launch.launch_configs("shrink") if moe_dense._shrink_runs(c, rank=r)]
     one = next(c for c in ones if c.ahead == 1)
     two = dataclasses.replace(one, ahead=2, tuned_only=True)
-    if two not in ones:  # (the simulator's table has no such twin: lend it one)
+    if two not in ones:  # (this machine's table has no such twin: lend it one)
         table = launch.launch_configs("shrink") + (two,)
-        configs = dict(launch._SIMULATOR_CONFIGS, shrink=table)
-        monkeypatch.setattr(launch, "_SIMULATOR_CONFIGS", configs)
-        monkeypatch.setattr(launch, "_GPU_CONFIGS", dict(launch._GPU_CONFIGS, shrink=table))
+        machine = "_SIMULATOR_CONFIGS" if launch.SIMULATOR else "_GPU_CONFIGS"
+        monkeypatch.setattr(launch, machine, dict(getattr(launch, machine), shrink=table))
     built = []
 
     def recording(*args, **kwargs):

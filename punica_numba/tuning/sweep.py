@@ -538,21 +538,19 @@ def _retime(args, parser, path: Path) -> int:
         return 2
     doc = read_table(path)
     layer = "moe" if args.moe else "dense"
-    problems = {}  # a MoE entry's problem, made again from its fields, where the op's
+    problems = {}  # a MoE shrink entry's problem, made again from its fields, where the op's
     for k, e in enumerate(doc["entries"]):  # default version still takes the dense op there
-        if args.moe and e["op"] == "shrink" and layer_of(e) == "moe":
-            problem = moe_sweep.problem_of(e)
-            on_a_path = problem is not None and moe_sweep.path_of(problem.case) is not None
-            problems[k] = problem if on_a_path else None
+        problem = moe_sweep.problem_of(e) if args.moe else None  # (None: not a MoE shrink's)
+        if problem is not None and moe_sweep.path_of(problem.case) is not None:
+            problems[k] = problem
     chosen = [
         k
         for k, e in enumerate(doc["entries"])
         if names_of[e["op"]]
-        and e["op"] in ops
         and layer_of(e) == layer
         and "widths" in e
         and "loras" in e
-        and (not args.moe or problems[k] is not None)
+        and (not args.moe or k in problems)
         and (not args.ranks or e["rank"] in args.ranks)
         and (not args.dtypes or e["dtype"] in args.dtypes)
         and (not args.slices or e["slices"] in args.slices)
@@ -574,8 +572,9 @@ def _retime(args, parser, path: Path) -> int:
         begun, old = time.monotonic(), doc["entries"][k]
         measure = None
         if args.moe:  # (the whole MoE call timed under each, as tune --moe times it)
-            problem = problems[k]
-            measure = functools.partial(moe_sweep.measure_problem, problem, repeats=args.repeats)
+            measure = functools.partial(
+                moe_sweep.measure_problem, problems[k], repeats=args.repeats
+            )
         doc["entries"][k] = new = retime_entry(
             old, names_of[old["op"]], repeats=args.repeats, keep_others=same_gpu, measure=measure
         )
